@@ -1,0 +1,34 @@
+# `make demo` and `make test` build .venv from nothing, then reuse it (the stamp tracks pyproject.toml).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PIPESCOPE ?= $(VENV)/bin/pipescope
+DEMO_OUT ?= demo-out
+
+.PHONY: demo demo-run test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# The exact pin takes the CPU wheel; an open range would pull a multi-GB CUDA build.
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[calibration,sweep,test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(MAKE) --no-print-directory demo-run
+
+# The demo command itself; tests/test_demo.py runs this target with its own PIPESCOPE and DEMO_OUT.
+demo-run:
+	$(PIPESCOPE) simulate --config experiments/configs/demo.yaml --gantt $(DEMO_OUT)/gantt.png --trace $(DEMO_OUT)/trace.json.gz
+
+test: $(STAMP)
+	$(PY) -m ruff check simulator topologies calibration experiments tests
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PIPESCOPE) bench
+
+clean:
+	rm -rf $(VENV) $(DEMO_OUT)

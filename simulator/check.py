@@ -1,0 +1,156 @@
+"""Schedule checker: structure (every op exactly once, on the right device, W after I)
+and deadlock freedom (a unit-time lockstep replay that names the stuck actions)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from simulator.ir import COMPUTE_KINDS, Action, Schedule, producers
+
+
+class ScheduleError(ValueError):
+    """A malformed or deadlocking schedule; ``problems`` holds one line per finding."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
+        super().__init__("; ".join(shown))
+
+
+def check(schedule: Schedule) -> int:
+    """Raise ScheduleError if the schedule is malformed or deadlocks.
+
+    Returns:
+        The number of unit-time lockstep steps the schedule takes (as torch's dry run counts).
+    """
+    problems = structure_problems(schedule)
+    if problems:
+        raise ScheduleError(problems)
+    steps, stuck = lockstep(schedule)
+    if stuck:
+        raise ScheduleError(["deadlock: " + line for line in stuck])
+    return steps
+
+
+def _positions(schedule: Schedule) -> dict[Action, list[tuple[int, int]]]:
+    where: dict[Action, list[tuple[int, int]]] = {}
+    for device, actions in enumerate(schedule.device_actions):
+        for step, action in enumerate(actions):
+            if action is not None and action.kind in COMPUTE_KINDS:
+                where.setdefault(action, []).append((device, step))
+    return where
+
+
+def _placement_problems(schedule: Schedule) -> list[str]:
+    problems = []
+    if len(schedule.device_actions) != schedule.num_devices:
+        problems.append(f"schedule has {len(schedule.device_actions)} device lists, expected {schedule.num_devices}")
+    for stage, device in enumerate(schedule.stage_to_device):
+        if not 0 <= device < schedule.num_devices:
+            problems.append(f"stage {stage} mapped to device {device}, expected 0..{schedule.num_devices - 1}")
+    for device, actions in enumerate(schedule.device_actions):
+        for step, action in enumerate(actions):
+            if action is None or action.kind not in COMPUTE_KINDS:
+                continue
+            if not 0 <= action.stage < schedule.num_stages:
+                problems.append(f"device {device} step {step}: {action} has stage outside 0..{schedule.num_stages - 1}")
+            elif schedule.stage_to_device[action.stage] != device:
+                home = schedule.stage_to_device[action.stage]
+                problems.append(f"device {device} step {step}: {action} but stage {action.stage} is on device {home}"
+                                f" (a stage on two devices)")
+            if not 0 <= action.microbatch < schedule.total_microbatches:
+                problems.append(f"device {device} step {step}: {action} has microbatch outside "
+                                f"0..{schedule.total_microbatches - 1}")
+    return problems
+
+
+def _coverage_problems(schedule: Schedule, where: dict[Action, list[tuple[int, int]]]) -> list[str]:
+    problems = []
+    for action, places in where.items():
+        if len(places) > 1:
+            listed = ", ".join(f"device {d} step {k}" for d, k in places)
+            problems.append(f"{action} appears {len(places)} times ({listed})")
+    for stage in range(schedule.num_stages):
+        for mb in range(schedule.total_microbatches):
+            has = {kind for kind in COMPUTE_KINDS if Action(stage, kind, mb) in where}
+            if "F" not in has:
+                problems.append(f"stage {stage} microbatch {mb}: missing F ({stage}F{mb})")
+            if "B" in has and has & {"I", "W"}:
+                problems.append(f"stage {stage} microbatch {mb}: has both B and I/W")
+            elif "B" not in has and not {"I", "W"} <= has:
+                missing = " and ".join(sorted({"I", "W"} - has)) if has & {"I", "W"} else "B (or I and W)"
+                problems.append(f"stage {stage} microbatch {mb}: missing {missing}")
+    return problems
+
+
+def _order_problems(where: dict[Action, list[tuple[int, int]]]) -> list[str]:
+    problems = []
+    for action, places in where.items():
+        if action.kind != "W":
+            continue
+        grad = Action(action.stage, "I", action.microbatch)
+        for (device, step), (i_device, i_step) in zip(places, where.get(grad, [])):
+            if device == i_device and step < i_step:
+                problems.append(f"device {device} step {step}: {action} comes before its {grad} (step {i_step})")
+    return problems
+
+
+def structure_problems(schedule: Schedule) -> list[str]:
+    """Everything wrong with the schedule's shape, one line each (empty when well formed)."""
+    problems = _placement_problems(schedule)
+    if problems:
+        return problems
+    where = _positions(schedule)
+    return _coverage_problems(schedule, where) + _order_problems(where)
+
+
+def lockstep(schedule: Schedule) -> tuple[int, list[str]]:
+    """Replay in unit time: each step, every device whose next op has its inputs runs it.
+
+    Results of a step are visible from the next step on, as in torch's dry run, so an op runs
+    at step max(step of the op before it on its device, steps of its producers) + 1. That is
+    computed with a worklist in one pass over the ops rather than step by step.
+
+    Returns:
+        (steps taken, stuck lines); stuck is empty when every op ran.
+    """
+    lists = [schedule.compute_actions(d) for d in range(schedule.num_devices)]
+    present = frozenset(a for acts in lists for a in acts)
+    step_of: dict[Action, int] = {}
+    blocked: dict[Action, list[int]] = {}
+    cursor = [0] * len(lists)
+    last = [0] * len(lists)
+    work = list(range(len(lists)))
+    while work:
+        d = work.pop()
+        while cursor[d] < len(lists[d]):
+            action = lists[d][cursor[d]]
+            missing = next((p for p in producers(action, schedule.num_stages, present) if p not in step_of), None)
+            if missing is not None:
+                blocked.setdefault(missing, []).append(d)
+                break
+            deps = [step_of[p] for p in producers(action, schedule.num_stages, present)]
+            last[d] = step_of[action] = max([last[d], *deps]) + 1
+            cursor[d] += 1
+            work.extend(blocked.pop(action, ()))
+    if len(step_of) < len(present):
+        needs = {lists[d][c]: producers(lists[d][c], schedule.num_stages, present)
+                 for d, c in enumerate(cursor) if c < len(lists[d])}
+        return max(step_of.values(), default=0), _stuck_lines(lists, cursor, needs, set(step_of))
+    return max(step_of.values(), default=0), []
+
+
+def _stuck_lines(lists: list[list[Action]], cursor: list[int], needs: dict[Action, list[Action]],
+                 done: set[Action]) -> list[str]:
+    lines = []
+    for device, acts in enumerate(lists):
+        if cursor[device] < len(acts):
+            action = acts[cursor[device]]
+            waiting = ", ".join(str(p) for p in needs[action] if p not in done)
+            lines.append(f"device {device} op {cursor[device]}: {action} waits for {waiting}")
+    return lines
+
+
+def op_counts(schedule: Schedule) -> Counter[str]:
+    """How many ops of each kind the schedule holds."""
+    return Counter(a.kind for d in range(schedule.num_devices) for a in schedule.compute_actions(d))

@@ -1,0 +1,167 @@
+"""Cost models: how long each op takes (integer nanoseconds) and how many bytes it moves and stashes.
+
+Every model answers per stage with a ``StageCost``; the engine and the memory ledger read only that,
+so uniform, analytic and profiled costs are interchangeable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from simulator.models import PRECISION_BYTES, DeviceSpec, ModelSpec, layer_work, output_layer_flops
+
+
+@dataclass(frozen=True)
+class Link:
+    """A path between two devices: the slowest bandwidth on it (bytes/s) and its total latency."""
+
+    bandwidth: float
+    latency_ns: int
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one stage costs for one microbatch.
+
+    Attributes:
+        forward_ns, input_grad_ns, weight_grad_ns: F, I and W durations (a fused B takes I + W).
+        recompute_ns: the extra forward a backward runs first when recompute is on.
+        boundary_bytes: bytes sent to the next stage (the gradient sent back has the same size).
+        activation_bytes: M_B, what F stashes until the backward.
+        weight_grad_bytes: M_W, what a deferred W still holds after I.
+        input_bytes: the stage input, all that F keeps under recompute.
+        params: parameters of the stage.
+    """
+
+    forward_ns: int
+    input_grad_ns: int
+    weight_grad_ns: int
+    recompute_ns: int = 0
+    boundary_bytes: int = 0
+    activation_bytes: int = 0
+    weight_grad_bytes: int = 0
+    input_bytes: int = 0
+    params: int = 0
+
+
+class CostModel(Protocol):
+    """What the engine asks of a cost model."""
+
+    precision: str
+
+    def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
+        """Costs of ``stage`` when the model is cut into ``num_stages`` stages, ``chunks`` per device."""
+        ...
+
+    def transfer_ns(self, nbytes: int, link: Link) -> int:
+        """Time to move ``nbytes`` over ``link``."""
+        ...
+
+
+def seconds_to_ns(seconds: float) -> int:
+    return int(round(seconds * 1e9))
+
+
+def link_transfer_ns(nbytes: int, link: Link) -> int:
+    """Latency plus bytes over bandwidth, rounded up to whole nanoseconds."""
+    if nbytes <= 0:
+        return 0
+    return link.latency_ns + math.ceil(nbytes * 1e9 / link.bandwidth)
+
+
+@dataclass(frozen=True)
+class UniformCosts:
+    """Fixed F, I, W and p2p times per whole device-stage (seconds), for theory and paper checks.
+
+    A chunk op takes its share (1/v); a fused B takes I + W; p2p is a fixed time per transfer,
+    whatever the link. ``activation_bytes``/``weight_bytes`` optionally give memory a scale.
+    """
+
+    forward: float = 1.0
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+    p2p: float = 0.0
+    activation_bytes: int = 0
+    weight_grad_bytes: int = 0
+    params: int = 0
+    precision: str = "bf16"
+
+    def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
+        share = 1.0 / chunks
+        return StageCost(
+            forward_ns=seconds_to_ns(self.forward * share),
+            input_grad_ns=seconds_to_ns(self.backward_input * share),
+            weight_grad_ns=seconds_to_ns(self.backward_weight * share),
+            recompute_ns=seconds_to_ns(self.forward * share),
+            boundary_bytes=1,
+            activation_bytes=int(self.activation_bytes * share),
+            weight_grad_bytes=int(self.weight_grad_bytes * share),
+            params=int(self.params * share),
+        )
+
+    def transfer_ns(self, nbytes: int, link: Link) -> int:
+        return seconds_to_ns(self.p2p)
+
+
+def split_layers(layers: int, num_stages: int) -> list[int]:
+    """Transformer blocks per stage: equal slices, the remainder on the earliest stages."""
+    base, extra = divmod(layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+@dataclass(frozen=True)
+class AnalyticCosts:
+    """FLOPs and bytes of each stage against a datasheet peak times an efficiency factor.
+
+    The input embedding sits on the first stage and the output layer (logits, softmax,
+    cross-entropy) on the last, as in a naive pipeline (no vocabulary parallelism).
+    """
+
+    model: ModelSpec
+    device: DeviceSpec
+    microbatch_size: int = 1
+    precision: str = "bf16"
+    efficiency: float = 0.5
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def _flops_ns(self, flops: float) -> int:
+        rate = self.device.peak_flops[self.precision] * self.efficiency
+        return seconds_to_ns(flops / rate)
+
+    def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
+        key = (stage, num_stages)
+        if key not in self._cache:
+            self._cache[key] = self._compute(stage, num_stages)
+        return self._cache[key]
+
+    def _compute(self, stage: int, num_stages: int) -> StageCost:
+        n = split_layers(self.model.layers, num_stages)[stage]
+        work = layer_work(self.model, self.microbatch_size, self.precision)
+        f, i, w = n * work.forward_flops, n * work.input_grad_flops, n * work.weight_grad_flops
+        params = n * self.model.layer_params()
+        if stage == num_stages - 1:
+            of, oi, ow = output_layer_flops(self.model, self.microbatch_size)
+            f, i, w = f + of, i + oi, w + ow
+            params += self.model.output_params()
+        if stage == 0:
+            params += self.model.embedding_params()
+        return StageCost(
+            forward_ns=self._flops_ns(f),
+            input_grad_ns=self._flops_ns(i),
+            weight_grad_ns=self._flops_ns(w),
+            recompute_ns=self._flops_ns(f),
+            boundary_bytes=work.boundary_bytes,
+            activation_bytes=n * work.activation_bytes,
+            weight_grad_bytes=n * work.weight_grad_bytes,
+            input_bytes=work.boundary_bytes,
+            params=params,
+        )
+
+    def transfer_ns(self, nbytes: int, link: Link) -> int:
+        return link_transfer_ns(nbytes, link)
+
+
+def precision_bytes(precision: str) -> int:
+    return PRECISION_BYTES[precision]

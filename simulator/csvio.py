@@ -1,0 +1,80 @@
+"""torch.distributed.pipelining's schedule CSV: one row per rank, one cell per action,
+an empty cell is an idle step (SCHEDULES.md section 8)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import tempfile
+
+from simulator.ir import COMPUTE_KINDS, Action, Schedule, parse_action
+
+
+def to_csv_text(schedule: Schedule, compute_only: bool = True) -> str:
+    """Render the schedule as torch's CSV (compute-only by default: no send/recv cells)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for actions in schedule.device_actions:
+        kept = [a for a in actions if not compute_only or a is None or a.kind in COMPUTE_KINDS]
+        writer.writerow(["" if a is None else str(a) for a in kept])
+    return out.getvalue()
+
+
+def write_csv(schedule: Schedule, path: str) -> None:
+    """Write the compute-only CSV atomically (a killed run never leaves half a file)."""
+    write_text_atomic(path, to_csv_text(schedule))
+
+
+def write_text_atomic(path: str, text: str | bytes) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    data = text.encode() if isinstance(text, str) else text
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "csv") -> Schedule:
+    """Parse torch's CSV into a Schedule.
+
+    Stages are placed on the device where they first appear; the checker reports a
+    stage that shows up on a second device. Without ``num_microbatches`` it is taken as
+    one more than the highest microbatch seen.
+    """
+    rows = [row for row in csv.reader(io.StringIO(text))]
+    device_actions = []
+    for rank, row in enumerate(rows):
+        try:
+            device_actions.append(tuple(parse_action(cell) if cell.strip() else None for cell in row))
+        except ValueError as err:
+            raise ValueError(f"row {rank}: {err}") from None
+    compute = [(d, a) for d, acts in enumerate(device_actions) for a in acts if a is not None and a.kind in COMPUTE_KINDS]
+    if not compute:
+        raise ValueError("schedule CSV holds no compute actions")
+    home: dict[int, int] = {}
+    for device, action in compute:
+        home.setdefault(action.stage, device)
+    num_stages = max(home) + 1
+    missing = [s for s in range(num_stages) if s not in home]
+    if missing:
+        raise ValueError(f"schedule CSV has no action for stage(s) {missing}")
+    seen_mb = max(a.microbatch for _, a in compute) + 1
+    return Schedule(
+        name=name,
+        num_devices=len(device_actions),
+        num_microbatches=num_microbatches or seen_mb,
+        stage_to_device=tuple(home[s] for s in range(num_stages)),
+        device_actions=tuple(device_actions),
+    )
+
+
+def read_csv(path: str, num_microbatches: int | None = None) -> Schedule:
+    with open(path, encoding="utf-8") as handle:
+        return from_csv_text(handle.read(), num_microbatches, name=f"csv:{path}")

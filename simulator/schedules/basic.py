@@ -1,0 +1,44 @@
+"""GPipe and PipeDream-Flush (1F1B with a flush): one stage per device."""
+
+from __future__ import annotations
+
+from simulator.ir import Action, Schedule, looped_placement
+
+
+def _single_chunk(name: str, chunks: int) -> None:
+    if chunks != 1:
+        raise ValueError(f"schedule.chunks(={chunks}) must be 1 for {name}; use 'interleaved' for chunks > 1")
+
+
+def _validate(p: int, m: int) -> None:
+    if p < 1:
+        raise ValueError(f"schedule.stages(={p}) must be >= 1")
+    if m < 1:
+        raise ValueError(f"schedule.microbatches(={m}) must be >= 1")
+
+
+def gpipe(p: int, m: int, chunks: int = 1, recompute: bool = False) -> Schedule:
+    """Device r: F(0..m-1), then B(0..m-1); gradients accumulate; one synchronous step."""
+    _validate(p, m)
+    _single_chunk("gpipe", chunks)
+    lists = tuple(tuple([Action(r, "F", k) for k in range(m)] + [Action(r, "B", k) for k in range(m)])
+                  for r in range(p))
+    return Schedule("gpipe", p, m, looped_placement(p, 1), lists, recompute=recompute)
+
+
+def one_f_one_b_order(r: int, p: int, m: int, backward: str = "B") -> list[Action]:
+    """Device r's 1F1B order: min(p-1-r, m) warm-up F's, (F, B) pairs, remaining B's."""
+    warmup = min(p - 1 - r, m)
+    order = [Action(r, "F", k) for k in range(warmup)]
+    for k in range(m - warmup):
+        order += [Action(r, "F", warmup + k), Action(r, backward, k)]
+    order += [Action(r, backward, k) for k in range(m - warmup, m)]
+    return order
+
+
+def one_f_one_b(p: int, m: int, chunks: int = 1, recompute: bool = False) -> Schedule:
+    """PipeDream-Flush: Megatron's non-interleaved 1F1B and torch's Schedule1F1B."""
+    _validate(p, m)
+    _single_chunk("1f1b", chunks)
+    lists = tuple(tuple(one_f_one_b_order(r, p, m)) for r in range(p))
+    return Schedule("1f1b", p, m, looped_placement(p, 1), lists, recompute=recompute)

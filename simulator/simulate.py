@@ -1,0 +1,41 @@
+"""One call from a schedule and a cost model to a SimResult."""
+
+from __future__ import annotations
+
+import time
+
+from simulator.check import check
+from simulator.costs import CostModel, Link
+from simulator.engine import Engine, LinkLookup, compile_schedule
+from simulator.ir import Schedule
+from simulator.result import SimResult, build_result
+
+# Used when no cluster is given: one NVLink-class hop between any two devices.
+DEFAULT_LINK = Link(bandwidth=450e9, latency_ns=2_000)
+
+
+def simulate(schedule: Schedule, costs: CostModel, link: LinkLookup | None = None, samples_per_microbatch: int = 1,
+             data_parallel: int = 1, memory_capacity_bytes: int | None = None) -> SimResult:
+    """Check, compile and replay ``schedule`` under ``costs``.
+
+    Args:
+        schedule: what each device runs, in order.
+        costs: durations and bytes per stage.
+        link: the path between two devices (bandwidth, latency); a single fast link if None.
+        samples_per_microbatch: the microbatch size, for throughput.
+        data_parallel: pipeline replicas, for throughput.
+        memory_capacity_bytes: device memory, to report OOM.
+
+    Raises:
+        ScheduleError: malformed or deadlocking schedule, naming the actions.
+    """
+    check(schedule)
+    wall = time.perf_counter()
+    compiled = compile_schedule(schedule, costs, link or (lambda src, dst: DEFAULT_LINK))
+    times = Engine(compiled).run()
+    samples = schedule.num_microbatches * samples_per_microbatch * data_parallel
+    result = build_result(schedule, compiled, times, costs.precision, samples)
+    result.sim_wall_s = time.perf_counter() - wall
+    result.memory_capacity_bytes = memory_capacity_bytes
+    result.warnings.extend(getattr(costs, "warnings", []))
+    return result
