@@ -21,7 +21,8 @@ def check(schedule: Schedule) -> int:
     """Raise ScheduleError if the schedule is malformed or deadlocks.
 
     Returns:
-        The number of unit-time lockstep steps the schedule takes (as torch's dry run counts).
+        The number of unit-time lockstep steps the schedule takes (compute only, results visible
+        the next step; torch's dry run also spends steps on sends and receives, so it counts more).
     """
     problems = structure_problems(schedule)
     if problems:
@@ -98,10 +99,11 @@ def _order_problems(where: dict[Action, list[tuple[int, int]]]) -> list[str]:
 def structure_problems(schedule: Schedule) -> list[str]:
     """Everything wrong with the schedule's shape, one line each (empty when well formed)."""
     problems = _placement_problems(schedule)
-    if problems:
+    if len(schedule.device_actions) != schedule.num_devices or any(
+            not 0 <= d < schedule.num_devices for d in schedule.stage_to_device):
         return problems
     where = _positions(schedule)
-    return _coverage_problems(schedule, where) + _order_problems(where)
+    return problems + _coverage_problems(schedule, where) + _order_problems(where)
 
 
 def lockstep(schedule: Schedule) -> tuple[int, list[str]]:

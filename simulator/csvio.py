@@ -8,7 +8,7 @@ import io
 import os
 import tempfile
 
-from simulator.ir import COMPUTE_KINDS, Action, Schedule, parse_action
+from simulator.ir import COMPUTE_KINDS, Action, Schedule, parse_cell
 
 
 def to_csv_text(schedule: Schedule, compute_only: bool = True) -> str:
@@ -35,6 +35,7 @@ def write_text_atomic(path: str, text: str | bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -45,14 +46,15 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
     """Parse torch's CSV into a Schedule.
 
     Stages are placed on the device where they first appear; the checker reports a
-    stage that shows up on a second device. Without ``num_microbatches`` it is taken as
+    stage that shows up on a second device. An ``OVERLAP_F_B`` cell becomes its actions in order. Without ``num_microbatches`` it is taken as
     one more than the highest microbatch seen.
     """
     rows = [row for row in csv.reader(io.StringIO(text))]
     device_actions = []
     for rank, row in enumerate(rows):
         try:
-            device_actions.append(tuple(parse_action(cell) if cell.strip() else None for cell in row))
+            cells = [parse_cell(cell) or [None] for cell in row]
+            device_actions.append(tuple(a for actions in cells for a in actions))
         except ValueError as err:
             raise ValueError(f"row {rank}: {err}") from None
     compute = [(d, a) for d, acts in enumerate(device_actions) for a in acts if a is not None and a.kind in COMPUTE_KINDS]

@@ -16,9 +16,12 @@ from typing import NamedTuple
 
 COMPUTE_KINDS = ("F", "I", "W", "B")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+STAGE_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")  # torch's per-stage actions, no microbatch
 WEIGHT_UPDATES = ("flush", "async-stash", "2bw")
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)(\d+)$")
+_STAGE_ACTION_RE = re.compile(r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD)$")
+_OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 
 
 class Action(NamedTuple):
@@ -34,16 +37,33 @@ class Action(NamedTuple):
     microbatch: int
 
     def __str__(self) -> str:
+        if self.kind in STAGE_KINDS:
+            return f"{self.stage}{self.kind}"
         return f"{self.stage}{self.kind}{self.microbatch}"
 
 
 def parse_action(text: str) -> Action:
-    """Parse torch's text form (``2F0``, ``0I3``, ``3SEND_F1``)."""
+    """Parse torch's text form (``2F0``, ``0I3``, ``3SEND_F1``, ``0UNSHARD``; microbatch -1 for the last)."""
     match = _ACTION_RE.match(text.strip())
-    if match is None:
-        raise ValueError(f"action {text!r} is not of the form <stage><F|I|W|B|SEND_F|...><microbatch>")
-    stage, kind, microbatch = match.groups()
-    return Action(int(stage), kind, int(microbatch))
+    if match is not None:
+        stage, kind, microbatch = match.groups()
+        return Action(int(stage), kind, int(microbatch))
+    match = _STAGE_ACTION_RE.match(text.strip())
+    if match is not None:
+        return Action(int(match.group(1)), match.group(2), -1)
+    raise ValueError(f"action {text!r} is not of the form <stage><F|I|W|B|SEND_F|RECV_F|SEND_B|RECV_B><microbatch> "
+                     f"or <stage><UNSHARD|RESHARD|REDUCE_GRAD>")
+
+
+def parse_cell(text: str) -> list[Action]:
+    """One CSV cell: empty, one action, or torch's ``(0F5;1B3)OVERLAP_F_B`` expanded to its actions in order."""
+    text = text.strip()
+    if not text:
+        return []
+    overlap = _OVERLAP_RE.match(text)
+    if overlap is not None:
+        return [parse_action(part) for part in overlap.group(1).split(";") if part.strip()]
+    return [parse_action(text)]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,69 @@
+"""Arguments of ``calibrate-comms`` and their validation (no torch here, so a bad value fails fast)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from calibration.commands import UsageError, int_list, size_bytes
+from calibration.schema import COLLECTIVES
+
+LAUNCH_HINT = "torchrun --nproc-per-node N -m calibration.comms --out DIR"
+
+
+@dataclass(frozen=True)
+class CommsConfig:
+    """One comms calibration: where to write, which sizes and collectives, which backend, how to time."""
+
+    out: Path
+    min_bytes: int
+    max_bytes: int
+    collectives: tuple[str, ...]
+    backend: str | None
+    timing: Any
+    command: str = ""
+    range_edges: tuple[int, ...] = (1 << 20, 64 << 20)
+
+
+def add_comms_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", help="profile folder (the compute profile's, to use both in one simulation)")
+    parser.add_argument("--min-bytes", default="32KiB", help="smallest message (default 32KiB)")
+    parser.add_argument("--max-bytes", default="1GiB", help="largest message, capped by free memory (default 1GiB)")
+    parser.add_argument("--collectives", default=",".join(COLLECTIVES),
+                        help=f"comma-separated subset of {','.join(COLLECTIVES)}")
+    parser.add_argument("--backend", help="nccl or gloo (default nccl when CUDA is available, else gloo)")
+    parser.add_argument("--range-edges", default="1MiB,64MiB",
+                        help="sizes where a new latency/bandwidth fit starts (default 1MiB,64MiB)")
+
+
+def comms_config(args: argparse.Namespace, timing: Any, argv: list[str] | None) -> CommsConfig:
+    """Validate ``calibrate-comms`` arguments; UsageError naming the first bad one."""
+    for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR"):
+        if key not in os.environ:
+            raise UsageError(f"{key}: unset ...expected a launch under torchrun, e.g. {LAUNCH_HINT}")
+    if not args.out:
+        raise UsageError("--out: missing ...expected a folder to write the comms profile to")
+    low, high = size_bytes("--min-bytes", args.min_bytes), size_bytes("--max-bytes", args.max_bytes)
+    if not 4 <= low <= high:
+        raise UsageError(f"--min-bytes: {args.min_bytes!r} ...expected at least 4 bytes and at most --max-bytes")
+    wanted = tuple(c.strip() for c in args.collectives.split(",") if c.strip())
+    unknown = [c for c in wanted if c not in COLLECTIVES]
+    if unknown or not wanted:
+        raise UsageError(f"--collectives: {args.collectives!r} ...expected a subset of {','.join(COLLECTIVES)}")
+    if args.backend not in (None, "nccl", "gloo"):
+        raise UsageError(f"--backend: {args.backend!r} ...expected nccl or gloo")
+    edges = tuple(size_bytes("--range-edges", e) for e in args.range_edges.split(",") if e.strip())
+    int_list("--range-edges", ",".join(str(e) for e in edges) or "0")
+    from calibration.env import command_line
+    from calibration.profile_io import ensure_writable
+
+    if os.environ["RANK"] == "0":
+        try:
+            ensure_writable(args.out)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return CommsConfig(out=Path(args.out), min_bytes=low, max_bytes=high, collectives=wanted, backend=args.backend,
+                       timing=timing, command=command_line(argv), range_edges=tuple(sorted(edges)))

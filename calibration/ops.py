@@ -1,0 +1,165 @@
+"""What is timed for each component, and its byte counts, as rows of the profile tables.
+
+Per transformer layer: F (forward, recording the graph), I (``autograd.grad`` of the output w.r.t. the layer
+input and the LayerNorm affine parameters, every Linear deferred), W (the deferred Linears' weight and bias
+gradients from the stashed inputs and output grads), B (fused ``autograd.backward``), R (the forward a
+recomputing backward replays from the stashed input). Embedding: F and W (its whole backward, a weight
+gradient). Output layer (LayerNorm, projection, cross-entropy): F, I, W, B as for a layer. Vocabulary shards:
+S and T per shard count. Optimizer: AdamW ``step()`` on fp32 master copies of several parameter groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from calibration.memory import peak_backward_bytes, saved_tensor_bytes
+from calibration.model import Block, Embedding, OutputLayer, shard_backward, shard_forward, shard_size
+from calibration.schema import EMBEDDING, LAYER, OPTIMIZER, OUTPUT, OUTPUT_SHARD
+from calibration.timing import Bench, Stats, Timer
+
+Row = dict[str, object]
+
+
+def timing_row(component: str, op: str, mb: int, seq: int, stats: Stats, params: int, tensors: int,
+               shards: int = 1) -> Row:
+    """One row of the timings table."""
+    return {"component": component, "op": op, "microbatch_size": mb, "seq": seq, "shards": shards,
+            "params": params, "tensors": tensors, "median_ns": stats.median_ns, "p10_ns": stats.p10_ns,
+            "p90_ns": stats.p90_ns, "min_ns": stats.min_ns, "reps": stats.reps}
+
+
+def memory_row(component: str, mb: int, seq: int, module: nn.Module, activation: int, weight_grad: int,
+               boundary: int, peak: float) -> Row:
+    """One row of the memory table."""
+    params = list(module.parameters())
+    return {"component": component, "microbatch_size": mb, "seq": seq, "params": sum(p.numel() for p in params),
+            "tensors": len(params), "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "activation_bytes": activation, "weight_grad_bytes": weight_grad, "boundary_bytes": boundary,
+            "peak_backward_bytes": peak}
+
+
+def _counts(module: nn.Module) -> tuple[int, int]:
+    params = list(module.parameters())
+    return sum(p.numel() for p in params), len(params)
+
+
+def split_benches(module: nn.Module, forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor],
+                  grad: torch.Tensor | None) -> dict[str, Bench]:
+    """F, I, W, B, R benches of a Deferrable module; ``inputs`` are the leaves I differentiates against."""
+    store = module.store
+    inputs = inputs + module.undeferred_params()
+
+    def deferred_forward() -> torch.Tensor:
+        store.pending.clear()
+        with store.defer():
+            return forward()
+
+    def after_input() -> None:
+        torch.autograd.grad(deferred_forward(), inputs, grad)
+
+    return {
+        "F": Bench(lambda _: forward()),
+        "I": Bench(lambda y: torch.autograd.grad(y, inputs, grad), deferred_forward),
+        "W": Bench(lambda _: store.run(), after_input),
+        "B": Bench(lambda y: torch.autograd.backward(y, grad), forward),
+        "R": Bench(lambda _: forward()),
+    }
+
+
+def weight_grad_bytes(module: nn.Module, forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor],
+                      grad: torch.Tensor | None) -> int:
+    """M_W: bytes the deferred W still holds once I has run and freed the graph."""
+    split_benches(module, forward, inputs, grad)["W"].setup()
+    nbytes = module.store.nbytes()
+    module.store.pending.clear()
+    return nbytes
+
+
+def layer_rows(timer: Timer, block: Block, mb: int, seq: int) -> tuple[list[Row], Row]:
+    """Time one transformer block and count its bytes for a (microbatch, seq) point."""
+    p = next(block.parameters())
+    x = torch.randn(mb, seq, p.shape[-1], dtype=p.dtype, device=p.device, requires_grad=True)
+    dy = torch.randn_like(x)
+    benches = split_benches(block, lambda: block(x), [x], dy)
+    params, tensors = _counts(block)
+    rows = [timing_row(LAYER, op, mb, seq, timer.measure(b), params, tensors) for op, b in benches.items()]
+    activation, y = saved_tensor_bytes(lambda: block(x), exclude=block.parameters())
+    peak = peak_backward_bytes(x.device, lambda: torch.autograd.backward(y, dy))
+    m_w = weight_grad_bytes(block, lambda: block(x), [x], dy)
+    return rows, memory_row(LAYER, mb, seq, block, activation, m_w, y.numel() * y.element_size(), peak)
+
+
+def embedding_rows(timer: Timer, embedding: Embedding, mb: int, seq: int) -> tuple[list[Row], Row]:
+    """Time the input embedding's forward and its backward (all of it a weight gradient)."""
+    weight = embedding.tokens.weight
+    ids = torch.randint(weight.shape[0], (mb, seq), device=weight.device)
+    grad = torch.randn(mb, seq, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    params, tensors = _counts(embedding)
+    benches = {"F": Bench(lambda _: embedding(ids)),
+               "W": Bench(lambda y: torch.autograd.backward(y, grad), lambda: embedding(ids))}
+    rows = [timing_row(EMBEDDING, op, mb, seq, timer.measure(b), params, tensors) for op, b in benches.items()]
+    activation, y = saved_tensor_bytes(lambda: embedding(ids), exclude=embedding.parameters())
+    peak = peak_backward_bytes(ids.device, lambda: torch.autograd.backward(y, grad))
+    return rows, memory_row(EMBEDDING, mb, seq, embedding, activation, activation, y.numel() * y.element_size(), peak)
+
+
+def output_rows(timer: Timer, output: OutputLayer, mb: int, seq: int) -> tuple[list[Row], Row]:
+    """Time the output layer (norm, projection, cross-entropy) split into F, I, W, B, R."""
+    weight = output.head.weight
+    x = torch.randn(mb, seq, weight.shape[1], dtype=weight.dtype, device=weight.device, requires_grad=True)
+    targets = torch.randint(weight.shape[0], (mb, seq), device=weight.device)
+    benches = split_benches(output, lambda: output(x, targets), [x], None)
+    params, tensors = _counts(output)
+    rows = [timing_row(OUTPUT, op, mb, seq, timer.measure(b), params, tensors) for op, b in benches.items()]
+    activation, loss = saved_tensor_bytes(lambda: output(x, targets), exclude=output.parameters())
+    peak = peak_backward_bytes(x.device, loss.backward)
+    m_w = weight_grad_bytes(output, lambda: output(x, targets), [x], None)
+    return rows, memory_row(OUTPUT, mb, seq, output, activation, m_w, 0, peak)
+
+
+def shard_rows(timer: Timer, output: OutputLayer, mb: int, seq: int, max_shards: int) -> list[Row]:
+    """Time the vocabulary-parallel S and T passes of one shard, for 1..max_shards shards."""
+    full = output.head.weight
+    vocab, hidden = full.shape
+    x = torch.randn(mb * seq, hidden, dtype=full.dtype, device=full.device)
+    targets = torch.randint(vocab, (mb * seq,), device=full.device)
+    rows = []
+    for shards in range(1, max_shards + 1):
+        rows_k = shard_size(vocab, shards)
+        weight = torch.randn(rows_k, hidden, dtype=full.dtype, device=full.device)
+        # Shard 0's view of the targets: its own rows keep their index, the others are marked -1.
+        local = torch.where(targets < rows_k, targets, torch.full_like(targets, -1))
+        s = timer.measure(Bench(lambda _, w=weight: shard_forward(x, w)))
+        t = timer.measure(Bench(lambda soft, w=weight, lt=local: shard_backward(x, w, soft, lt),
+                                lambda w=weight: shard_forward(x, w)))
+        rows += [timing_row(OUTPUT_SHARD, op, mb, seq, st, rows_k * hidden, 1, shards) for op, st in (("S", s), ("T", t))]
+    return rows
+
+
+def optimizer_groups(blocks: list[Block], embedding: Embedding, output: OutputLayer) -> list[list[nn.Module]]:
+    """Module groups whose optimizer step is timed: one block, all given blocks, embedding, output, all."""
+    groups = [[blocks[0]], list(blocks), [embedding], [output], [embedding, *blocks, output]]
+    unique, seen = [], set()
+    for group in groups:
+        key = tuple(id(m) for m in group)
+        if key not in seen:
+            seen.add(key)
+            unique.append(group)
+    return unique
+
+
+def optimizer_rows(timer: Timer, groups: list[list[nn.Module]]) -> list[Row]:
+    """Time AdamW ``step()`` on fp32 master copies of each group (mixed precision keeps fp32 masters)."""
+    rows = []
+    for group in groups:
+        masters = [nn.Parameter(p.detach().float().clone()) for m in group for p in m.parameters()]
+        for p in masters:
+            p.grad = torch.zeros_like(p)
+        optimizer = torch.optim.AdamW(masters, lr=1e-4)
+        stats = timer.measure(Bench(lambda _, o=optimizer: o.step()))
+        rows.append(timing_row(OPTIMIZER, "step", 0, 0, stats, sum(p.numel() for p in masters), len(masters)))
+        del optimizer, masters
+    return rows

@@ -1,0 +1,173 @@
+"""Timing one piece of work the way kernel benchmarks should.
+
+CUDA: events recorded on the stream the work runs on, warm-up first, the L2 cache flushed (a write larger
+than L2, outside the timed window) before every repetition. CPU: ``time.perf_counter_ns`` around the work,
+with the thread count recorded by the caller. Either way repetitions continue until the median is stable
+(its estimated standard error under ``rel_tol`` of it), capped by ``max_reps`` and ``budget_s``; the median
+and the spread (p10, p90, min) are kept.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    """How hard to try: warm-up runs, repetition bounds, target precision and a wall-time budget per op."""
+
+    warmup: int = 3
+    min_reps: int = 7
+    max_reps: int = 200
+    rel_tol: float = 0.02
+    budget_s: float = 2.0
+    flush_l2: bool = True
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Median and spread of one op's repetitions, in nanoseconds."""
+
+    median_ns: int
+    p10_ns: int
+    p90_ns: int
+    min_ns: int
+    reps: int
+
+
+@dataclass(frozen=True)
+class Bench:
+    """``setup`` prepares state outside the timed window; ``run(state)`` is the timed work."""
+
+    run: Callable[[Any], Any]
+    setup: Callable[[], Any] = lambda: None
+
+
+def stats(samples: list[float]) -> Stats:
+    """Median, 10th/90th percentile (nearest rank) and minimum of ``samples`` (ns)."""
+    ordered = sorted(samples)
+
+    def rank(q: float) -> int:
+        return int(round(ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]))
+
+    return Stats(int(round(statistics.median(ordered))), rank(0.1), rank(0.9), int(round(ordered[0])), len(ordered))
+
+
+def is_stable(samples: list[float], rel_tol: float) -> bool:
+    """Whether the median's standard error (1.253 sigma / sqrt(n), sigma from the IQR) is within ``rel_tol``."""
+    if len(samples) < 4:
+        return False
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    sigma = (q3 - q1) / 1.349
+    return 1.253 * sigma / math.sqrt(len(samples)) <= rel_tol * statistics.median(samples)
+
+
+class Timer:
+    """Times Benches on one device; subclasses supply one repetition."""
+
+    method = "none"
+
+    def __init__(self, config: TimingConfig) -> None:
+        self.config = config
+
+    def measure(self, bench: Bench) -> Stats:
+        """Warm up, then repeat until the median is stable or a cap is hit."""
+        for _ in range(self.config.warmup):
+            self._discard(bench.run(bench.setup()))
+        samples: list[float] = []
+        started = time.perf_counter()
+        gc.collect()
+        gc.disable()  # a collection inside the timed window is noise, not the op's cost
+        try:
+            while len(samples) < self.config.max_reps:
+                samples.extend(self._repeat(bench, 1 if not samples else self._batch()))
+                if len(samples) >= self.config.min_reps and (
+                    is_stable(samples, self.config.rel_tol) or time.perf_counter() - started > self.config.budget_s
+                ):
+                    break
+        finally:
+            gc.enable()
+        return stats(samples)
+
+    def _batch(self) -> int:
+        return 1
+
+    def _repeat(self, bench: Bench, count: int) -> list[float]:
+        raise NotImplementedError
+
+    def _discard(self, result: Any) -> None:
+        del result
+
+
+class CpuTimer(Timer):
+    """perf_counter_ns around each repetition; setup and freeing the result stay outside."""
+
+    method = "perf_counter"
+
+    def _repeat(self, bench: Bench, count: int) -> list[float]:
+        out = []
+        for _ in range(count):
+            state = bench.setup()
+            start = time.perf_counter_ns()
+            result = bench.run(state)
+            out.append(float(time.perf_counter_ns() - start))
+            del result, state
+        return out
+
+
+class CudaTimer(Timer):
+    """CUDA events on the current stream (where the work is issued), L2 flushed before each repetition.
+
+    A batch of repetitions is issued before one synchronize, so the host is not in the timed window; the start
+    event is recorded after the setup's and the flush's kernels, so only the work itself falls between events.
+    """
+
+    method = "cuda-events"
+
+    def __init__(self, config: TimingConfig, device: torch.device) -> None:
+        super().__init__(config)
+        self.device = device
+        self.flush_bytes = l2_flush_bytes(device) if config.flush_l2 else 0
+        self._flush_buffer = torch.empty(self.flush_bytes // 4, dtype=torch.int32, device=device)
+
+    def _batch(self) -> int:
+        return 5
+
+    def _repeat(self, bench: Bench, count: int) -> list[float]:
+        stream = torch.cuda.current_stream(self.device)
+        events = []
+        for _ in range(count):
+            state = bench.setup()
+            if self.flush_bytes:
+                self._flush_buffer.fill_(1)  # a write evicts everything the work could have left in L2
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            result = bench.run(state)
+            end.record(stream)
+            events.append((start, end))
+            del result, state
+        stream.synchronize()
+        return [start.elapsed_time(end) * 1e6 for start, end in events]
+
+    def _discard(self, result: Any) -> None:
+        del result
+        torch.cuda.synchronize(self.device)
+
+
+def l2_flush_bytes(device: torch.device) -> int:
+    """Twice the L2 size as the driver reports it (256 MiB if unknown), so one write evicts it all."""
+    size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (128 << 20)
+    return 2 * int(size)
+
+
+def make_timer(device: torch.device, config: TimingConfig) -> Timer:
+    """The right timer for ``device``."""
+    return CudaTimer(config, device) if device.type == "cuda" else CpuTimer(config)

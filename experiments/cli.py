@@ -1,0 +1,173 @@
+"""The ``pipescope`` command line (DESIGN.md's CLI contract)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import NoReturn
+
+from experiments.config import ConfigError, load_config
+from simulator.check import ScheduleError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit 2) instead of usage dumps."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"pipescope: error: {message} (see '{self.prog} --help')\n")
+
+
+def usage_error(message: str) -> int:
+    print(f"pipescope: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE.yaml", help="experiment config (YAML sections schedule, model, "
+                   "cluster, costs)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one dotted key, e.g. --set costs.kind=uniform (repeatable; after --config)")
+    p.add_argument("--schedule", help="schedule.name: gpipe, 1f1b (= flush), ..., torch:<Name>, csv:<path>; "
+                   "see 'pipescope schedules'")
+    p.add_argument("--stages", help="schedule.stages: pipeline devices p")
+    p.add_argument("--microbatches", help="schedule.microbatches: microbatches per iteration m")
+    p.add_argument("--chunks", help="schedule.chunks: stages per device v (interleaved)")
+    p.add_argument("--recompute", action="store_true", help="schedule.recompute: recompute activations in backward")
+
+
+def config_from_args(args: argparse.Namespace):
+    sets = list(args.sets)
+    for flag, key in (("schedule", "name"), ("stages", "stages"), ("microbatches", "microbatches"),
+                      ("chunks", "chunks")):
+        if getattr(args, flag) is not None:
+            sets.append(f"schedule.{key}={getattr(args, flag)}")
+    if args.recompute:
+        sets.append("schedule.recompute=true")
+    return load_config(args.config, sets)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from experiments.run import run_config
+    run = run_config(config_from_args(args))
+    _write_outputs(run, args)
+    if args.json:
+        print(json.dumps(run.result.summary()))
+    else:
+        from experiments.report import table
+        print(table(run.config, run.result))
+        for label, path in (("gantt", args.gantt), ("trace", args.trace), ("csv", args.csv),
+                            ("timeline", args.timeline)):
+            if path:
+                print(f"wrote {label}: {path}")
+    return 0
+
+
+def _write_outputs(run, args: argparse.Namespace) -> None:
+    if args.csv:
+        from simulator.csvio import write_csv
+        write_csv(run.schedule, args.csv)
+    if args.trace:
+        from simulator.trace import write_trace
+        write_trace(run.result, args.trace)
+    if args.gantt:
+        from experiments.plots import write_gantt
+        write_gantt(run.result, args.gantt)
+    if args.timeline:
+        from experiments.tables import write_timeline
+        write_timeline(run.result, args.timeline)
+
+
+def cmd_schedules(args: argparse.Namespace) -> int:
+    from simulator.schedules import ALIASES, GENERATORS
+    width = max(len(n) for n in GENERATORS) + 2
+    for name, gen in GENERATORS.items():
+        aliases = [a for a, target in ALIASES.items() if target == name]
+        print(f"{name:<{width}}{gen.description}" + (f" (aliases: {', '.join(aliases)})" if aliases else ""))
+    print(f"{'torch:<Name>':<{width}}a torch.distributed.pipelining schedule class replayed from its pipeline_order"
+          " (needs torch): GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV")
+    print(f"{'csv:<path>':<{width}}a schedule in torch's CSV format (one row per rank)")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from simulator.check import check
+    from simulator.csvio import read_csv
+    if not os.path.isfile(args.file):
+        return usage_error(f"FILE: {args.file!r} does not exist or is not a file")
+    try:
+        schedule = read_csv(args.file, args.microbatches)
+    except ValueError as err:
+        return usage_error(f"FILE: {args.file!r}: {err}")
+    try:
+        steps = check(schedule)
+    except ScheduleError as err:
+        print(f"{args.file}: invalid schedule", file=sys.stderr)
+        for line in err.problems:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: ok: {schedule.num_devices} devices, {schedule.num_stages} stages, "
+          f"{schedule.total_microbatches} microbatches, {schedule.num_compute_ops()} ops, {steps} unit-time steps")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from experiments.bench import run_bench
+    return run_bench(args.repeat, args.quick, args.json)
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="pipescope", description="Predict iteration time, bubbles and memory of pipeline-parallel "
+                    "training schedules on a cluster, before renting it.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    p = sub.add_parser("simulate", help="simulate one configuration and print a table (or --json)")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (.json or .json.gz; opens in Perfetto)")
+    p.add_argument("--gantt", metavar="FILE", help="write a Gantt chart (.png, .svg or .pdf)")
+    p.add_argument("--csv", metavar="FILE", help="write the schedule run as torch's compute-only CSV")
+    p.add_argument("--timeline", metavar="FILE", help="write the op timeline (.parquet or .csv)")
+    p.set_defaults(func=cmd_simulate)
+    p = sub.add_parser("schedules", help="list the schedules pipescope can simulate")
+    p.set_defaults(func=cmd_schedules)
+    p = sub.add_parser("check", help="check a schedule CSV (torch's format) for malformed actions and deadlocks")
+    p.add_argument("file", metavar="FILE.csv")
+    p.add_argument("--microbatches", type=int, help="microbatches per iteration (default: inferred from the file)")
+    p.set_defaults(func=cmd_check)
+    p = sub.add_parser("bench", help="time the engine against a heapq list-scheduler floor")
+    p.add_argument("--repeat", type=int, default=5, help="runs per case; medians are reported (default 5)")
+    p.add_argument("--quick", action="store_true", help="only the small case (p=8, m=64)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_bench)
+    _register_calibration(sub)
+    return parser
+
+
+def _register_calibration(sub: argparse._SubParsersAction) -> None:
+    try:
+        from calibration.commands import register
+    except ImportError as err:
+        reason = str(err)
+        for name in ("calibrate", "calibrate-comms"):
+            p = sub.add_parser(name, help="(needs torch: pip install 'pipescope[calibration]')")
+            p.set_defaults(func=lambda args, reason=reason: usage_error(f"calibration needs torch ({reason})"))
+        return
+    register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ScheduleError) as err:
+        if isinstance(err, ScheduleError):
+            print(f"pipescope: invalid schedule: {err}", file=sys.stderr)
+            return 1
+        return usage_error(str(err))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

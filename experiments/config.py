@@ -1,0 +1,206 @@
+"""Experiment configuration: frozen dataclasses loaded from YAML plus ``--set dotted.key=value``.
+
+Every error is a ConfigError whose message names the dotted key, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from simulator.units import parse_size, parse_time
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message is one line naming key, value and expectation."""
+
+
+def _time(default: float) -> Any:
+    return field(default=default, metadata={"unit": "time"})
+
+
+def _size(default: int | None) -> Any:
+    return field(default=default, metadata={"unit": "size"})
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    name: str = "1f1b"
+    stages: int = 4
+    microbatches: int = 8
+    chunks: int = 1
+    recompute: bool = False
+    vocab: str = "naive"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "gpt-1.3b"
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    seq: int | None = None
+    vocab: int | None = None
+    microbatch_size: int = 1
+    precision: str = "bf16"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    topology: str = "dgx-h100"
+    nodes: int = 1
+    data_parallel: int = 1
+    placement: str = "linear"
+    memory: int | None = _size(None)
+
+
+@dataclass(frozen=True)
+class CostsConfig:
+    kind: str = "analytic"
+    efficiency: float = 0.5
+    forward: float = _time(1.0)
+    backward_input: float = _time(1.0)
+    backward_weight: float = _time(1.0)
+    p2p: float = _time(0.0)
+    profile: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    schedule: ScheduleConfig = ScheduleConfig()
+    model: ModelConfig = ModelConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    costs: CostsConfig = CostsConfig()
+    iterations: int | None = None
+
+
+POSITIVE = {"schedule.stages", "schedule.microbatches", "schedule.chunks", "model.microbatch_size",
+            "cluster.nodes", "cluster.data_parallel", "iterations", "model.layers", "model.hidden", "model.heads",
+            "model.seq", "model.vocab"}
+CHOICES = {
+    "schedule.vocab": ("naive",),
+    "model.precision": ("bf16", "fp16", "fp32"),
+    "cluster.placement": ("linear", "spread"),
+    "costs.kind": ("analytic", "uniform", "profile"),
+}
+
+
+def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
+    if unit == "time":
+        return parse_time(value)
+    if unit == "size":
+        return parse_size(value)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+            return str(value).lower() in ("true", "yes", "1", "on")
+        raise ValueError(f"got {value!r}, expected true or false")
+    if kind is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or str(value).lstrip("-").isdigit()):
+            raise ValueError(f"got {value!r}, expected an integer")
+        return int(value)
+    if kind is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"got {value!r}, expected a number") from None
+    return str(value)
+
+
+def _field_type(hint: Any) -> tuple[type, bool]:
+    """(scalar type, optional?) from an annotation such as ``int | None``."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], True
+    return hint, False
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'}: got {raw!r}, expected a mapping of keys")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for name, value in raw.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ConfigError(f"{key}: unknown key, expected one of {', '.join(prefix + f for f in fields)}")
+        kind, optional = _field_type(hints[name])
+        if dataclasses.is_dataclass(kind):
+            values[name] = _build(kind, value, f"{key}.")
+        elif value is None and optional:
+            values[name] = None
+        else:
+            try:
+                values[name] = _convert_scalar(key, kind, value, fields[name].metadata.get("unit"))
+            except ValueError as err:
+                raise ConfigError(f"{key}: {err}") from None
+            _check_value(key, values[name])
+    return cls(**values)
+
+
+def _check_value(key: str, value: Any) -> None:
+    if key in POSITIVE and value < 1:
+        raise ConfigError(f"{key}: got {value!r}, expected an integer >= 1")
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ConfigError(f"{key}: got {value!r}, expected one of {', '.join(CHOICES[key])}")
+    if key == "costs.efficiency" and not 0 < value <= 1:
+        raise ConfigError(f"{key}: got {value!r}, expected a number in (0, 1]")
+
+
+def parse_set(item: str) -> tuple[list[str], Any]:
+    """``schedule.stages=8`` -> (['schedule', 'stages'], 8); values are read as YAML scalars."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
+        raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. schedule.stages=8")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    return key.strip().split("."), value
+
+
+def _merge(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path)}: {part} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def read_yaml(path: str) -> dict:
+    """A config file as a mapping; ConfigError if missing, unreadable or not a mapping."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: {path!r} does not exist or is not a file")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"--config: {path!r} is not readable YAML ({str(err).splitlines()[0]})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config: {path!r} holds {type(raw).__name__}, expected a mapping of sections")
+    return raw
+
+
+def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None = None) -> Config:
+    """Defaults, then the YAML file (or ``raw``), then each ``--set`` in order."""
+    tree = dict(raw or {}) if path is None else read_yaml(path)
+    for item in sets:
+        key, value = parse_set(item)
+        _merge(tree, key, value)
+    return _build(Config, tree, "")
+
+
+def as_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)

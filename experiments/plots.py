@@ -1,0 +1,62 @@
+"""The Gantt chart: one row per device, ops coloured by kind, later chunks hatched."""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from simulator.csvio import write_text_atomic  # noqa: E402
+from simulator.result import SimResult  # noqa: E402
+
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
+LABELS = {"F": "forward", "B": "backward (I+W)", "I": "input-grad", "W": "weight-grad"}
+MAX_LABELLED_OPS = 600  # beyond this, microbatch numbers turn into noise
+
+
+def gantt_figure(result: SimResult, title: str | None = None) -> plt.Figure:
+    """The familiar pipeline picture; time in ms on x, device 0 at the top."""
+    frame = result.timeline[result.timeline["stream"] == "compute"]
+    p = result.schedule.num_devices
+    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.32 * p))
+    origin = frame["start_ns"].min()
+    label = len(frame) <= MAX_LABELLED_OPS
+    for kind, group in frame.groupby("kind"):
+        starts = (group["start_ns"] - origin) / 1e6
+        widths = (group["end_ns"] - group["start_ns"]) / 1e6
+        hatch = ["//" if c % 2 else "" for c in group["chunk"]]
+        ax.barh(group["device"], widths, left=starts, height=0.8, color=COLORS.get(kind, "grey"),
+                edgecolor="white", linewidth=0.3, hatch=hatch)
+        if label:
+            for y, x, w, mb in zip(group["device"], starts, widths, group["microbatch"]):
+                ax.text(x + w / 2, y, str(mb), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(p), [f"device {d}" for d in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    kinds = [k for k in COLORS if k in set(frame["kind"])]
+    handles = [Patch(color=COLORS[k], label=LABELS[k]) for k in kinds]
+    if result.schedule.chunks > 1:
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="odd chunk"))
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    ax.set_title(title or _default_title(result))
+    fig.tight_layout()
+    return fig
+
+
+def _default_title(result: SimResult) -> str:
+    s = result.schedule
+    return (f"{s.name}: p={s.num_devices} m={s.num_microbatches} v={s.chunks}  "
+            f"iteration {result.iteration_time_s * 1e3:.2f} ms, bubble {result.bubble_rate:.1%}")
+
+
+def write_gantt(result: SimResult, path: str, title: str | None = None) -> None:
+    """Render the Gantt chart to ``path`` (PNG, SVG or PDF by extension), atomically."""
+    fig = gantt_figure(result, title)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.rsplit(".", 1)[-1].lower() if "." in path else "png", dpi=150)
+    plt.close(fig)
+    write_text_atomic(path, buffer.getvalue())

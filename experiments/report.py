@@ -1,0 +1,52 @@
+"""Human-readable tables for the CLI."""
+
+from __future__ import annotations
+
+from experiments.config import Config
+from simulator.result import SimResult
+from simulator.units import format_bytes, format_time
+
+
+def _headline(config: Config, result: SimResult) -> str:
+    s, m, c = result.schedule, config.model, config.cluster
+    costs = config.costs.kind
+    model = "uniform costs" if costs == "uniform" else f"{m.preset} mb={m.microbatch_size} {m.precision} ({costs})"
+    return (f"{s.name}: p={s.num_devices} m={s.num_microbatches} v={s.chunks}"
+            f"{' recompute' if s.recompute else ''}  {model}  on {c.topology} x{c.nodes}")
+
+
+def _totals(result: SimResult) -> list[str]:
+    lines = [f"iteration time {format_time(result.iteration_time_s)}   "
+             f"throughput {result.throughput_samples_per_s:.2f} samples/s   bubble rate {result.bubble_rate:.2%}"
+             + (f"   MFU {result.mfu:.1%}" if result.mfu is not None else "")]
+    if result.schedule.iterations > 1:
+        lines.append(f"steady state over {result.schedule.iterations} iterations; fill + drain "
+                     f"{format_time(result.fill_drain_ns / 1e9)}; whole run {format_time(result.makespan_ns / 1e9)}")
+    cap = result.memory_capacity_bytes
+    lines.append(f"peak memory {format_bytes(result.peak_memory_bytes)}"
+                 + (f" of {format_bytes(cap)} per device" if cap else ""))
+    for oom in result.oom():
+        lines.append(f"OOM: device {oom['device']} needs {format_bytes(oom['peak_memory_bytes'])} "
+                     f"({oom['peak_memory_bytes']} bytes) of {format_bytes(oom['capacity_bytes'])}")
+    return lines
+
+
+def _device_rows(result: SimResult) -> list[str]:
+    header = f"{'device':>6}  {'busy':>12}  {'span':>12}  {'idle':>6}  {'peak memory':>12}  {'peak act':>8}"
+    rows = [header]
+    for d in result.devices:
+        rows.append(f"{d.device:>6}  {format_time(d.busy_s):>12}  {format_time(d.span_s):>12}  "
+                    f"{d.idle_fraction:>6.1%}  {format_bytes(d.peak_memory_bytes):>12}  {d.peak_activations:>8.3g}")
+    return rows
+
+
+def table(config: Config, result: SimResult, max_rows: int = 16) -> str:
+    """Headline, totals and a per-device table (elided in the middle past ``max_rows`` devices)."""
+    rows = _device_rows(result)
+    if len(rows) - 1 > max_rows:
+        half = max_rows // 2
+        rows = rows[: half + 1] + [f"{'...':>6}  ({len(rows) - 1 - max_rows} devices not shown)"] + rows[-half:]
+    warnings = [f"warning: {w}" for w in result.warnings]
+    sim = f"simulated {len(result.compiled.actions)} ops and {len(result.compiled.transfer_src)} transfers in " \
+          f"{result.sim_wall_s:.2f} s"
+    return "\n".join([_headline(config, result), *_totals(result), "", *rows, *warnings, sim])

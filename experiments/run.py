@@ -1,0 +1,134 @@
+"""From a Config to a schedule, a cost model, a cluster and a SimResult."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from experiments.config import Config, ConfigError
+from simulator.costs import AnalyticCosts, CostModel, UniformCosts
+from simulator.csvio import read_csv
+from simulator.ir import Schedule
+from simulator.models import DEVICES, ModelSpec, layer_work, output_layer_flops, preset
+from simulator.result import SimResult
+from simulator.schedules import GENERATORS, generator
+from simulator.simulate import simulate
+from topologies.cluster import Cluster, Machine, load_machine
+
+
+def model_spec(config: Config) -> ModelSpec:
+    m = config.model
+    try:
+        return preset(m.preset, layers=m.layers, hidden=m.hidden, heads=m.heads, seq=m.seq, vocab=m.vocab)
+    except KeyError as err:
+        raise ConfigError(err.args[0]) from None
+
+
+def build_schedule(config: Config) -> Schedule:
+    """The schedule named by ``schedule.name``: a generator, ``torch:<Name>`` or ``csv:<path>``."""
+    s = config.schedule
+    if s.name.startswith("csv:"):
+        return _csv_schedule(s.name[4:], s.microbatches)
+    if s.name.startswith("torch:"):
+        return _torch_schedule(s.name[6:], s.stages, s.microbatches, s.chunks)
+    try:
+        gen = generator(s.name)
+    except KeyError:
+        names = ", ".join(list(GENERATORS) + ["flush", "torch:<Name>", "csv:<path>"])
+        raise ConfigError(f"schedule.name: got {s.name!r}, expected one of {names}") from None
+    options = {}
+    if config.iterations is not None:
+        if "iterations" not in inspect.signature(gen.build).parameters:
+            raise ConfigError(f"iterations: got {config.iterations}, but {gen.name} has a flush and simulates "
+                              f"one iteration; iterations applies to schedules without a flush")
+        options["iterations"] = config.iterations
+    try:
+        return gen.build(s.stages, s.microbatches, chunks=s.chunks, recompute=s.recompute, **options)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _csv_schedule(path: str, microbatches: int) -> Schedule:
+    try:
+        return read_csv(path, None)
+    except OSError as err:
+        raise ConfigError(f"schedule.name: csv file {path!r} cannot be read ({err.strerror})") from None
+    except ValueError as err:
+        raise ConfigError(f"schedule.name: csv file {path!r}: {err}") from None
+
+
+def _torch_schedule(name: str, stages: int, microbatches: int, chunks: int) -> Schedule:
+    try:
+        from calibration.torch_schedules import torch_schedule
+    except ImportError as err:
+        raise ConfigError(f"schedule.name: torch:{name} needs torch installed ({err})") from None
+    try:
+        return torch_schedule(name, stages, microbatches, chunks)
+    except ValueError as err:
+        raise ConfigError(f"schedule.name: torch:{name}: {err}") from None
+
+
+def build_cluster(config: Config, devices: int) -> Cluster:
+    c = config.cluster
+    try:
+        machine = load_machine(c.topology)
+        return Cluster(machine, c.nodes, c.placement, devices=devices * c.data_parallel)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def build_costs(config: Config, machine: Machine) -> CostModel:
+    c, m = config.costs, config.model
+    if c.kind == "uniform":
+        return UniformCosts(c.forward, c.backward_input, c.backward_weight, c.p2p, precision=m.precision)
+    if c.kind == "profile":
+        return _profiled_costs(config)
+    return AnalyticCosts(model_spec(config), DEVICES[machine.device], m.microbatch_size, m.precision, c.efficiency)
+
+
+def _profiled_costs(config: Config) -> CostModel:
+    if not config.costs.profile:
+        raise ConfigError("costs.profile: missing, expected a profile folder written by 'pipescope calibrate'")
+    from simulator.profiled import ProfiledCosts
+    try:
+        return ProfiledCosts.load(config.costs.profile, config.model.microbatch_size)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"costs.profile: {config.costs.profile!r}: {err}") from None
+
+
+@dataclass
+class Run:
+    """A configured simulation: its parts and its result."""
+
+    config: Config
+    schedule: Schedule
+    cluster: Cluster
+    costs: CostModel
+    result: SimResult
+
+
+def model_flops(config: Config, microbatches: int) -> float:
+    """Training FLOPs of one iteration (F + I + W of every layer and the output layer), no recompute."""
+    spec = model_spec(config)
+    work = layer_work(spec, config.model.microbatch_size, config.model.precision)
+    per_mb = spec.layers * (work.forward_flops + work.input_grad_flops + work.weight_grad_flops)
+    per_mb += sum(output_layer_flops(spec, config.model.microbatch_size))
+    return per_mb * microbatches
+
+
+def run_config(config: Config) -> Run:
+    """Build everything the config names and simulate it."""
+    if config.costs.kind == "uniform" and config.schedule.vocab != "naive":
+        raise ConfigError("schedule.vocab: needs a model; uniform costs have none")
+    schedule = build_schedule(config)
+    cluster = build_cluster(config, schedule.num_devices)
+    costs = build_costs(config, cluster.machine)
+    device = DEVICES[cluster.machine.device]
+    uniform = config.costs.kind == "uniform"
+    capacity = config.cluster.memory or (None if uniform else device.memory_bytes)
+    result = simulate(schedule, costs, cluster.link, samples_per_microbatch=config.model.microbatch_size,
+                      data_parallel=config.cluster.data_parallel, memory_capacity_bytes=capacity)
+    if not uniform:
+        result.model_flops_per_iteration = model_flops(config, schedule.num_microbatches)
+        result.peak_flops_per_device = device.peak_flops[config.model.precision]
+    return Run(config, schedule, cluster, costs, result)

@@ -1,0 +1,43 @@
+"""Argument checks shared by the schedule generators.
+
+Errors name the config key, the bad value and what is expected, e.g.
+``schedule.microbatches(=3) must be >= schedule.stages(=4) for zb-h2``.
+"""
+
+from __future__ import annotations
+
+
+def check_sizes(name: str, p: int, m: int, min_m: int = 1) -> None:
+    """Raise ValueError unless p >= 1 and m >= max(1, min_m).
+
+    Args:
+        name: the generator's registry name, quoted in the message.
+        p: pipeline devices.
+        m: microbatches per iteration.
+        min_m: the generator's own lower bound on m (usually p).
+    """
+    if p < 1:
+        raise ValueError(f"schedule.stages(={p}) must be >= 1 for {name}")
+    if m < 1:
+        raise ValueError(f"schedule.microbatches(={m}) must be >= 1 for {name}")
+    if m < min_m:
+        raise ValueError(f"schedule.microbatches(={m}) must be >= schedule.stages(={p}) for {name}")
+
+
+def check_chunks(name: str, chunks: int, allowed: tuple[int, ...]) -> None:
+    """Raise ValueError unless ``chunks`` is one of ``allowed``."""
+    if chunks not in allowed:
+        expected = " or ".join(str(c) for c in allowed)
+        raise ValueError(f"schedule.chunks(={chunks}) must be {expected} for {name}")
+
+
+def check_iterations(name: str, iterations: int) -> None:
+    """Raise ValueError unless at least one iteration is simulated."""
+    if iterations < 1:
+        raise ValueError(f"iterations(={iterations}) must be >= 1 for {name}")
+
+
+def v_chunks(name: str, chunks: int) -> int:
+    """V schedules always hold 2 chunks per device; the default chunks=1 is read as 2."""
+    check_chunks(name, chunks, (1, 2))
+    return 2

@@ -1,0 +1,70 @@
+"""Parse times, sizes and bandwidths written with units: ``18.5ms``, ``16GiB``, ``100Gbit/s``.
+
+A bare number is taken in the base unit (seconds, bytes, bytes per second). Errors say what
+was given and what is accepted; callers prefix the config key.
+"""
+
+from __future__ import annotations
+
+import re
+
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]*)\s*$")
+
+TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "min": 60.0}
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+BANDWIDTH_UNITS = {"": 1.0, "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
+                   "Kbit/s": 1e3 / 8, "Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8, "Tbit/s": 1e12 / 8,
+                   "Gbps": 1e9 / 8, "GiB/s": 2.0**30}
+
+
+def _parse(value: object, units: dict, what: str) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"got {value!r}, expected a {what}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        match = _NUMBER.match(str(value))
+        if match is None:
+            raise ValueError(f"got {value!r}, expected a {what} such as {_example(units)}")
+        number, unit = float(match.group(1)), match.group(2)
+    if unit not in units:
+        raise ValueError(f"got {value!r}: unknown unit {unit!r}, expected one of {', '.join(u for u in units if u)}")
+    if number < 0:
+        raise ValueError(f"got {value!r}, expected a non-negative {what}")
+    return number * units[unit]
+
+
+def _example(units: dict) -> str:
+    return {id(TIME_UNITS): "'18.5ms' or 0.5", id(SIZE_UNITS): "'16GiB' or '512MB'",
+            id(BANDWIDTH_UNITS): "'25GB/s' or '100Gbit/s'"}[id(units)]
+
+
+def parse_time(value: object) -> float:
+    """Seconds from ``2``, ``'2s'``, ``'18.5ms'``, ``'600us'``."""
+    return _parse(value, TIME_UNITS, "time")
+
+
+def parse_size(value: object) -> int:
+    """Bytes from ``'16GiB'``, ``'512MB'`` or a plain number."""
+    return int(_parse(value, SIZE_UNITS, "size"))
+
+
+def parse_bandwidth(value: object) -> float:
+    """Bytes per second from ``'25GB/s'``, ``'100Gbit/s'`` or a plain number."""
+    return _parse(value, BANDWIDTH_UNITS, "bandwidth")
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 GiB`` style, for tables and error messages."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_time(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3f} {unit}"
+    return f"{seconds * 1e9:.0f} ns"

@@ -1,0 +1,66 @@
+"""The checker: malformed schedules and deadlocks are reported with device, step and actions."""
+
+import pytest
+
+from simulator.check import ScheduleError, check, lockstep
+from simulator.csvio import from_csv_text
+from simulator.schedules import build
+
+
+def test_generated_schedules_pass() -> None:
+    """GPipe and 1F1B pass; GPipe p=4 m=8 takes m+p-1 forward steps and as many backward steps."""
+    assert check(build("gpipe", 4, 8)) == 2 * (8 + 4 - 1)
+    assert check(build("1f1b", 4, 8)) > 0
+
+
+def test_crafted_deadlock_names_the_stuck_actions() -> None:
+    """Device 0 runs B0 before F1 while device 1 waits for F1 first: both are named."""
+    text = "0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n"
+    with pytest.raises(ScheduleError) as err:
+        check(from_csv_text(text))
+    message = str(err.value)
+    assert "deadlock" in message
+    assert "device 0 op 1: 0B0 waits for 1B0" in message
+    assert "device 1 op 0: 1F1 waits for 0F1" in message
+
+
+def test_missing_microbatch_is_named() -> None:
+    """Dropping microbatch 2's forward on stage 1 is reported as exactly that."""
+    text = "0F0,0F1,0F2,0B0,0B1,0B2\n1F0,1F1,1B0,1B1,1B2\n"
+    with pytest.raises(ScheduleError, match=r"stage 1 microbatch 2: missing F \(1F2\)"):
+        check(from_csv_text(text, num_microbatches=3))
+
+
+def test_duplicate_action_is_named() -> None:
+    """An action listed twice is reported with both positions."""
+    text = "0F0,0F0,0B0\n1F0,1B0\n"
+    with pytest.raises(ScheduleError, match=r"0F0 appears 2 times \(device 0 step 0, device 0 step 1\)"):
+        check(from_csv_text(text))
+
+
+def test_w_before_its_i() -> None:
+    """A weight-grad scheduled before its input-grad on the same device is rejected."""
+    text = "0F0,0I0,0W0\n1F0,1W0,1I0\n"
+    with pytest.raises(ScheduleError, match=r"device 1 step 1: 1W0 comes before its 1I0 \(step 2\)"):
+        check(from_csv_text(text))
+
+
+def test_stage_on_two_devices() -> None:
+    """Stage 0's backward on device 1 is a stage on two devices."""
+    text = "0F0\n1F0,1B0,0B0\n"
+    with pytest.raises(ScheduleError, match="a stage on two devices"):
+        check(from_csv_text(text))
+
+
+def test_microbatch_out_of_range_and_missing_both_reported() -> None:
+    """torch 2.13's 1F1B bug shape (forwards 1..m on the last rank) yields both findings."""
+    text = "0F0,0F1,0B0,0B1\n1F1,1F2,1B0,1B1\n"
+    with pytest.raises(ScheduleError) as err:
+        check(from_csv_text(text, num_microbatches=2))
+    assert "1F2 has microbatch outside 0..1" in str(err.value)
+    assert "missing F (1F0)" in str(err.value)
+
+
+def test_lockstep_counts_unit_steps() -> None:
+    """1F1B p=2 m=2: 0F0 | 0F1 1F0 | 1B0 | 0B0 1F1 | 1B1 | 0B1 = 6 steps."""
+    assert lockstep(build("1f1b", 2, 2)) == (6, [])

@@ -1,0 +1,102 @@
+"""Clusters as networkx graphs: GPUs, NVLink switches, NICs and a fabric; placement of pipeline
+devices on GPUs; the path (bandwidth, latency) between two of them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import networkx as nx
+import yaml
+
+from simulator.costs import Link
+from simulator.units import parse_bandwidth, parse_time
+
+MACHINES_DIR = os.path.join(os.path.dirname(__file__), "machines")
+PLACEMENTS = ("linear", "spread")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One server type: its GPU and the two bandwidth tiers."""
+
+    name: str
+    device: str
+    gpus_per_node: int
+    intra_bandwidth: float
+    intra_latency_ns: int
+    inter_bandwidth: float
+    inter_latency_ns: int
+
+
+def machine_names() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(MACHINES_DIR) if f.endswith(".yaml"))
+
+
+def load_machine(name_or_path: str) -> Machine:
+    """A built-in machine by name (see ``machine_names()``) or a YAML file path."""
+    path = name_or_path if name_or_path.endswith((".yaml", ".yml")) else os.path.join(MACHINES_DIR, f"{name_or_path}.yaml")
+    if not os.path.exists(path):
+        raise ValueError(f"cluster.topology(={name_or_path!r}) is neither a file nor one of {', '.join(machine_names())}")
+    with open(path, encoding="utf-8") as handle:
+        raw = yaml.safe_load(handle) or {}
+    try:
+        return Machine(
+            name=os.path.basename(path)[:-5],
+            device=str(raw["device"]),
+            gpus_per_node=int(raw["gpus_per_node"]),
+            intra_bandwidth=parse_bandwidth(raw["intra_node"]["bandwidth"]),
+            intra_latency_ns=round(parse_time(raw["intra_node"]["latency"]) * 1e9),
+            inter_bandwidth=parse_bandwidth(raw["inter_node"]["bandwidth"]),
+            inter_latency_ns=round(parse_time(raw["inter_node"]["latency"]) * 1e9),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"topology file {path}: {err!r}; expected device, gpus_per_node, "
+                         f"intra_node.bandwidth/latency, inter_node.bandwidth/latency") from None
+
+
+def machine_graph(machine: Machine, nodes: int) -> nx.Graph:
+    """GPUs ``(node, i)`` joined by their node's NVLink switch, and each through its own NIC to the fabric.
+
+    Edge latencies are half a hop so a GPU-switch-GPU path costs one hop's latency.
+    """
+    graph = nx.Graph()
+    for n in range(nodes):
+        switch = ("nvswitch", n)
+        for i in range(machine.gpus_per_node):
+            gpu, nic = ("gpu", n * machine.gpus_per_node + i), ("nic", n, i)
+            graph.add_edge(gpu, switch, bandwidth=machine.intra_bandwidth, latency_ns=machine.intra_latency_ns / 2)
+            graph.add_edge(gpu, nic, bandwidth=machine.inter_bandwidth, latency_ns=0)
+            graph.add_edge(nic, "fabric", bandwidth=machine.inter_bandwidth, latency_ns=machine.inter_latency_ns / 2)
+    return graph
+
+
+class Cluster:
+    """A machine graph plus where each pipeline device runs."""
+
+    def __init__(self, machine: Machine, nodes: int = 1, placement: str = "linear", devices: int | None = None):
+        if nodes < 1:
+            raise ValueError(f"cluster.nodes(={nodes}) must be >= 1")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"cluster.placement(={placement!r}) must be one of {', '.join(PLACEMENTS)}")
+        self.machine, self.nodes, self.placement = machine, nodes, placement
+        self.graph = machine_graph(machine, nodes)
+        self.num_gpus = nodes * machine.gpus_per_node
+        if devices is not None and devices > self.num_gpus:
+            raise ValueError(f"pipeline needs {devices} GPUs but cluster.nodes(={nodes}) x "
+                             f"{machine.gpus_per_node} GPUs of {machine.name} gives {self.num_gpus}")
+        self.link = lru_cache(maxsize=None)(self._link)
+
+    def gpu_of(self, device: int) -> int:
+        """linear: device d on GPU d (fills a node first); spread: round-robin over nodes."""
+        if self.placement == "linear":
+            return device
+        per = self.machine.gpus_per_node
+        return (device % self.nodes) * per + device // self.nodes
+
+    def _link(self, src: int, dst: int) -> Link:
+        """The lowest-latency path between two pipeline devices: its slowest edge and summed latency."""
+        path = nx.shortest_path(self.graph, ("gpu", self.gpu_of(src)), ("gpu", self.gpu_of(dst)), weight="latency_ns")
+        edges = [self.graph.edges[a, b] for a, b in zip(path, path[1:])]
+        return Link(min(e["bandwidth"] for e in edges), round(sum(e["latency_ns"] for e in edges)))
