@@ -118,7 +118,8 @@ def run_bench(repeat: int = 5, quick: bool = False, as_json: bool = False) -> in
     print(f"{'case':>14} {'ops':>7} {'xfers':>7} {'engine run':>11} {'floor':>8} {'ratio':>6} "
           f"{'ops/s':>9} {'check':>7} {'compile':>8} {'result':>7} {'simulate':>9}")
     for r in rows:
-        print(f"{'1f1b p=%d m=%d' % (r['p'], r['m']):>14} {r['ops']:>7} {r['transfers']:>7} "
+        case = f"1f1b p={r['p']} m={r['m']}"
+        print(f"{case:>14} {r['ops']:>7} {r['transfers']:>7} "
               f"{r['engine_run_s']:>10.3f}s {r['floor_s']:>7.3f}s {r['ratio_engine_to_floor']:>5.2f}x "
               f"{r['engine_ops_per_s']:>9.0f} {r['check_s']:>6.3f}s {r['compile_s']:>7.3f}s {r['result_s']:>6.3f}s "
               f"{r['simulate_s']:>8.3f}s")

@@ -122,19 +122,23 @@ def lockstep(schedule: Schedule) -> tuple[int, list[str]]:
     blocked: dict[Action, list[int]] = {}
     cursor = [0] * len(lists)
     last = [0] * len(lists)
-    work = list(range(len(lists)))
+    work, num_stages = list(range(len(lists))), schedule.num_stages
     while work:
         d = work.pop()
         while cursor[d] < len(lists[d]):
             action = lists[d][cursor[d]]
-            missing = next((p for p in producers(action, schedule.num_stages, present) if p not in step_of), None)
-            if missing is not None:
-                blocked.setdefault(missing, []).append(d)
-                break
-            deps = [step_of[p] for p in producers(action, schedule.num_stages, present)]
-            last[d] = step_of[action] = max([last[d], *deps]) + 1
-            cursor[d] += 1
-            work.extend(blocked.pop(action, ()))
+            level = last[d]
+            for dep in producers(action, num_stages, present):
+                if dep not in step_of:
+                    blocked.setdefault(dep, []).append(d)
+                    break
+                level = max(level, step_of[dep])
+            else:
+                last[d] = step_of[action] = level + 1
+                cursor[d] += 1
+                work.extend(blocked.pop(action, ()))
+                continue
+            break
     if len(step_of) < len(present):
         needs = {lists[d][c]: producers(lists[d][c], schedule.num_stages, present)
                  for d, c in enumerate(cursor) if c < len(lists[d])}

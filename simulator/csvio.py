@@ -8,7 +8,7 @@ import io
 import os
 import tempfile
 
-from simulator.ir import COMPUTE_KINDS, Action, Schedule, parse_cell
+from simulator.ir import COMPUTE_KINDS, Schedule, parse_cell
 
 
 def to_csv_text(schedule: Schedule, compute_only: bool = True) -> str:
@@ -46,8 +46,8 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
     """Parse torch's CSV into a Schedule.
 
     Stages are placed on the device where they first appear; the checker reports a
-    stage that shows up on a second device. An ``OVERLAP_F_B`` cell becomes its actions in order. Without ``num_microbatches`` it is taken as
-    one more than the highest microbatch seen.
+    stage that shows up on a second device. An ``OVERLAP_F_B`` cell becomes its actions in
+    order. Without ``num_microbatches`` it is taken as one more than the highest microbatch seen.
     """
     rows = [row for row in csv.reader(io.StringIO(text))]
     device_actions = []
@@ -57,7 +57,8 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
             device_actions.append(tuple(a for actions in cells for a in actions))
         except ValueError as err:
             raise ValueError(f"row {rank}: {err}") from None
-    compute = [(d, a) for d, acts in enumerate(device_actions) for a in acts if a is not None and a.kind in COMPUTE_KINDS]
+    compute = [(d, a) for d, acts in enumerate(device_actions)
+               for a in acts if a is not None and a.kind in COMPUTE_KINDS]
     if not compute:
         raise ValueError("schedule CSV holds no compute actions")
     home: dict[int, int] = {}

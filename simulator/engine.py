@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import simpy
 
@@ -67,7 +67,7 @@ def compile_schedule(schedule: Schedule, costs: CostModel, link: LinkLookup) -> 
     transfer_of: dict[tuple[int, int], int] = {}
     duration_of: dict[tuple[int, int, int], int] = {}
     home, present = schedule.stage_to_device, frozenset(index)
-    for i, action in enumerate(actions):
+    for action in actions:
         out.duration.append(op_duration(action, stage_costs[action.stage], schedule.recompute))
         deps = []
         for dep in producers(action, schedule.num_stages, present):

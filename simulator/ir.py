@@ -132,7 +132,7 @@ def v_placement(num_devices: int) -> tuple[int, ...]:
     return tuple(range(num_devices)) + tuple(reversed(range(num_devices)))
 
 
-def producers(action: Action, num_stages: int, present: "set[Action] | frozenset[Action]") -> list[Action]:
+def producers(action: Action, num_stages: int, present: set[Action] | frozenset[Action]) -> list[Action]:
     """The ops whose results ``action`` needs (SCHEDULES.md section 0).
 
     F(s) needs F(s-1); I/B(s) needs its own F(s) and the backward of stage s+1

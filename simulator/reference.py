@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from simulator.check import ScheduleError
 from simulator.ir import Action, Schedule, producers

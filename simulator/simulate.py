@@ -29,8 +29,8 @@ def simulate(schedule: Schedule, costs: CostModel, link: LinkLookup | None = Non
     Raises:
         ScheduleError: malformed or deadlocking schedule, naming the actions.
     """
-    check(schedule)
     wall = time.perf_counter()
+    check(schedule)
     compiled = compile_schedule(schedule, costs, link or (lambda src, dst: DEFAULT_LINK))
     times = Engine(compiled).run()
     samples = schedule.num_microbatches * samples_per_microbatch * data_parallel

@@ -17,7 +17,8 @@ def _lanes(result: SimResult) -> dict[tuple[int, str], int]:
     """Thread id per (device, stream): compute first, then send streams by peer."""
     lanes: dict[tuple[int, str], int] = {}
     frame = result.timeline
-    for device, stream in sorted(set(zip(frame["device"], frame["stream"])), key=lambda k: (k[0], k[1] != "compute", k[1])):
+    streams = set(zip(frame["device"], frame["stream"]))
+    for device, stream in sorted(streams, key=lambda k: (k[0], k[1] != "compute", k[1])):
         lanes[(device, stream)] = sum(1 for d, _ in lanes if d == device)
     return lanes
 

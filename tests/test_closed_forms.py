@@ -37,7 +37,8 @@ def test_gpipe_p2p_time_adds_2_p_minus_1_hops() -> None:
     checked against the plain timing model below instead.)
     """
     p, m = 4, 8
-    result = simulate(build("gpipe", p, m), UniformCosts(forward=1.0, backward_input=1.0, backward_weight=1.0, p2p=0.25))
+    costs = UniformCosts(forward=1.0, backward_input=1.0, backward_weight=1.0, p2p=0.25)
+    result = simulate(build("gpipe", p, m), costs)
     assert result.iteration_ns == round(((m + p - 1) * 3.0 + 2 * (p - 1) * 0.25) * 1e9)
 
 

@@ -36,9 +36,11 @@ def machine_names() -> list[str]:
 
 def load_machine(name_or_path: str) -> Machine:
     """A built-in machine by name (see ``machine_names()``) or a YAML file path."""
-    path = name_or_path if name_or_path.endswith((".yaml", ".yml")) else os.path.join(MACHINES_DIR, f"{name_or_path}.yaml")
+    is_file = name_or_path.endswith((".yaml", ".yml"))
+    path = name_or_path if is_file else os.path.join(MACHINES_DIR, f"{name_or_path}.yaml")
     if not os.path.exists(path):
-        raise ValueError(f"cluster.topology(={name_or_path!r}) is neither a file nor one of {', '.join(machine_names())}")
+        choices = ", ".join(machine_names())
+        raise ValueError(f"cluster.topology(={name_or_path!r}) is neither a file nor one of {choices}")
     with open(path, encoding="utf-8") as handle:
         raw = yaml.safe_load(handle) or {}
     try:

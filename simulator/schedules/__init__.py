@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from simulator.ir import Schedule
 from simulator.schedules.basic import gpipe, one_f_one_b

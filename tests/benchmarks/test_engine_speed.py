@@ -1,0 +1,13 @@
+"""Engine speed against the heapq floor (opt-in: pytest -m benchmark tests/benchmarks)."""
+
+import pytest
+
+from experiments.bench import bench_case
+
+
+@pytest.mark.benchmark
+def test_p64_m512_within_targets() -> None:
+    """1F1B p=64, m=512 (65,536 ops plus transfers): engine run <= 1 s and <= 4x the heapq floor (medians)."""
+    row = bench_case(64, 512, repeat=3)
+    assert row["engine_run_s"] <= 1.0
+    assert row["ratio_engine_to_floor"] <= 4.0

@@ -1,0 +1,120 @@
+"""The CLI: JSON fields, outputs, and one-line usage errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from experiments.cli import main
+
+UNIFORM = ["--set", "costs.kind=uniform", "--set", "costs.forward=1", "--set", "costs.backward_input=1",
+           "--set", "costs.backward_weight=1", "--set", "costs.p2p=0"]
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_simulate_json_has_every_design_field(capsys) -> None:
+    """simulate --json prints one object with DESIGN.md's fields; bubble_rate matches the closed form."""
+    code, out, _ = run_cli(["simulate", "--json", "--schedule", "gpipe", "--stages", "4", "--microbatches", "8",
+                            *UNIFORM], capsys)
+    assert code == 0
+    data = json.loads(out)
+    for key in ("schedule", "stages", "devices", "microbatches", "iteration_time_s", "bubble_rate",
+                "throughput_samples_per_s", "peak_memory_bytes", "sim_wall_s", "ops", "per_device"):
+        assert key in data
+    assert data["bubble_rate"] == pytest.approx(3 / 11)
+    assert data["iteration_time_s"] == pytest.approx(11 * 3.0)
+    assert data["ops"] == 4 * 8 * 2
+    assert [d["peak_activations"] for d in data["per_device"]] == [8, 8, 8, 8]
+    assert set(data["per_device"][0]) >= {"device", "busy_s", "span_s", "idle_fraction", "peak_memory_bytes"}
+
+
+def test_config_file_and_set_override(tmp_path, capsys) -> None:
+    """--set overrides the YAML file, and short flags override --set."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("schedule:\n  name: gpipe\n  stages: 2\n  microbatches: 2\ncosts:\n  kind: uniform\n")
+    code, out, _ = run_cli(["simulate", "--json", "--config", str(cfg), "--set", "schedule.stages=3",
+                            "--microbatches", "5", "--set", "costs.forward=18.5ms"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["stages"] == 3 and data["microbatches"] == 5
+    assert data["per_device"][0]["busy_s"] == pytest.approx(5 * (0.0185 + 2.0))
+
+
+def test_analytic_run_reports_memory_and_mfu(capsys) -> None:
+    """The default analytic run reports a positive MFU below 1 and per-device memory."""
+    code, out, _ = run_cli(["simulate", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and 0 < data["mfu"] < 1
+    assert data["peak_memory_bytes"] == max(d["peak_memory_bytes"] for d in data["per_device"])
+    assert data["oom"] == []
+
+
+def test_oom_is_reported_with_device_and_bytes(capsys) -> None:
+    """A 1 GiB device cannot hold GPT 1.3B's stages: OOM names device and bytes."""
+    code, out, _ = run_cli(["simulate", "--set", "cluster.memory=1GiB"], capsys)
+    assert code == 0
+    assert "OOM: device 0 needs" in out and "of 1.00 GiB" in out
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--schedule", "nope"], "schedule.name: got 'nope', expected one of"),
+    (["--stages", "0"], "schedule.stages: got 0, expected an integer >= 1"),
+    (["--microbatches", "0"], "schedule.microbatches: got 0, expected an integer >= 1"),
+    (["--set", "schedule.stages"], "--set 'schedule.stages': expected dotted.key=value"),
+    (["--set", "costs.forward=3fortnights"], "costs.forward: got '3fortnights': unknown unit 'fortnights'"),
+    (["--config", "/nonexistent/x.yaml"], "--config: '/nonexistent/x.yaml' does not exist"),
+    (["--set", "schedule.colour=red"], "schedule.colour: unknown key"),
+    (["--set", "model.preset=gpt-9t"], "model.preset(='gpt-9t') is not one of"),
+    (["--set", "cluster.topology=moon"], "cluster.topology(='moon') is neither a file nor one of"),
+    (["--stages", "two"], "schedule.stages: got 'two', expected an integer"),
+])
+def test_bad_input_is_one_line_exit_2(args: list[str], expected: str, capsys) -> None:
+    """Each bad input exits 2 with a single line naming the key and the value."""
+    code, out, err = run_cli(["simulate", *args], capsys)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("pipescope: error: ")
+    assert expected in err
+
+
+def test_check_command(tmp_path, capsys) -> None:
+    """pipescope check accepts a good CSV (exit 0) and names the problem of a bad one (exit 1)."""
+    good, bad = tmp_path / "good.csv", tmp_path / "bad.csv"
+    good.write_text("0F0,0B0\n1F0,1B0\n")
+    bad.write_text("0F0,0B0\n1F0\n")
+    code, out, _ = run_cli(["check", str(good)], capsys)
+    assert code == 0 and "ok: 2 devices" in out
+    code, _, err = run_cli(["check", str(bad)], capsys)
+    assert code == 1 and "stage 1 microbatch 0: missing B (or I and W)" in err
+    code, _, err = run_cli(["check", str(tmp_path / "absent.csv")], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+def test_schedules_lists_generators(capsys) -> None:
+    """pipescope schedules names every generator with a description."""
+    code, out, _ = run_cli(["schedules"], capsys)
+    assert code == 0
+    assert out.startswith("gpipe") or "gpipe " in out
+    assert "1f1b" in out and "aliases: flush" in out and "torch:<Name>" in out
+
+
+def test_console_script_argparse_error_is_one_line() -> None:
+    """An unknown command through the real entry point: exit 2, one line."""
+    proc = subprocess.run([sys.executable, "-m", "experiments.cli", "frobnicate"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "invalid choice: 'frobnicate'" in proc.stderr
+
+
+def test_csv_output_is_torch_compute_only(tmp_path, capsys) -> None:
+    """simulate --csv writes the schedule it ran; check accepts it."""
+    path = tmp_path / "s.csv"
+    code, _, _ = run_cli(["simulate", "--schedule", "1f1b", "--stages", "3", "--microbatches", "4", "--csv",
+                          str(path), *UNIFORM], capsys)
+    assert code == 0
+    assert path.read_text().splitlines()[2] == "2F0,2B0,2F1,2B1,2F2,2B2,2F3,2B3"
+    assert main(["check", str(path)]) == 0
