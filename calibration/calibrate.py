@@ -101,6 +101,7 @@ def metadata(config: CalibrationConfig, timer: Timer, tables: dict[str, str]) ->
         "device": env.device_info(device),
         "versions": env.versions(),
         "timing": {**asdict(config.timing), "method": timer.method, "threads": torch.get_num_threads(),
+                   "flush_l2": bool(getattr(timer, "flush_bytes", 0)),
                    "l2_flush_bytes": getattr(timer, "flush_bytes", 0),
                    "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32)},
         "optimizer": {"name": "AdamW", "lr": 1e-4, "master_dtype": "fp32", "defaults": "torch's (foreach on CUDA)"},

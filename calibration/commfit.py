@@ -52,20 +52,24 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 
 def split_ranges(sizes: Sequence[int], edges: Sequence[int] = RANGE_EDGES) -> list[list[int]]:
-    """Group sorted sizes by ``edges``; a group of fewer than 2 sizes joins its neighbour (a line needs 2)."""
+    """Group sorted sizes by ``edges``; a group of fewer than 2 sizes joins the next one (a line needs 2)."""
     groups: list[list[int]] = []
     for size in sorted(sizes):
         index = sum(size >= e for e in edges)
         while len(groups) <= index:
             groups.append([])
         groups[index].append(size)
-    groups = [g for g in groups if g]
     merged: list[list[int]] = []
+    carry: list[int] = []
     for group in groups:
-        if merged and (len(group) < 2 or len(merged[-1]) < 2):
-            merged[-1].extend(group)
-        else:
-            merged.append(group)
+        carry += group
+        if len(carry) >= 2:
+            merged.append(carry)
+            carry = []
+    if carry and merged:
+        merged[-1] += carry
+    elif carry:
+        merged.append(carry)
     return merged
 
 

@@ -53,8 +53,8 @@ def gpu_clocks(device: torch.device) -> dict | None:
         return None
     fields = "clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem"
     try:
-        out = subprocess.run([smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", str(device.index or 0)],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
+        query = [smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", str(device.index or 0)]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     values = [v.strip() for v in out.strip().split(",")]

@@ -171,9 +171,9 @@ def shard_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def shard_backward(x: torch.Tensor, weight: torch.Tensor, softmax: torch.Tensor,
                    local_targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Vocabulary-parallel T pass: dL/dlogits from the softmax, then this shard's grad W and partial grad X."""
-    grad = softmax.clone()
-    hit = local_targets >= 0
-    rows = torch.nonzero(hit).squeeze(-1)
-    grad[rows, local_targets[rows]] -= 1
+    # Subtract one at each row's target when this shard holds it; scatter with a mask rather than indexing the
+    # hits, which would synchronise the host with the GPU inside the timed window.
+    hit = (local_targets >= 0).to(softmax.dtype).unsqueeze(1)
+    grad = softmax.scatter_add(1, local_targets.clamp(min=0).unsqueeze(1), -hit)
     grad /= x.shape[0]
     return grad.t() @ x, grad @ weight

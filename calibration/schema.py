@@ -60,7 +60,7 @@ def read_metadata(profile_dir: str | os.PathLike, name: str = COMPUTE_META) -> d
     """
     path = Path(profile_dir) / name
     if not path.is_file():
-        raise ProfileError(f"costs.profile: {str(profile_dir)!r} has no {name}; expected a `pipescope calibrate` output")
+        raise ProfileError(f"costs.profile: {str(profile_dir)!r} has no {name}; expected a pipescope calibrate output")
     try:
         meta = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -86,7 +86,8 @@ def check_columns(columns: Iterable[str], table: str, where: str) -> None:
     present = set(columns)
     missing = [c for c in TABLE_COLUMNS[table] if c not in present]
     if missing:
-        raise ProfileError(f"{where}: column {missing[0]!r} missing; expected columns {', '.join(TABLE_COLUMNS[table])}")
+        expected = ", ".join(TABLE_COLUMNS[table])
+        raise ProfileError(f"{where}: column {missing[0]!r} missing; expected columns {expected}")
 
 
 def table_path(profile_dir: str | os.PathLike, meta: dict, table: str) -> Path:

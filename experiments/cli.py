@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         return usage_error(str(err))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `pipescope bench | head`: stop quietly like other CLI tools
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

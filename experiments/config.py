@@ -37,6 +37,7 @@ class ScheduleConfig:
     chunks: int = 1
     recompute: bool = False
     vocab: str = "naive"
+    vertical_sync: bool = False
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,11 @@ def build_schedule(config: Config) -> Schedule:
     except KeyError:
         names = ", ".join(list(GENERATORS) + ["flush", "torch:<Name>", "csv:<path>"])
         raise ConfigError(f"schedule.name: got {s.name!r}, expected one of {names}") from None
-    options = {}
+    options: dict[str, object] = {}
+    if s.vertical_sync:
+        if "vertical_sync" not in inspect.signature(gen.build).parameters:
+            raise ConfigError(f"schedule.vertical_sync: got true, but only pipedream has it, not {gen.name}")
+        options["vertical_sync"] = True
     if config.iterations is not None:
         if "iterations" not in inspect.signature(gen.build).parameters:
             raise ConfigError(f"iterations: got {config.iterations}, but {gen.name} has a flush and simulates "

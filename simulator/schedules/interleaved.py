@@ -61,4 +61,5 @@ def interleaved(p: int, m: int, chunks: int = 2, recompute: bool = False) -> Sch
     if chunks < 2:
         raise ValueError(f"schedule.chunks(={chunks}) must be >= 2 for interleaved; use '1f1b' for one chunk")
     lists = tuple(tuple(device_order(r, p, m, chunks)) for r in range(p))
-    return Schedule("interleaved", p, m, looped_placement(p, chunks), lists, recompute=recompute)
+    return Schedule("interleaved", p, m, looped_placement(p, chunks), lists, recompute=recompute,
+                    weight_versions=(1,) * p)

@@ -6,14 +6,14 @@ pipeline fills once and drains once per run (SCHEDULES.md sections 2 and 3).
 
 from __future__ import annotations
 
-from simulator.ir import Schedule, looped_placement
+from simulator.ir import Action, Schedule, looped_placement
 from simulator.schedules.basic import one_f_one_b_order
 from simulator.schedules.common import check_chunks, check_iterations, check_sizes
 
 DEFAULT_ITERATIONS = 3
 
 
-def _continuous_1f1b(p: int, total: int) -> tuple[tuple, ...]:
+def _continuous_1f1b(p: int, total: int) -> tuple[tuple[Action, ...], ...]:
     """1F1B over ``total`` microbatches on every device, with no flush between iterations."""
     return tuple(tuple(one_f_one_b_order(r, p, total)) for r in range(p))
 

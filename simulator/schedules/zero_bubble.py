@@ -54,15 +54,18 @@ def zb_h1_order(r: int, p: int, m: int) -> list[Action]:
 
 
 def zb_h2_order(r: int, p: int, m: int) -> list[Action]:
-    """Device r: F x (2(p-r)-1), [I, F] x r, [I, W, F] while F's last, [I, W], leftover W's (SCHEDULES.md 5).
+    """Device r: F x (2(p-r)-1), [I, F] x 2r, [I, W, F] while F's last, [I, W], leftover W's.
 
-    The extra warm-up forwards fill the wait for the first I; with m < 2p-1 the
-    warm-up is cut at m forwards.
+    The extra warm-up forwards fill the wait for the first I. Device r defers 2r W's
+    (SCHEDULES.md's recipe says r): the drain needs device r to end with its last I
+    followed by 2r+1 W's, and with only r deferred the first devices idle in the drain
+    and the bubble stays ZB-H1's. In-flight activations 2(p-r)-1 plus 2r deferred W's
+    keep every device within the paper's (2p-1) M_B. With m < 2p-1 the phases are cut short.
     """
     out = OrderBuilder(m)
     for _ in range(2 * (p - r) - 1):
         out.add(r, "F")
-    for _ in range(r):
+    for _ in range(2 * r):
         if out.left(r, "F"):
             out.add(r, "I", "F")
     while out.left(r, "F"):
@@ -110,14 +113,16 @@ def zb_h1(p: int, m: int, chunks: int = 1, recompute: bool = False) -> Schedule:
     """ZB-H1: 1F1B's memory (p in-flight microbatches), bubble (p-1)(F+I-W)."""
     _single_stage_checks("zb-h1", p, m, chunks)
     lists = tuple(tuple(zb_h1_order(r, p, m)) for r in range(p))
-    return Schedule("zb-h1", p, m, looped_placement(p, 1), lists, recompute=recompute)
+    return Schedule("zb-h1", p, m, looped_placement(p, 1), lists, recompute=recompute,
+                    weight_versions=(1,) * p)
 
 
 def zb_h2(p: int, m: int, chunks: int = 1, recompute: bool = False) -> Schedule:
     """ZB-H2: up to 2p-1 in-flight microbatches, bubble (p-1)(F+I-2W) (zero when F = I = W)."""
     _single_stage_checks("zb-h2", p, m, chunks)
     lists = tuple(tuple(zb_h2_order(r, p, m)) for r in range(p))
-    return Schedule("zb-h2", p, m, looped_placement(p, 1), lists, recompute=recompute)
+    return Schedule("zb-h2", p, m, looped_placement(p, 1), lists, recompute=recompute,
+                    weight_versions=(1,) * p)
 
 
 def zb_v(p: int, m: int, chunks: int = 2, recompute: bool = False) -> Schedule:
@@ -125,7 +130,8 @@ def zb_v(p: int, m: int, chunks: int = 2, recompute: bool = False) -> Schedule:
     v_chunks("zb-v", chunks)
     check_sizes("zb-v", p, m, min_m=p)
     lists = tuple(tuple(zb_v_order(r, p, m)) for r in range(p))
-    return Schedule("zb-v", p, m, v_placement(p), lists, recompute=recompute)
+    return Schedule("zb-v", p, m, v_placement(p), lists, recompute=recompute,
+                    weight_versions=(1,) * p)
 
 
 def _single_stage_checks(name: str, p: int, m: int, chunks: int) -> None:

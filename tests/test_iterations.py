@@ -1,0 +1,41 @@
+"""Schedules without a flush run over several iterations: steady state and fill/drain are reported apart."""
+
+import json
+
+import pytest
+
+from experiments.cli import main
+from simulator.costs import UniformCosts
+from simulator.schedules import build
+from simulator.simulate import simulate
+
+
+@pytest.mark.parametrize("name", ["pipedream", "2bw"])
+def test_steady_state_has_no_bubble(name: str) -> None:
+    """p=4, m=8, 4 iterations, F=1 B=2: steady iteration m(F+B) = 24 s, fill + drain (p-1)(F+B) = 9 s."""
+    p, m, iterations = 4, 8, 4
+    result = simulate(build(name, p, m, iterations=iterations), UniformCosts(1.0, 1.0, 1.0))
+    assert result.iteration_ns == m * 3 * 10**9
+    assert result.fill_drain_ns == (p - 1) * 3 * 10**9
+    assert result.makespan_ns == ((iterations * m) + p - 1) * 3 * 10**9
+
+
+def test_iterations_key_reaches_the_generator(capsys) -> None:
+    """--set iterations=5 spans five iterations; on a flush schedule it is a usage error naming the key."""
+    assert main(["simulate", "--json", "--schedule", "2bw", "--set", "iterations=5", "--set", "costs.kind=uniform"]) == 0
+    assert '"iterations": 5' in capsys.readouterr().out
+    assert main(["simulate", "--schedule", "1f1b", "--set", "iterations=5"]) == 2
+    assert "iterations: got 5" in capsys.readouterr().err
+
+
+def test_vertical_sync_option(capsys) -> None:
+    """schedule.vertical_sync makes PipeDream hold p versions everywhere; other schedules reject it."""
+    args = ["simulate", "--json", "--schedule", "pipedream", "--stages", "4", "--set", "schedule.vertical_sync=true"]
+    assert main(args) == 0
+    plain = ["simulate", "--json", "--schedule", "pipedream", "--stages", "4"]
+    synced_static = [d["static_memory_bytes"] for d in json.loads(capsys.readouterr().out)["per_device"]]
+    assert main(plain) == 0
+    plain_static = [d["static_memory_bytes"] for d in json.loads(capsys.readouterr().out)["per_device"]]
+    assert synced_static[0] == plain_static[0] and synced_static[3] > plain_static[3]
+    assert main(["simulate", "--schedule", "gpipe", "--set", "schedule.vertical_sync=true"]) == 2
+    assert "schedule.vertical_sync: got true, but only pipedream has it" in capsys.readouterr().err

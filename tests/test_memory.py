@@ -1,0 +1,73 @@
+"""The memory ledger: weight versions, optimizer state, activation stashes, against SCHEDULES.md's formulas."""
+
+import pytest
+
+from simulator.costs import AnalyticCosts, UniformCosts
+from simulator.memory import static_memory
+from simulator.models import DEVICES, layer_work, preset
+from simulator.schedules import build
+from simulator.simulate import simulate
+
+MODEL = preset("gpt-1.3b")
+COSTS = AnalyticCosts(MODEL, DEVICES["h100"], microbatch_size=1, precision="bf16")
+
+
+def test_static_bytes_per_parameter() -> None:
+    """Mixed precision: 2 (weights) + 2 (grads) + 12 (Adam, fp32 master) = 16 bytes; each extra version +2."""
+    assert static_memory(1000, 1, "bf16").total == 16_000
+    assert static_memory(1000, 3, "bf16").weights == 6_000
+    assert static_memory(1000, 1, "fp32").total == 16_000
+
+
+def test_pipedream_holds_p_minus_r_versions() -> None:
+    """PipeDream: device r's static memory counts p-r weight versions (stage 0 p, the last 1)."""
+    p = 4
+    result = simulate(build("pipedream", p, 8), COSTS)
+    for r, device in enumerate(result.devices):
+        params = COSTS.stage_cost(r, p, 1).params
+        assert device.static_memory_bytes == static_memory(params, p - r, "bf16").total
+
+
+def test_2bw_holds_exactly_two_versions() -> None:
+    """2BW: every device holds exactly 2 weight versions."""
+    p = 4
+    result = simulate(build("2bw", p, 8), COSTS)
+    for r, device in enumerate(result.devices):
+        assert device.static_memory_bytes == static_memory(COSTS.stage_cost(r, p, 1).params, 2, "bf16").total
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_2bw_activation_formula(recompute: bool) -> None:
+    """SCHEDULES.md section 3 on the ledger's first device, GPT 1.3B, d = 4 stages of 6 layers.
+
+    Without recompute d * |A_total(b)| / d = |A_total(b)|; with recompute |A_total(b)| / d + d * |A_input(b)|.
+    The paper's extra d * |A_input(b)| without recompute is inside M_B here (a layer's stash includes its
+    input), so it is not counted twice. p2p buffers may add up to two boundary tensors at the peak.
+    """
+    d, m = 4, 8
+    work = layer_work(MODEL, 1, "bf16")
+    a_total, a_input = MODEL.layers * work.activation_bytes, work.boundary_bytes
+    expected = a_total // d + d * a_input if recompute else a_total
+    result = simulate(build("2bw", d, m, recompute=recompute), COSTS)
+    device = result.devices[0]
+    dynamic_peak = device.peak_memory_bytes - device.static_memory_bytes
+    assert expected <= dynamic_peak <= expected + 2 * a_input
+    weights = static_memory(COSTS.stage_cost(0, d, 1).params, 2, "bf16").weights
+    assert weights == 2 * 2 * COSTS.stage_cost(0, d, 1).params  # 2|W|/d in bf16 bytes
+
+
+def test_deferred_w_holds_m_w() -> None:
+    """ZB-H1: after an I the device still holds M_W until its W, so memory between them exceeds plain 1F1B's."""
+    costs = UniformCosts(activation_bytes=1000, weight_grad_bytes=100)
+    zb = simulate(build("zb-h1", 4, 8), costs)
+    flush = simulate(build("1f1b", 4, 8), costs)
+    assert zb.devices[3].peak_memory_bytes > flush.devices[3].peak_memory_bytes
+    assert zb.devices[0].peak_activations == flush.devices[0].peak_activations == 4
+
+
+def test_memory_timeline_returns_to_static() -> None:
+    """After the last op every stash is freed: each device's timeline ends at its static bytes."""
+    result = simulate(build("1f1b", 4, 8), COSTS)
+    for device, memory in zip(result.devices, result.memory):
+        assert memory.bytes_in_use[-1] == device.static_memory_bytes
+        assert memory.bytes_in_use.min() >= device.static_memory_bytes

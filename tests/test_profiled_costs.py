@@ -1,0 +1,216 @@
+"""ProfiledCosts on hand-made profiles: interpolation, extrapolation notes, stage split, schema errors, comms fit."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from calibration.profile_io import write_json, write_table
+from calibration.schema import SCHEMA_VERSION, ProfileError
+from simulator.costs import Link, link_transfer_ns, split_layers
+from simulator.profiled import ProfiledCosts, interp1
+
+# Per-microbatch time = BASE + SLOPE * microbatch_size * seq / 128 (ns), so every value is checkable by hand.
+BASE = {"F": 1000, "I": 2000, "W": 1500, "B": 3300, "R": 1000}
+SLOPE = 100
+
+
+def op_time(op: str, mb: int, seq: int) -> int:
+    return BASE[op] + SLOPE * mb * seq // 128
+
+
+def timing_rows(mbs: tuple[int, ...], seqs: tuple[int, ...]) -> list[dict]:
+    rows = []
+    for seq in seqs:
+        for mb in mbs:
+            for component, ops in (("layer", "FIWBR"), ("embedding", "FW"), ("output", "FIWBR")):
+                scale = {"layer": 1, "embedding": 10, "output": 3}[component]  # tell components apart in sums
+                for op in ops:
+                    t = op_time(op, mb, seq) * scale
+                    rows.append({"component": component, "op": op, "microbatch_size": mb, "seq": seq, "shards": 1,
+                                 "params": 0, "tensors": 0, "median_ns": t, "p10_ns": t, "p90_ns": t, "min_ns": t,
+                                 "reps": 9})
+            for shards in (1, 2):
+                for op in "ST":
+                    t = 4000 // shards
+                    rows.append({"component": "output_shard", "op": op, "microbatch_size": mb, "seq": seq,
+                                 "shards": shards, "params": 0, "tensors": 1, "median_ns": t, "p10_ns": t,
+                                 "p90_ns": t, "min_ns": t, "reps": 9})
+    for params, tensors in ((100, 2), (1000, 4), (5000, 12)):
+        t = 500 + 3 * params + 20 * tensors
+        rows.append({"component": "optimizer", "op": "step", "microbatch_size": 0, "seq": 0, "shards": 1,
+                     "params": params, "tensors": tensors, "median_ns": t, "p10_ns": t, "p90_ns": t, "min_ns": t,
+                     "reps": 9})
+    return rows
+
+
+def memory_rows(mbs: tuple[int, ...], seqs: tuple[int, ...]) -> list[dict]:
+    params = {"layer": 700, "embedding": 50, "output": 60}
+    return [{"component": c, "microbatch_size": mb, "seq": seq, "params": params[c], "tensors": 2, "param_bytes": 0,
+             "activation_bytes": 1000 * mb * seq, "weight_grad_bytes": 200 * mb * seq, "boundary_bytes": 64 * mb * seq,
+             "peak_backward_bytes": float("nan")} for c in params for seq in seqs for mb in mbs]
+
+
+def make_profile(folder: Path, mbs: tuple[int, ...] = (2, 4), seqs: tuple[int, ...] = (128,),
+                 version: int = SCHEMA_VERSION, parquet: bool = True, drop: str | None = None) -> Path:
+    """Write a profile folder with the calibrate layout; ``drop`` removes one timings column."""
+    folder.mkdir(parents=True, exist_ok=True)
+    timings = timing_rows(mbs, seqs)
+    if drop:
+        timings = [{k: v for k, v in row.items() if k != drop} for row in timings]
+    tables = {"timings": write_table(folder, "timings", timings, parquet=parquet),
+              "memory": write_table(folder, "memory", memory_rows(mbs, seqs), parquet=parquet)}
+    meta = {"schema_version": version, "kind": "compute", "precision": "bf16", "model": {"layers": 5, "seq": max(seqs)},
+            "seqs": list(seqs), "tables": tables}
+    write_json(folder / "profile.json", meta)
+    return folder
+
+
+def test_interp1_interpolates_extrapolates_and_scales_a_single_point() -> None:
+    """Inside: the line between neighbours; outside: the end segment, flagged; one point: proportional."""
+    assert interp1([1, 4], [10, 40], 2) == (20, False)
+    assert interp1([1, 2, 4], [10, 30, 40], 8) == (60, True)
+    assert interp1([4], [40], 8) == (80, True)
+    assert interp1([2, 4], [30, 10], 8) == (0.0, True)  # a falling line is clamped at zero
+
+
+def test_measured_point_is_read_exactly_with_no_notes(tmp_path: Path) -> None:
+    """At a measured microbatch size the stage cost is the table's sum and nothing is flagged."""
+    costs = ProfiledCosts.load(make_profile(tmp_path), microbatch_size=4)
+    stage = costs.stage_cost(0, 1, 1)
+    f = 5 * op_time("F", 4, 128) + 10 * op_time("F", 4, 128) + 3 * op_time("F", 4, 128)
+    assert stage.forward_ns == f
+    assert stage.input_grad_ns == 5 * op_time("I", 4, 128) + 3 * op_time("I", 4, 128)
+    assert stage.weight_grad_ns == (5 + 10 + 3) * op_time("W", 4, 128)
+    assert costs.notes() == []
+
+
+def test_between_measured_microbatch_sizes_is_linear(tmp_path: Path) -> None:
+    """Microbatch 3 between measured 2 and 4 gives the midpoint of times and bytes, with no warning."""
+    costs = ProfiledCosts.load(make_profile(tmp_path), microbatch_size=3)
+    assert costs.time_ns("layer", "F") == op_time("F", 3, 128)
+    assert costs.stage_cost(1, 2, 1).activation_bytes == split_layers(5, 2)[1] * 1000 * 3 * 128 + 1000 * 3 * 128
+    assert costs.notes() == []
+
+
+def test_extrapolation_is_flagged_in_notes(tmp_path: Path) -> None:
+    """Microbatch 8 beyond the measured 2..4 is extrapolated linearly and the note says so once."""
+    costs = ProfiledCosts.load(make_profile(tmp_path), microbatch_size=8)
+    assert costs.time_ns("layer", "I") == op_time("I", 8, 128)
+    costs.stage_cost(0, 2, 1)
+    assert costs.notes() == ["costs.profile: microbatch size 8 outside the measured 2..4; extrapolated linearly"]
+
+
+def test_sequence_lengths_interpolate_and_flag_outside(tmp_path: Path) -> None:
+    """With seqs 128 and 256 measured, 192 interpolates silently and 512 is flagged."""
+    folder = make_profile(tmp_path, seqs=(128, 256))
+    assert ProfiledCosts.load(folder, 2, seq=192).time_ns("layer", "W") == op_time("W", 2, 192)
+    beyond = ProfiledCosts.load(folder, 2, seq=512)
+    assert beyond.time_ns("layer", "W") == op_time("W", 2, 512)
+    assert any("sequence length 512" in note for note in beyond.notes())
+
+
+def test_stages_split_layers_with_embedding_first_and_output_last(tmp_path: Path) -> None:
+    """5 layers on 2 stages: 3 + 2; params count the embedding on stage 0 and the output layer on stage 1."""
+    costs = ProfiledCosts.load(make_profile(tmp_path), microbatch_size=2)
+    first, last = costs.stage_cost(0, 2, 1), costs.stage_cost(1, 2, 1)
+    assert (first.params, last.params) == (3 * 700 + 50, 2 * 700 + 60)
+    assert first.recompute_ns == 3 * op_time("R", 2, 128) and last.input_grad_ns == 5 * op_time("I", 2, 128)
+    assert first.boundary_bytes == first.input_bytes == 64 * 2 * 128
+    assert first.weight_grad_bytes == 3 * 200 * 2 * 128 + 200 * 2 * 128
+
+
+def test_layers_override_changes_the_split(tmp_path: Path) -> None:
+    """layers=8 over 4 stages puts 2 layers on each."""
+    costs = ProfiledCosts.load(make_profile(tmp_path), microbatch_size=2, layers=8)
+    assert costs.stage_cost(2, 4, 1).forward_ns == 2 * op_time("F", 2, 128)
+
+
+def test_csv_fallback_loads_the_same_costs(tmp_path: Path) -> None:
+    """A profile written without Parquet (CSV) gives identical stage costs."""
+    parquet = ProfiledCosts.load(make_profile(tmp_path / "a"), 3).stage_cost(0, 3, 1)
+    csv = ProfiledCosts.load(make_profile(tmp_path / "b", parquet=False), 3).stage_cost(0, 3, 1)
+    assert (tmp_path / "b" / "timings.csv").is_file() and csv == parquet
+
+
+def test_optimizer_fit_recovers_the_linear_model(tmp_path: Path) -> None:
+    """500 + 3 params + 20 tensors ns is recovered from three measured groups."""
+    costs = ProfiledCosts.load(make_profile(tmp_path), 2)
+    assert costs.optimizer_ns(10_000, 30) == pytest.approx(500 + 30_000 + 600, abs=2)
+
+
+def test_vocab_shards_measured_and_scaled(tmp_path: Path) -> None:
+    """2 shards are read back; 4 shards (not measured) scale from 2 as 1/shards, with a note."""
+    costs = ProfiledCosts.load(make_profile(tmp_path), 2)
+    assert costs.vocab_shard_ns(2) == (2000, 2000)
+    assert costs.vocab_shard_ns(4) == (1000, 1000)
+    assert any("4 vocabulary shards" in note for note in costs.notes())
+
+
+def test_precision_mismatch_is_noted(tmp_path: Path) -> None:
+    """Asking fp32 of a bf16 profile keeps the measured costs and says so."""
+    costs = ProfiledCosts.load(make_profile(tmp_path), 2, precision="fp32")
+    assert costs.precision == "bf16" and "measured in bf16" in costs.notes()[0]
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    """A profile from a newer schema names the version and asks for an upgrade."""
+    with pytest.raises(ProfileError, match=f"schema_version={SCHEMA_VERSION + 1}; expected {SCHEMA_VERSION}.*upgrade"):
+        ProfiledCosts.load(make_profile(tmp_path, version=SCHEMA_VERSION + 1), 2)
+
+
+def test_missing_column_is_named(tmp_path: Path) -> None:
+    """A timings table without median_ns fails naming that column."""
+    with pytest.raises(ProfileError, match="column 'median_ns' missing"):
+        ProfiledCosts.load(make_profile(tmp_path, drop="median_ns"), 2)
+
+
+def test_missing_profile_and_bad_microbatch_are_refused(tmp_path: Path) -> None:
+    """An empty folder has no profile.json; microbatch size 0 names the key."""
+    with pytest.raises(ProfileError, match="has no profile.json"):
+        ProfiledCosts.load(tmp_path, 2)
+    with pytest.raises(ValueError, match="model.microbatch_size: 0"):
+        ProfiledCosts.load(make_profile(tmp_path / "p"), 0)
+
+
+def add_comms(folder: Path, version: int = SCHEMA_VERSION) -> None:
+    fit = [{"collective": "p2p", "world_size": 2, "lo_bytes": 1 << 15, "hi_bytes": 1 << 19, "latency_ns": 10_000.0,
+            "bandwidth": 1e9, "points": 5},
+           {"collective": "p2p", "world_size": 2, "lo_bytes": 1 << 20, "hi_bytes": 1 << 30, "latency_ns": 50_000.0,
+            "bandwidth": 1e10, "points": 10}]
+    write_json(folder / "comms.json", {"schema_version": version, "kind": "comms",
+                                       "tables": {"comms_fit": write_table(folder, "comms_fit", fit)}})
+
+
+def test_transfer_uses_the_p2p_fit_per_size_range(tmp_path: Path) -> None:
+    """Small messages use the small-range line, large ones the large-range line, zero bytes cost nothing."""
+    folder = make_profile(tmp_path)
+    add_comms(folder)
+    costs = ProfiledCosts.load(folder, 2)
+    link = Link(bandwidth=1e12, latency_ns=1)
+    assert costs.transfer_ns(1000, link) == 10_000 + 1000
+    assert costs.transfer_ns(1 << 21, link) == 50_000 + math.ceil((1 << 21) / 10)
+    assert costs.transfer_ns(0, link) == 0
+
+
+def test_transfer_without_comms_profile_uses_the_link(tmp_path: Path) -> None:
+    """No comms.json: latency plus bytes over the link's bandwidth."""
+    link = Link(bandwidth=25e9, latency_ns=2000)
+    assert ProfiledCosts.load(make_profile(tmp_path), 2).transfer_ns(1 << 20, link) == link_transfer_ns(1 << 20, link)
+
+
+def test_comms_profile_of_another_version_is_refused(tmp_path: Path) -> None:
+    """A stale comms.json next to a good compute profile is an error, not silently ignored."""
+    folder = make_profile(tmp_path)
+    add_comms(folder, version=0)
+    with pytest.raises(ProfileError, match="comms.json: schema_version=0"):
+        ProfiledCosts.load(folder, 2)
+
+
+def test_metadata_is_json_not_pickle(tmp_path: Path) -> None:
+    """The metadata file is plain JSON and the tables are Parquet or CSV."""
+    folder = make_profile(tmp_path)
+    assert json.loads((folder / "profile.json").read_text())["tables"]["timings"] == "timings.parquet"
