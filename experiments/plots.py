@@ -12,6 +12,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from simulator.csvio import write_text_atomic  # noqa: E402
 from simulator.result import SimResult  # noqa: E402
+from simulator.units import format_time  # noqa: E402
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 LABELS = {"F": "forward", "B": "backward (I+W)", "I": "input-grad", "W": "weight-grad"}
@@ -24,10 +25,11 @@ def gantt_figure(result: SimResult, title: str | None = None) -> plt.Figure:
     p = result.schedule.num_devices
     fig, ax = plt.subplots(figsize=(14, 1.2 + 0.32 * p))
     origin = frame["start_ns"].min()
+    unit, scale = _time_unit(frame["end_ns"].max() - origin)
     label = len(frame) <= MAX_LABELLED_OPS
     for kind, group in frame.groupby("kind"):
-        starts = (group["start_ns"] - origin) / 1e6
-        widths = (group["end_ns"] - group["start_ns"]) / 1e6
+        starts = (group["start_ns"] - origin) / scale
+        widths = (group["end_ns"] - group["start_ns"]) / scale
         hatch = ["//" if c % 2 else "" for c in group["chunk"]]
         ax.barh(group["device"], widths, left=starts, height=0.8, color=COLORS.get(kind, "grey"),
                 edgecolor="white", linewidth=0.3, hatch=hatch)
@@ -36,7 +38,7 @@ def gantt_figure(result: SimResult, title: str | None = None) -> plt.Figure:
                 ax.text(x + w / 2, y, str(mb), ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(p), [f"device {d}" for d in range(p)])
     ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
+    ax.set_xlabel(f"time ({unit})")
     kinds = [k for k in COLORS if k in set(frame["kind"])]
     handles = [Patch(color=COLORS[k], label=LABELS[k]) for k in kinds]
     if result.schedule.chunks > 1:
@@ -47,10 +49,18 @@ def gantt_figure(result: SimResult, title: str | None = None) -> plt.Figure:
     return fig
 
 
+def _time_unit(span_ns: float) -> tuple[str, float]:
+    """The axis unit that keeps tick labels short: s, ms or us."""
+    for unit, scale in (("s", 1e9), ("ms", 1e6)):
+        if span_ns >= 10 * scale:
+            return unit, scale
+    return "us", 1e3
+
+
 def _default_title(result: SimResult) -> str:
     s = result.schedule
     return (f"{s.name}: p={s.num_devices} m={s.num_microbatches} v={s.chunks}  "
-            f"iteration {result.iteration_time_s * 1e3:.2f} ms, bubble {result.bubble_rate:.1%}")
+            f"iteration {format_time(result.iteration_time_s)}, bubble {result.bubble_rate:.1%}")
 
 
 def write_gantt(result: SimResult, path: str, title: str | None = None) -> None:

@@ -23,6 +23,8 @@ def _totals(result: SimResult) -> list[str]:
         lines.append(f"steady state over {result.schedule.iterations} iterations; fill + drain "
                      f"{format_time(result.fill_drain_ns / 1e9)}; whole run {format_time(result.makespan_ns / 1e9)}")
     cap = result.memory_capacity_bytes
+    if result.peak_memory_bytes == 0:
+        return lines  # uniform costs without byte sizes: nothing to say about memory
     lines.append(f"peak memory {format_bytes(result.peak_memory_bytes)}"
                  + (f" of {format_bytes(cap)} per device" if cap else ""))
     for oom in result.oom():

@@ -95,7 +95,6 @@ class UniformCosts:
             input_grad_ns=seconds_to_ns(self.backward_input * share),
             weight_grad_ns=seconds_to_ns(self.backward_weight * share),
             recompute_ns=seconds_to_ns(self.forward * share),
-            boundary_bytes=1,
             activation_bytes=int(self.activation_bytes * share),
             weight_grad_bytes=int(self.weight_grad_bytes * share),
             params=int(self.params * share),
