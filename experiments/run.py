@@ -95,7 +95,9 @@ def _profiled_costs(config: Config) -> CostModel:
         raise ConfigError("costs.profile: missing, expected a profile folder written by 'pipescope calibrate'")
     from simulator.profiled import ProfiledCosts
     try:
-        return ProfiledCosts.load(config.costs.profile, config.model.microbatch_size)
+        m = config.model
+        return ProfiledCosts.load(config.costs.profile, m.microbatch_size, seq=m.seq, layers=m.layers,
+                                  precision=m.precision)
     except (OSError, ValueError) as err:
         raise ConfigError(f"costs.profile: {config.costs.profile!r}: {err}") from None
 
@@ -132,7 +134,7 @@ def run_config(config: Config) -> Run:
     capacity = config.cluster.memory or (None if uniform else device.memory_bytes)
     result = simulate(schedule, costs, cluster.link, samples_per_microbatch=config.model.microbatch_size,
                       data_parallel=config.cluster.data_parallel, memory_capacity_bytes=capacity)
-    if not uniform:
+    if config.costs.kind == "analytic":  # a profile's model need not be the preset's: no MFU then
         result.model_flops_per_iteration = model_flops(config, schedule.num_microbatches)
         result.peak_flops_per_device = device.peak_flops[config.model.precision]
     return Run(config, schedule, cluster, costs, result)

@@ -22,7 +22,8 @@ def test_steady_state_has_no_bubble(name: str) -> None:
 
 def test_iterations_key_reaches_the_generator(capsys) -> None:
     """--set iterations=5 spans five iterations; on a flush schedule it is a usage error naming the key."""
-    assert main(["simulate", "--json", "--schedule", "2bw", "--set", "iterations=5", "--set", "costs.kind=uniform"]) == 0
+    args = ["simulate", "--json", "--schedule", "2bw", "--set", "iterations=5", "--set", "costs.kind=uniform"]
+    assert main(args) == 0
     assert '"iterations": 5' in capsys.readouterr().out
     assert main(["simulate", "--schedule", "1f1b", "--set", "iterations=5"]) == 2
     assert "iterations: got 5" in capsys.readouterr().err

@@ -1,4 +1,7 @@
-"""Replay of torch.distributed.pipelining schedules (calibration/torch_schedules.py, SCHEDULES.md section 8)."""
+"""Replay of torch.distributed.pipelining schedules (calibration/torch_schedules.py, SCHEDULES.md section 8).
+
+Exact match with torch's dry-run step counts (comms lowered): tests/test_lowering.py.
+"""
 
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ def _rows(text: str) -> list[list[str]]:
 
 
 def _torch_compute_lists(order: dict) -> list[list[Action]]:
-    return [[ours for a in order[rank] if a is not None for ours in torch_action_to_actions(a)] for rank in sorted(order)]
+    return [[ours for a in order[rank] if a is not None for ours in torch_action_to_actions(a)]
+            for rank in sorted(order)]
 
 
 def _asap_steps(schedule: Schedule) -> dict[Action, int]:
