@@ -100,15 +100,18 @@ def cmd_check(args: argparse.Namespace) -> int:
         schedule = read_csv(args.file, args.microbatches)
     except ValueError as err:
         return usage_error(f"FILE: {args.file!r}: {err}")
+    from simulator.lowering import comm_steps
     try:
         steps = check(schedule)
+        torch_steps = comm_steps(schedule)
     except ScheduleError as err:
         print(f"{args.file}: invalid schedule", file=sys.stderr)
         for line in err.problems:
             print(f"  {line}", file=sys.stderr)
         return 1
     print(f"{args.file}: ok: {schedule.num_devices} devices, {schedule.num_stages} stages, "
-          f"{schedule.total_microbatches} microbatches, {schedule.num_compute_ops()} ops, {steps} unit-time steps")
+          f"{schedule.total_microbatches} microbatches, {schedule.num_compute_ops()} ops, {steps} unit-time steps "
+          f"({torch_steps} with send/recv, as torch's dry run counts)")
     return 0
 
 

@@ -88,7 +88,7 @@ def test_check_command(tmp_path, capsys) -> None:
     good.write_text("0F0,0B0\n1F0,1B0\n")
     bad.write_text("0F0,0B0\n1F0\n")
     code, out, _ = run_cli(["check", str(good)], capsys)
-    assert code == 0 and "ok: 2 devices" in out
+    assert code == 0 and "ok: 2 devices" in out and "4 unit-time steps (6 with send/recv" in out
     code, _, err = run_cli(["check", str(bad)], capsys)
     assert code == 1 and "stage 1 microbatch 0: missing B (or I and W)" in err
     code, _, err = run_cli(["check", str(tmp_path / "absent.csv")], capsys)
