@@ -127,6 +127,9 @@ def run_config(config: Config) -> Run:
     if config.costs.kind == "uniform" and config.schedule.vocab != "naive":
         raise ConfigError("schedule.vocab: needs a model; uniform costs have none")
     schedule = build_schedule(config)
+    if config.costs.kind == "analytic" and model_spec(config).layers < schedule.num_stages:
+        raise ConfigError(f"model.layers: got {model_spec(config).layers}, expected at least one layer per stage "
+                          f"(schedule.stages x chunks = {schedule.num_stages})")
     cluster = build_cluster(config, schedule.num_devices)
     costs = build_costs(config, cluster.machine)
     device = DEVICES[cluster.machine.device]

@@ -72,6 +72,10 @@ def test_oom_is_reported_with_device_and_bytes(capsys) -> None:
     (["--set", "model.preset=gpt-9t"], "model.preset(='gpt-9t') is not one of"),
     (["--set", "cluster.topology=moon"], "cluster.topology(='moon') is neither a file nor one of"),
     (["--stages", "two"], "schedule.stages: got 'two', expected an integer"),
+    (["--stages", "32"], "model.layers: got 24, expected at least one layer per stage"),
+    (["--set", "cluster.nodes=0"], "cluster.nodes: got 0, expected an integer >= 1"),
+    (["--set", "model.precision=fp8"], "model.precision: got 'fp8', expected one of bf16, fp16, fp32"),
+    (["--schedule", "zb-h2", "--stages", "4", "--microbatches", "2"], "schedule.microbatches"),
 ])
 def test_bad_input_is_one_line_exit_2(args: list[str], expected: str, capsys) -> None:
     """Each bad input exits 2 with a single line naming the key and the value."""
