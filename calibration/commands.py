@@ -22,16 +22,16 @@ class UsageError(ValueError):
     """A bad command-line value; the message reads ``<key>: <value> ...expected ...``."""
 
 
-def int_list(key: str, text: str) -> tuple[int, ...]:
+def int_list(key: str, text: str, example: str = "1,2,4,8") -> tuple[int, ...]:
     """``"1,2,4"`` -> (1, 2, 4), each positive, in ascending order without repeats."""
+    expected = f"expected comma-separated positive integers, e.g. {example}"
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise UsageError(f"{key}: {text!r} ...expected comma-separated positive integers, e.g. 1,2,4,8") from None
+        raise UsageError(f"{key}: {text!r} ...{expected}") from None
     bad = [v for v in values if v <= 0]
     if not values or bad:
-        shown = bad[0] if bad else repr(text)
-        raise UsageError(f"{key}: {shown} ...expected comma-separated positive integers, e.g. 1,2,4,8")
+        raise UsageError(f"{key}: {bad[0] if bad else repr(text)} ...{expected}")
     return tuple(sorted(set(values)))
 
 
@@ -123,7 +123,7 @@ def timing_config(args: argparse.Namespace, flush_l2: bool = True):
 
 def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
     """Validate ``calibrate``'s arguments into a CalibrationConfig; UsageError on the first bad one."""
-    seqs = int_list("--seq", args.seq) if args.seq else None
+    seqs = int_list("--seq", args.seq, "1024,2048") if args.seq else None
     overrides = {k: _int(f"--{k}", getattr(args, k)) for k in ("layers", "hidden", "heads", "vocab")}
     try:
         shape = resolve(args.model, seq=max(seqs) if seqs else None, **overrides)

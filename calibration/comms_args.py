@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from calibration.commands import UsageError, int_list, size_bytes
+from calibration.commands import UsageError, size_bytes
 from calibration.schema import COLLECTIVES
 
 LAUNCH_HINT = "torchrun --nproc-per-node N -m calibration.comms --out DIR"
@@ -56,7 +56,8 @@ def comms_config(args: argparse.Namespace, timing: Any, argv: list[str] | None) 
     if args.backend not in (None, "nccl", "gloo"):
         raise UsageError(f"--backend: {args.backend!r} ...expected nccl or gloo")
     edges = tuple(size_bytes("--range-edges", e) for e in args.range_edges.split(",") if e.strip())
-    int_list("--range-edges", ",".join(str(e) for e in edges) or "0")
+    if not edges or min(edges) <= 0:
+        raise UsageError(f"--range-edges: {args.range_edges!r} ...expected positive sizes such as 1MiB,64MiB")
     from calibration.env import command_line
     from calibration.profile_io import ensure_writable
 

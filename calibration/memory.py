@@ -19,18 +19,22 @@ def saved_tensor_bytes(forward: Callable[[], Any], exclude: Iterable[torch.Tenso
     Returns:
         (bytes, what ``forward`` returned).
     """
-    excluded = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
+    excluded = {storage_key(t) for t in exclude}
+    seen: dict[tuple[str, int], int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            seen[storage.data_ptr()] = storage.nbytes()
+        if storage_key(tensor) not in excluded:
+            seen[storage_key(tensor)] = tensor.untyped_storage().nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         result = forward()
     return sum(seen.values()), result
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    """Identifies a tensor's storage: its device and address (a CPU and a GPU address may coincide)."""
+    return str(tensor.device), tensor.untyped_storage().data_ptr()
 
 
 def peak_backward_bytes(device: torch.device, backward: Callable[[], Any]) -> float:

@@ -46,7 +46,7 @@ class WeightGradStore:
         storages = {}
         for x, grad_out, _, _ in self.pending:
             for t in (x, grad_out):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                storages[str(t.device), t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(storages.values())
 
 

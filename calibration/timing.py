@@ -88,7 +88,8 @@ class Timer:
         gc.disable()  # a collection inside the timed window is noise, not the op's cost
         try:
             while len(samples) < self.config.max_reps:
-                samples.extend(self._repeat(bench, 1 if not samples else self._batch()))
+                count = 1 if not samples else min(self._batch(), self.config.max_reps - len(samples))
+                samples.extend(self._repeat(bench, count))
                 if len(samples) >= self.config.min_reps and (
                     is_stable(samples, self.config.rel_tol) or time.perf_counter() - started > self.config.budget_s
                 ):
