@@ -1,30 +1,12 @@
-"""Model shapes the harness can time: the same presets as ``simulator/models.py``, kept here so that
-``calibration/`` runs on a GPU box without the simulator's dependencies. Standard library only."""
+"""Model shapes the harness can time: the presets of ``simulator/models.py`` (stdlib-only plain data, the one
+place presets are defined, so the analytic model and the harness never disagree). Standard library only."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-
-@dataclass(frozen=True)
-class Shape:
-    """A GPT-style decoder: ``layers`` pre-LN blocks (attention + 4h GELU MLP), embedding, output layer."""
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    seq: int
-    vocab: int
-
-
-PRESETS: dict[str, Shape] = {
-    "tiny": Shape("tiny", layers=4, hidden=64, heads=4, seq=32, vocab=512),
-    "gpt-355m": Shape("gpt-355m", layers=24, hidden=1024, heads=16, seq=1024, vocab=50257),
-    "gpt-1.3b": Shape("gpt-1.3b", layers=24, hidden=2048, heads=16, seq=1024, vocab=50257),
-    "gpt-2.2b": Shape("gpt-2.2b", layers=28, hidden=2560, heads=20, seq=1024, vocab=50257),
-    "gpt-3.8b": Shape("gpt-3.8b", layers=32, hidden=3072, heads=24, seq=1024, vocab=50257),
-}
+from simulator.models import PRESETS
+from simulator.models import ModelSpec as Shape
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 
