@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(MAKE) --no-print-directory demo-run
 
-# The demo command itself; tests/test_demo.py runs this target with its own PIPESCOPE and DEMO_OUT.
+# The demo command itself; tests/test_outputs.py runs this target with its own PIPESCOPE and DEMO_OUT.
 demo-run:
 	$(PIPESCOPE) simulate --config experiments/configs/demo.yaml --gantt $(DEMO_OUT)/gantt.png --trace $(DEMO_OUT)/trace.json.gz
 

@@ -1,2 +1,1 @@
-"""Everything that touches real hardware. Importing the package imports nothing: ``calibration.schema`` stays
-importable without torch, for ``simulator/profiled.py``."""
+"""Everything that touches real hardware (torch is imported by the modules that time things, not here)."""

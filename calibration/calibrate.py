@@ -12,7 +12,7 @@ from calibration import env, ops
 from calibration.model import Block, Embedding, OutputLayer
 from calibration.presets import Shape
 from calibration.profile_io import ensure_writable, write_json, write_table
-from calibration.schema import COMPUTE_META, SCHEMA_VERSION
+from simulator.profile_schema import COMPUTE_META, SCHEMA_VERSION
 from calibration.timing import Timer, TimingConfig, make_timer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -22,7 +22,7 @@ from calibration import env
 from calibration.commfit import bandwidths, fit_rows
 from calibration.comms_args import CommsConfig
 from calibration.profile_io import write_json, write_table
-from calibration.schema import COMMS_META, SCHEMA_VERSION
+from simulator.profile_schema import COMMS_META, SCHEMA_VERSION
 from calibration.timing import stats
 
 # torch >= 2.13 renamed the tensor collectives; keep working on the older names too.

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from calibration.commands import UsageError, size_bytes
-from calibration.schema import COLLECTIVES
+from simulator.profile_schema import COLLECTIVES
 
 LAUNCH_HINT = "torchrun --nproc-per-node N -m calibration.comms --out DIR"
 

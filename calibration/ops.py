@@ -17,7 +17,7 @@ from torch import nn
 
 from calibration.memory import peak_backward_bytes, saved_tensor_bytes
 from calibration.model import Block, Embedding, OutputLayer, shard_backward, shard_forward, shard_size
-from calibration.schema import EMBEDDING, LAYER, OPTIMIZER, OUTPUT, OUTPUT_SHARD
+from simulator.profile_schema import EMBEDDING, LAYER, OPTIMIZER, OUTPUT, OUTPUT_SHARD
 from calibration.timing import Bench, Stats, Timer
 
 Row = dict[str, object]

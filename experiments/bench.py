@@ -11,7 +11,6 @@ import heapq
 import json
 import statistics
 import time
-from collections import deque
 
 from simulator.check import check
 from simulator.costs import UniformCosts
@@ -30,8 +29,7 @@ def heapq_floor(c: CompiledSchedule) -> list[int]:
     fired = [False] * (n_ops + len(c.transfer_src))
     waiting: dict[int, list[int]] = {}
     cursor, device_busy = [0] * len(c.device_ops), [False] * len(c.device_ops)
-    links: dict[tuple[int, int], deque[int]] = {}
-    link_busy: set[tuple[int, int]] = set()
+    link_free: dict[tuple[int, int], int] = {}
     op_end = [0] * n_ops
     heap: list[tuple[int, int]] = []  # (time, signal)
     owner = [d for d, ops in enumerate(c.device_ops) for _ in ops]
@@ -49,11 +47,9 @@ def heapq_floor(c: CompiledSchedule) -> list[int]:
 
     def send(t: int, now: int) -> None:
         key = (c.transfer_src[t], c.transfer_dst[t])
-        if key in link_busy:
-            links.setdefault(key, deque()).append(t)
-        else:
-            link_busy.add(key)
-            heapq.heappush(heap, (now + c.transfer_ns[t], n_ops + t))
+        start = max(now, link_free.get(key, 0))
+        link_free[key] = start + c.transfer_occupancy[t]
+        heapq.heappush(heap, (start + c.transfer_ns[t], n_ops + t))
 
     for d in range(len(c.device_ops)):
         try_start(d, 0)
@@ -67,13 +63,6 @@ def heapq_floor(c: CompiledSchedule) -> list[int]:
             for t in c.launches[s]:
                 send(t, now)
             try_start(d, now)
-        else:
-            key = (c.transfer_src[s - n_ops], c.transfer_dst[s - n_ops])
-            queue = links.get(key)
-            if queue:
-                heapq.heappush(heap, (now + c.transfer_ns[queue[0]], n_ops + queue.popleft()))
-            else:
-                link_busy.discard(key)
         for d in waiting.pop(s, ()):
             try_start(d, now)
     return op_end

@@ -48,10 +48,30 @@ def config_from_args(args: argparse.Namespace):
     return load_config(args.config, sets)
 
 
+OUTPUT_SUFFIXES = {
+    "trace": (".json", ".json.gz"),
+    "gantt": (".png", ".svg", ".pdf"),
+    "csv": (".csv",),
+    "timeline": (".parquet", ".csv"),
+}
+
+
+def _check_output_names(args: argparse.Namespace) -> None:
+    """Reject an unsupported file type before spending time on the simulation."""
+    for flag, suffixes in OUTPUT_SUFFIXES.items():
+        path = getattr(args, flag)
+        if path and not path.lower().endswith(suffixes):
+            raise ConfigError(f"--{flag}: got {path!r}, expected a file name ending in {' or '.join(suffixes)}")
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from experiments.run import run_config
+    _check_output_names(args)
     run = run_config(config_from_args(args))
-    _write_outputs(run, args)
+    try:
+        _write_outputs(run, args)
+    except OSError as err:
+        return usage_error(f"cannot write {err.filename!r}: {err.strerror}")
     if args.json:
         print(json.dumps(run.result.summary()))
     else:
@@ -127,7 +147,8 @@ def build_parser() -> Parser:
     p = sub.add_parser("simulate", help="simulate one configuration and print a table (or --json)")
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (.json or .json.gz; opens in Perfetto)")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (.json or .json.gz; opens in Perfetto); "
+                   "missing parent folders of any output are created")
     p.add_argument("--gantt", metavar="FILE", help="write a Gantt chart (.png, .svg or .pdf)")
     p.add_argument("--csv", metavar="FILE", help="write the schedule run as torch's compute-only CSV")
     p.add_argument("--timeline", metavar="FILE", help="write the op timeline (.parquet or .csv)")

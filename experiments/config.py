@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -83,7 +84,9 @@ class Config:
 
 POSITIVE = {"schedule.stages", "schedule.microbatches", "schedule.chunks", "model.microbatch_size",
             "cluster.nodes", "cluster.data_parallel", "iterations", "model.layers", "model.hidden", "model.heads",
-            "model.seq", "model.vocab"}
+            "model.seq", "model.vocab", "cluster.memory"}
+TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p"}
+MAX_TIME_S = 1e6  # a per-op time beyond 11 days is a typo, and would overflow the integer-ns clock's floats
 CHOICES = {
     "schedule.vocab": ("naive",),
     "model.precision": ("bf16", "fp16", "fp32"),
@@ -104,10 +107,12 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
             return str(value).lower() in ("true", "yes", "1", "on")
         raise ValueError(f"got {value!r}, expected true or false")
     if kind is int:
-        if isinstance(value, bool) or not (isinstance(value, int) or str(value).lstrip("-").isdigit()):
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or not re.fullmatch(r"-?[0-9]+", str(value)):
             raise ValueError(f"got {value!r}, expected an integer")
         return int(value)
     if kind is float:
+        if isinstance(value, bool):
+            raise ValueError(f"got {value!r}, expected a number")
         try:
             return float(value)
         except (TypeError, ValueError):
@@ -125,7 +130,7 @@ def _field_type(hint: Any) -> tuple[type, bool]:
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix or 'config'}: got {raw!r}, expected a mapping of keys")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: got {raw!r}, expected a mapping of keys")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
@@ -154,6 +159,8 @@ def _check_value(key: str, value: Any) -> None:
         raise ConfigError(f"{key}: got {value!r}, expected one of {', '.join(CHOICES[key])}")
     if key == "costs.efficiency" and not 0 < value <= 1:
         raise ConfigError(f"{key}: got {value!r}, expected a number in (0, 1]")
+    if key in TIME_KEYS and value > MAX_TIME_S:
+        raise ConfigError(f"{key}: got {value!r} s, expected at most {MAX_TIME_S:g} s")
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
@@ -200,8 +207,13 @@ def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None 
     for item in sets:
         key, value = parse_set(item)
         _merge(tree, key, value)
-    return _build(Config, tree, "")
+    return _check_combinations(_build(Config, tree, ""))
 
 
-def as_dict(config: Config) -> dict:
-    return dataclasses.asdict(config)
+def _check_combinations(config: Config) -> Config:
+    """Checks that involve more than one key."""
+    c = config.costs
+    if c.kind == "uniform" and c.forward + c.backward_input + c.backward_weight == 0:
+        raise ConfigError("costs.forward: got 0 with backward_input and backward_weight 0 too, "
+                          "expected at least one op time > 0")
+    return config

@@ -11,7 +11,7 @@ from simulator.csvio import read_csv
 from simulator.ir import Schedule
 from simulator.models import DEVICES, ModelSpec, layer_work, output_layer_flops, preset
 from simulator.result import SimResult
-from simulator.schedules import GENERATORS, generator
+from simulator.schedules import ALIASES, GENERATORS, generator
 from simulator.simulate import simulate
 from topologies.cluster import Cluster, Machine, load_machine
 
@@ -19,16 +19,19 @@ from topologies.cluster import Cluster, Machine, load_machine
 def model_spec(config: Config) -> ModelSpec:
     m = config.model
     try:
-        return preset(m.preset, layers=m.layers, hidden=m.hidden, heads=m.heads, seq=m.seq, vocab=m.vocab)
+        spec = preset(m.preset, layers=m.layers, hidden=m.hidden, heads=m.heads, seq=m.seq, vocab=m.vocab)
     except KeyError as err:
         raise ConfigError(err.args[0]) from None
+    if spec.hidden % spec.heads:
+        raise ConfigError(f"model.heads: got {spec.heads}, expected a divisor of model.hidden (={spec.hidden})")
+    return spec
 
 
 def build_schedule(config: Config) -> Schedule:
     """The schedule named by ``schedule.name``: a generator, ``torch:<Name>`` or ``csv:<path>``."""
     s = config.schedule
     if s.name.startswith("csv:"):
-        return _csv_schedule(s.name[4:], s.microbatches)
+        return _csv_schedule(s.name[4:])
     if s.name.startswith("torch:"):
         return _torch_schedule(s.name[6:], s.stages, s.microbatches, s.chunks)
     try:
@@ -52,7 +55,8 @@ def build_schedule(config: Config) -> Schedule:
         raise ConfigError(str(err)) from None
 
 
-def _csv_schedule(path: str, microbatches: int) -> Schedule:
+def _csv_schedule(path: str) -> Schedule:
+    """A CSV schedule; its microbatch count is read from the file, not from schedule.microbatches."""
     try:
         return read_csv(path, None)
     except OSError as err:
@@ -94,12 +98,13 @@ def _profiled_costs(config: Config) -> CostModel:
     if not config.costs.profile:
         raise ConfigError("costs.profile: missing, expected a profile folder written by 'pipescope calibrate'")
     from simulator.profiled import ProfiledCosts
+    m = config.model
     try:
-        m = config.model
         return ProfiledCosts.load(config.costs.profile, m.microbatch_size, seq=m.seq, layers=m.layers,
                                   precision=m.precision)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"costs.profile: {config.costs.profile!r}: {err}") from None
+        message = str(err).removeprefix("costs.profile: ")
+        raise ConfigError(f"costs.profile: {config.costs.profile!r}: {message}") from None
 
 
 @dataclass
@@ -122,19 +127,36 @@ def model_flops(config: Config, microbatches: int) -> float:
     return per_mb * microbatches
 
 
+def _check_layers(layers: int, stages: int) -> None:
+    if layers < stages:
+        raise ConfigError(f"model.layers: got {layers}, expected at least one layer per stage "
+                          f"(schedule.stages x chunks = {stages})")
+
+
+def _precheck(config: Config) -> None:
+    """Cheap limits first, so an impossible size fails at once instead of after building a huge schedule."""
+    s = config.schedule
+    if s.name.startswith("csv:"):
+        return  # its size is in the file
+    build_cluster(config, s.stages)
+    if config.costs.kind == "analytic" and not s.name.startswith("torch:"):
+        known = s.name in GENERATORS or s.name in ALIASES
+        chunks = max(s.chunks, generator(s.name).min_chunks) if known else s.chunks
+        _check_layers(model_spec(config).layers, s.stages * chunks)
+
+
 def run_config(config: Config) -> Run:
     """Build everything the config names and simulate it."""
-    if config.costs.kind == "uniform" and config.schedule.vocab != "naive":
-        raise ConfigError("schedule.vocab: needs a model; uniform costs have none")
+    _precheck(config)
     schedule = build_schedule(config)
-    if config.costs.kind == "analytic" and model_spec(config).layers < schedule.num_stages:
-        raise ConfigError(f"model.layers: got {model_spec(config).layers}, expected at least one layer per stage "
-                          f"(schedule.stages x chunks = {schedule.num_stages})")
     cluster = build_cluster(config, schedule.num_devices)
     costs = build_costs(config, cluster.machine)
+    if config.costs.kind != "uniform":
+        _check_layers(getattr(costs, "layers", None) or model_spec(config).layers, schedule.num_stages)
     device = DEVICES[cluster.machine.device]
     uniform = config.costs.kind == "uniform"
-    capacity = config.cluster.memory or (None if uniform else device.memory_bytes)
+    default_capacity = None if uniform else device.memory_bytes
+    capacity = config.cluster.memory if config.cluster.memory is not None else default_capacity
     result = simulate(schedule, costs, cluster.link, samples_per_microbatch=config.model.microbatch_size,
                       data_parallel=config.cluster.data_parallel, memory_capacity_bytes=capacity)
     if config.costs.kind == "analytic":  # a profile's model need not be the preset's: no MFU then

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from simulator.models import PRECISION_BYTES, DeviceSpec, ModelSpec, layer_work, output_layer_flops
+from simulator.models import DeviceSpec, ModelSpec, layer_work, output_activation_bytes, output_layer_flops
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,11 @@ class CostModel(Protocol):
         ...
 
     def transfer_ns(self, nbytes: int, link: Link) -> int:
-        """Time to move ``nbytes`` over ``link``."""
+        """Time from a transfer's start to its arrival."""
+        ...
+
+    def occupancy_ns(self, nbytes: int, link: Link) -> int:
+        """How long the transfer holds its link (bytes / bandwidth); the latency after it overlaps the next."""
         ...
 
 
@@ -68,7 +72,12 @@ def link_transfer_ns(nbytes: int, link: Link) -> int:
     """Latency plus bytes over bandwidth, rounded up to whole nanoseconds."""
     if nbytes <= 0:
         return 0
-    return link.latency_ns + math.ceil(nbytes * 1e9 / link.bandwidth)
+    return link.latency_ns + link_occupancy_ns(nbytes, link)
+
+
+def link_occupancy_ns(nbytes: int, link: Link) -> int:
+    """Bytes over bandwidth: how long a transfer keeps the link from the next one."""
+    return math.ceil(nbytes * 1e9 / link.bandwidth) if nbytes > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,10 @@ class UniformCosts:
 
     def transfer_ns(self, nbytes: int, link: Link) -> int:
         return seconds_to_ns(self.p2p)
+
+    def occupancy_ns(self, nbytes: int, link: Link) -> int:
+        """Zero: p2p is a pure delay, as in SCHEDULES.md section 0's timing model."""
+        return 0
 
 
 def split_layers(layers: int, num_stages: int) -> list[int]:
@@ -139,11 +152,12 @@ class AnalyticCosts:
         n = split_layers(self.model.layers, num_stages)[stage]
         work = layer_work(self.model, self.microbatch_size, self.precision)
         f, i, w = n * work.forward_flops, n * work.input_grad_flops, n * work.weight_grad_flops
-        params = n * self.model.layer_params()
+        params, stash = n * self.model.layer_params(), n * work.activation_bytes
         if stage == num_stages - 1:
             of, oi, ow = output_layer_flops(self.model, self.microbatch_size)
             f, i, w = f + of, i + oi, w + ow
             params += self.model.output_params()
+            stash += output_activation_bytes(self.model, self.microbatch_size, self.precision)
         if stage == 0:
             params += self.model.embedding_params()
         return StageCost(
@@ -152,7 +166,7 @@ class AnalyticCosts:
             weight_grad_ns=self._flops_ns(w),
             recompute_ns=self._flops_ns(f),
             boundary_bytes=work.boundary_bytes,
-            activation_bytes=n * work.activation_bytes,
+            activation_bytes=stash,
             weight_grad_bytes=n * work.weight_grad_bytes,
             input_bytes=work.boundary_bytes,
             params=params,
@@ -161,6 +175,6 @@ class AnalyticCosts:
     def transfer_ns(self, nbytes: int, link: Link) -> int:
         return link_transfer_ns(nbytes, link)
 
+    def occupancy_ns(self, nbytes: int, link: Link) -> int:
+        return link_occupancy_ns(nbytes, link)
 
-def precision_bytes(precision: str) -> int:
-    return PRECISION_BYTES[precision]

@@ -27,10 +27,20 @@ def write_csv(schedule: Schedule, path: str) -> None:
 
 
 def write_text_atomic(path: str, text: str | bytes) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename."""
+    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename.
+
+    Missing parent folders are created. An OSError names ``path``, not the temporary file.
+    """
+    data = text.encode() if isinstance(text, str) else text
+    try:
+        _write_then_rename(path, data)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, path) from None
+
+
+def _write_then_rename(path: str, data: bytes) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    data = text.encode() if isinstance(text, str) else text
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -64,10 +74,12 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
     home: dict[int, int] = {}
     for device, action in compute:
         home.setdefault(action.stage, device)
-    num_stages = max(home) + 1
-    missing = [s for s in range(num_stages) if s not in home]
-    if missing:
-        raise ValueError(f"schedule CSV has no action for stage(s) {missing}")
+    if max(home) >= len(home):  # stages must be 0..S-1; look only as far as S+5 (indices may be huge)
+        missing = [s for s in range(len(home) + 5) if s not in home][:5]
+        raise ValueError(f"schedule CSV uses stage {max(home)} but has no action for stage(s) {missing}")
+    num_stages = len(home)
+    if num_microbatches is not None and num_microbatches < 1:
+        raise ValueError(f"microbatches(={num_microbatches}) must be >= 1")
     seen_mb = max(a.microbatch for _, a in compute) + 1
     return Schedule(
         name=name,

@@ -1,15 +1,14 @@
-"""The SimPy engine: one process per device compute stream and one per directed link (send stream).
+"""The SimPy engine: one process per device compute stream; each directed link a FIFO send stream.
 
 The schedule is compiled first into flat arrays: each op's duration, the signals it waits for
 (a producer's completion on the same device, or the arrival of a transfer from another device)
 and the transfers it starts when it ends. Processes then only walk their lists, so the event count
-is about one timeout per op and per transfer; a signal gets a SimPy event only when someone has
-to wait for it. The clock is integer nanoseconds.
+is one Timeout per op and per transfer; a signal gets a fresh SimPy event only when someone has
+to wait for it before its producer started. The clock is integer nanoseconds.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from collections.abc import Callable
 
@@ -35,6 +34,7 @@ class CompiledSchedule:
     transfer_dst: list[int]
     transfer_bytes: list[int]
     transfer_ns: list[int]
+    transfer_occupancy: list[int]
     transfer_producer: list[int]
     stage_costs: list[StageCost]
 
@@ -63,9 +63,9 @@ def compile_schedule(schedule: Schedule, costs: CostModel, link: LinkLookup) -> 
     index = {a: i for i, a in enumerate(actions)}
     if len(index) != len(actions):
         raise ScheduleError(["an action appears twice; run the checker for details"])
-    out = CompiledSchedule(actions, device_ops, [], [], [[] for _ in actions], [], [], [], [], [], stage_costs)
+    out = CompiledSchedule(actions, device_ops, [], [], [[] for _ in actions], [], [], [], [], [], [], stage_costs)
     transfer_of: dict[tuple[int, int], int] = {}
-    duration_of: dict[tuple[int, int, int], int] = {}
+    duration_of: dict[tuple[int, int, int], tuple[int, int]] = {}
     home, present = schedule.stage_to_device, frozenset(index)
     for action in actions:
         out.duration.append(op_duration(action, stage_costs[action.stage], schedule.recompute))
@@ -80,14 +80,15 @@ def compile_schedule(schedule: Schedule, costs: CostModel, link: LinkLookup) -> 
                 continue
             key = (dep.stage, src, dst)
             if key not in duration_of:
-                duration_of[key] = costs.transfer_ns(stage_costs[dep.stage].boundary_bytes, link(src, dst))
+                nbytes, path = stage_costs[dep.stage].boundary_bytes, link(src, dst)
+                duration_of[key] = (costs.transfer_ns(nbytes, path), costs.occupancy_ns(nbytes, path))
             deps.append(len(actions) + _transfer(out, transfer_of, j, src, dst, duration_of[key]))
         out.waits.append(deps)
     return out
 
 
 def _transfer(out: CompiledSchedule, known: dict[tuple[int, int], int], producer: int, src: int, dst: int,
-              duration: int) -> int:
+              duration: tuple[int, int]) -> int:
     """The transfer of ``producer``'s output to ``dst`` (created once, however many ops read it)."""
     key = (producer, dst)
     if key not in known:
@@ -95,7 +96,8 @@ def _transfer(out: CompiledSchedule, known: dict[tuple[int, int], int], producer
         out.transfer_src.append(src)
         out.transfer_dst.append(dst)
         out.transfer_bytes.append(out.stage_costs[out.actions[producer].stage].boundary_bytes)
-        out.transfer_ns.append(duration)
+        out.transfer_ns.append(duration[0])
+        out.transfer_occupancy.append(duration[1])
         out.transfer_producer.append(producer)
         out.launches[producer].append(known[key])
     return known[key]
@@ -114,11 +116,14 @@ class RunTimes:
 class Engine:
     """Replays a compiled schedule in SimPy and reports op and transfer times.
 
-    Compute streams are generator processes. Send streams are event-chained: each directed
-    link runs one Timeout per transfer whose callback fires the arrival and starts the next
-    queued transfer; a generator resume per transfer doubled the run time for nothing.
-    A consumer waits on the event that will produce its input (the producer's running
-    Timeout, then the transfer's), so a fresh event is needed only when that has not started.
+    Compute streams are generator processes. A directed link is a FIFO send stream: a transfer
+    starts once the link has finished serialising the earlier ones (their occupancy, bytes over
+    bandwidth) and arrives its full time (latency included) after it starts. That is known the
+    moment the transfer is queued, so each transfer is a single Timeout whose callback fires its
+    arrival; a generator resume per transfer doubled the run time for nothing. With zero occupancy
+    (uniform costs) a transfer is a pure delay, as in SCHEDULES.md section 0. A consumer waits on the
+    event that will produce its input (the producer's running Timeout, then the transfer's), so a
+    fresh event is needed only when that has not started.
     """
 
     def __init__(self, compiled: CompiledSchedule):
@@ -131,13 +136,10 @@ class Engine:
         self.waiter: list[simpy.Event | None] = [None] * n_signals
         self.times = RunTimes([-1] * n_ops, [-1] * n_ops, [-1] * (n_signals - n_ops), [-1] * (n_signals - n_ops))
         self.cursor = [0] * len(compiled.device_ops)
-        self.queues: dict[tuple[int, int], deque[int]] = {}
-        self.busy: set[tuple[int, int]] = set()
+        self.link_free: dict[tuple[int, int], int] = {}
 
     def run(self) -> RunTimes:
         """Simulate to the end; ScheduleError naming the stuck ops if it cannot finish."""
-        for key in set(zip(self.c.transfer_src, self.c.transfer_dst)):
-            self.queues[key] = deque()
         for d, ops in enumerate(self.c.device_ops):
             if ops:
                 self.env.process(self._compute(d, ops))
@@ -178,34 +180,23 @@ class Engine:
             times.op_end[i] = env.now
             self._fire(i)
             for t in c.launches[i]:
-                self._enqueue(t)
+                self._send(t)
         self.cursor[device] = len(ops)
 
-    def _enqueue(self, transfer: int) -> None:
-        key = (self.c.transfer_src[transfer], self.c.transfer_dst[transfer])
-        if key in self.busy:
-            self.queues[key].append(transfer)
-        else:
-            self.busy.add(key)
-            self._start_transfer(transfer)
-
-    def _start_transfer(self, transfer: int) -> None:
-        self.times.transfer_start[transfer] = self.env.now
-        event = self.env.timeout(self.c.transfer_ns[transfer], transfer)
-        event.callbacks.append(self._transfer_done)
+    def _send(self, transfer: int) -> None:
+        """Queue ``transfer`` on its link: it starts when the link is free and arrives its full time later."""
+        c, now = self.c, self.env.now
+        key = (c.transfer_src[transfer], c.transfer_dst[transfer])
+        start = max(now, self.link_free.get(key, 0))
+        self.link_free[key] = start + c.transfer_occupancy[transfer]
+        self.times.transfer_start[transfer] = start
+        event = self.env.timeout(start - now + c.transfer_ns[transfer], transfer)
+        event.callbacks.append(self._arrived)
         self.pending[self.n_ops + transfer] = event
 
-    def _transfer_done(self, event: simpy.Event) -> None:
-        """Arrival: fire the signal, then the link takes its next queued transfer, if any."""
-        transfer = event.value
-        self.times.transfer_end[transfer] = self.env.now
-        self._fire(self.n_ops + transfer)
-        key = (self.c.transfer_src[transfer], self.c.transfer_dst[transfer])
-        queue = self.queues[key]
-        if queue:
-            self._start_transfer(queue.popleft())
-        else:
-            self.busy.discard(key)
+    def _arrived(self, event: simpy.Event) -> None:
+        self.times.transfer_end[event.value] = self.env.now
+        self._fire(self.n_ops + event.value)
 
     def _stuck(self) -> list[str]:
         lines = []

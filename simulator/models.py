@@ -85,6 +85,11 @@ def output_layer_flops(model: ModelSpec, microbatch_size: int) -> tuple[float, f
     return part, part, part
 
 
+def output_activation_bytes(model: ModelSpec, microbatch_size: int, precision: str) -> int:
+    """What the output layer stashes: the logits in the model's precision plus fp32 softmax for cross-entropy."""
+    return microbatch_size * model.seq * model.vocab * (PRECISION_BYTES[precision] + 4)
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """Datasheet numbers: dense tensor-core peak per precision (FLOP/s), HBM bandwidth and size."""
@@ -102,9 +107,3 @@ DEVICES: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("H100-SXM5-80GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 3350e9, 80 * GiB),
     "h200": DeviceSpec("H200-SXM-141GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 4800e9, 141 * 10**9),
 }
-
-
-def device(name: str) -> DeviceSpec:
-    if name not in DEVICES:
-        raise KeyError(f"device {name!r} is not one of {', '.join(DEVICES)}")
-    return DEVICES[name]

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from calibration import schema
-from simulator.costs import Link, StageCost, link_transfer_ns, split_layers
+from simulator import profile_schema as schema
+from simulator.costs import Link, StageCost, link_occupancy_ns, link_transfer_ns, split_layers
 
 
 def read_table(profile_dir: str | os.PathLike, meta: dict, table: str) -> pd.DataFrame:
@@ -207,13 +207,26 @@ class ProfiledCosts:
         """p2p time from the comms profile's fit for the size range (if any), else latency + bytes / bandwidth."""
         if nbytes <= 0:
             return 0
+        row = self._p2p_fit(nbytes)
+        if row is None:
+            return link_transfer_ns(nbytes, link)
+        return int(round(row["latency_ns"])) + math.ceil(nbytes * 1e9 / float(row["bandwidth"]))
+
+    def occupancy_ns(self, nbytes: int, link: Link) -> int:
+        """Bytes over the fitted p2p bandwidth (or the link's): how long the link is held."""
+        row = self._p2p_fit(nbytes) if nbytes > 0 else None
+        if row is None:
+            return link_occupancy_ns(nbytes, link)
+        return math.ceil(nbytes * 1e9 / float(row["bandwidth"]))
+
+    def _p2p_fit(self, nbytes: int) -> pd.Series | None:
+        """The comms profile's p2p fit row for this size range, if a comms profile was loaded."""
         fit = self.comms_fit
         p2p = fit[fit["collective"] == "p2p"].sort_values("lo_bytes") if fit is not None else None
         if p2p is None or p2p.empty:
-            return link_transfer_ns(nbytes, link)
+            return None
         below = p2p[p2p["lo_bytes"] <= nbytes]
-        row = below.iloc[-1] if not below.empty else p2p.iloc[0]
-        return int(round(row["latency_ns"])) + math.ceil(nbytes * 1e9 / float(row["bandwidth"]))
+        return below.iloc[-1] if not below.empty else p2p.iloc[0]
 
 
 def _ns(value: float) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]*)\s*$")
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-zµ/]*)\s*$")
 
 TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "min": 60.0}
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -18,7 +18,7 @@ BANDWIDTH_UNITS = {"": 1.0, "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "
                    "Gbps": 1e9 / 8, "GiB/s": 2.0**30}
 
 
-def _parse(value: object, units: dict, what: str) -> float:
+def _parse(value: object, units: dict, what: str, example: str) -> float:
     if isinstance(value, bool):
         raise ValueError(f"got {value!r}, expected a {what}")
     if isinstance(value, (int, float)):
@@ -26,7 +26,7 @@ def _parse(value: object, units: dict, what: str) -> float:
     else:
         match = _NUMBER.match(str(value))
         if match is None:
-            raise ValueError(f"got {value!r}, expected a {what} such as {_example(units)}")
+            raise ValueError(f"got {value!r}, expected a {what} such as {example}")
         number, unit = float(match.group(1)), match.group(2)
     if unit not in units:
         raise ValueError(f"got {value!r}: unknown unit {unit!r}, expected one of {', '.join(u for u in units if u)}")
@@ -35,24 +35,19 @@ def _parse(value: object, units: dict, what: str) -> float:
     return number * units[unit]
 
 
-def _example(units: dict) -> str:
-    return {id(TIME_UNITS): "'18.5ms' or 0.5", id(SIZE_UNITS): "'16GiB' or '512MB'",
-            id(BANDWIDTH_UNITS): "'25GB/s' or '100Gbit/s'"}[id(units)]
-
-
 def parse_time(value: object) -> float:
     """Seconds from ``2``, ``'2s'``, ``'18.5ms'``, ``'600us'``."""
-    return _parse(value, TIME_UNITS, "time")
+    return _parse(value, TIME_UNITS, "time", "'18.5ms' or 0.5")
 
 
 def parse_size(value: object) -> int:
     """Bytes from ``'16GiB'``, ``'512MB'`` or a plain number."""
-    return int(_parse(value, SIZE_UNITS, "size"))
+    return int(_parse(value, SIZE_UNITS, "size", "'16GiB' or '512MB'"))
 
 
 def parse_bandwidth(value: object) -> float:
     """Bytes per second from ``'25GB/s'``, ``'100Gbit/s'`` or a plain number."""
-    return _parse(value, BANDWIDTH_UNITS, "bandwidth")
+    return _parse(value, BANDWIDTH_UNITS, "bandwidth", "'25GB/s' or '100Gbit/s'")
 
 
 def format_bytes(n: float) -> str:

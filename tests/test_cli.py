@@ -72,7 +72,16 @@ def test_oom_is_reported_with_device_and_bytes(capsys) -> None:
     (["--set", "model.preset=gpt-9t"], "model.preset(='gpt-9t') is not one of"),
     (["--set", "cluster.topology=moon"], "cluster.topology(='moon') is neither a file nor one of"),
     (["--stages", "two"], "schedule.stages: got 'two', expected an integer"),
-    (["--stages", "32"], "model.layers: got 24, expected at least one layer per stage"),
+    (["--stages", "32", "--set", "cluster.nodes=4"], "model.layers: got 24, expected at least one layer per stage"),
+    (["--stages", "3000", "--microbatches", "3000"], "pipeline needs 3000 GPUs but cluster.nodes(=1)"),
+    (["--set", "model.hidden=7"], "model.heads: got 16, expected a divisor of model.hidden (=7)"),
+    (["--set", "costs.efficiency=true"], "costs.efficiency: got True, expected a number"),
+    (["--set", "costs.p2p=1e30"], "costs.p2p: got 1e+30 s, expected at most 1e+06 s"),
+    (["--set", "cluster.memory=0"], "cluster.memory: got 0, expected an integer >= 1"),
+    (["--set", "schedule=5"], "schedule: got 5, expected a mapping of keys"),
+    (["--gantt", "out.xyz"], "--gantt: got 'out.xyz', expected a file name ending in .png or .svg or .pdf"),
+    (["--trace", "/proc/x.json"], "cannot write '/proc/x.json'"),
+    (["--schedule", "csv:/nonexistent.csv"], "schedule.name: csv file '/nonexistent.csv' cannot be read"),
     (["--set", "cluster.nodes=0"], "cluster.nodes: got 0, expected an integer >= 1"),
     (["--set", "model.precision=fp8"], "model.precision: got 'fp8', expected one of bf16, fp16, fp32"),
     (["--schedule", "zb-h2", "--stages", "4", "--microbatches", "2"], "schedule.microbatches"),
@@ -122,3 +131,19 @@ def test_csv_output_is_torch_compute_only(tmp_path, capsys) -> None:
     assert code == 0
     assert path.read_text().splitlines()[2] == "2F0,2B0,2F1,2B1,2F2,2B2,2F3,2B3"
     assert main(["check", str(path)]) == 0
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("device: b200\ngpus_per_node: 8\nintra_node: {bandwidth: 1GB/s, latency: 1us}\n"
+     "inter_node: {bandwidth: 1GB/s, latency: 1us}\n", "device 'b200', expected one of"),
+    ("device: h100\ngpus_per_node: 8\nintra_node: {bandwidth: 0, latency: 1us}\n"
+     "inter_node: {bandwidth: 1GB/s, latency: 1us}\n", "intra_node.bandwidth is 0.0, expected > 0"),
+    ("device: [unclosed\n", "is not a readable YAML file"),
+    ("device: h100\n", "expected device, gpus_per_node"),
+])
+def test_bad_topology_file(text: str, expected: str, tmp_path, capsys) -> None:
+    """A broken topology YAML is one line naming the file and the problem, exit 2."""
+    path = tmp_path / "machine.yaml"
+    path.write_text(text)
+    code, _, err = run_cli(["simulate", "--set", f"cluster.topology={path}"], capsys)
+    assert code == 2 and err.count("\n") == 1 and expected in err

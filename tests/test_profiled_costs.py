@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from calibration.profile_io import write_json, write_table
-from calibration.schema import SCHEMA_VERSION, ProfileError
+from simulator.profile_schema import SCHEMA_VERSION, ProfileError
 from simulator.costs import Link, link_transfer_ns, split_layers
 from simulator.profiled import ProfiledCosts, interp1
 

@@ -11,6 +11,7 @@ import networkx as nx
 import yaml
 
 from simulator.costs import Link
+from simulator.models import DEVICES
 from simulator.units import parse_bandwidth, parse_time
 
 MACHINES_DIR = os.path.join(os.path.dirname(__file__), "machines")
@@ -41,11 +42,15 @@ def load_machine(name_or_path: str) -> Machine:
     if not os.path.exists(path):
         choices = ", ".join(machine_names())
         raise ValueError(f"cluster.topology(={name_or_path!r}) is neither a file nor one of {choices}")
-    with open(path, encoding="utf-8") as handle:
-        raw = yaml.safe_load(handle) or {}
     try:
-        return Machine(
-            name=os.path.basename(path)[:-5],
+        with open(path, encoding="utf-8") as handle:
+            raw = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError) as err:
+        reason = str(err).splitlines()[0]
+        raise ValueError(f"cluster.topology: {path!r} is not a readable YAML file ({reason})") from None
+    try:
+        machine = Machine(
+            name=os.path.splitext(os.path.basename(path))[0],
             device=str(raw["device"]),
             gpus_per_node=int(raw["gpus_per_node"]),
             intra_bandwidth=parse_bandwidth(raw["intra_node"]["bandwidth"]),
@@ -54,8 +59,19 @@ def load_machine(name_or_path: str) -> Machine:
             inter_latency_ns=round(parse_time(raw["inter_node"]["latency"]) * 1e9),
         )
     except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"topology file {path}: {err!r}; expected device, gpus_per_node, "
+        raise ValueError(f"cluster.topology: {path!r}: {err!r}; expected device, gpus_per_node, "
                          f"intra_node.bandwidth/latency, inter_node.bandwidth/latency") from None
+    _check_machine(machine, path)
+    return machine
+
+
+def _check_machine(machine: Machine, path: str) -> None:
+    if machine.device not in DEVICES:
+        raise ValueError(f"cluster.topology: {path!r}: device {machine.device!r}, expected one of {', '.join(DEVICES)}")
+    for key, value in (("gpus_per_node", machine.gpus_per_node), ("intra_node.bandwidth", machine.intra_bandwidth),
+                       ("inter_node.bandwidth", machine.inter_bandwidth)):
+        if value <= 0:
+            raise ValueError(f"cluster.topology: {path!r}: {key} is {value}, expected > 0")
 
 
 def machine_graph(machine: Machine, nodes: int) -> nx.Graph:

@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 from simulator.ir import Action, Schedule, looped_placement
-
-
-def _single_chunk(name: str, chunks: int) -> None:
-    if chunks != 1:
-        raise ValueError(f"schedule.chunks(={chunks}) must be 1 for {name}; use 'interleaved' for chunks > 1")
-
-
-def _validate(p: int, m: int) -> None:
-    if p < 1:
-        raise ValueError(f"schedule.stages(={p}) must be >= 1")
-    if m < 1:
-        raise ValueError(f"schedule.microbatches(={m}) must be >= 1")
+from simulator.schedules.common import check_chunks, check_sizes
 
 
 def gpipe(p: int, m: int, chunks: int = 1, recompute: bool = False) -> Schedule:
     """Device r: F(0..m-1), then B(0..m-1); gradients accumulate; one synchronous step."""
-    _validate(p, m)
-    _single_chunk("gpipe", chunks)
+    check_sizes("gpipe", p, m)
+    check_chunks("gpipe", chunks, (1,))
     lists = tuple(tuple([Action(r, "F", k) for k in range(m)] + [Action(r, "B", k) for k in range(m)])
                   for r in range(p))
     return Schedule("gpipe", p, m, looped_placement(p, 1), lists, recompute=recompute)
@@ -38,7 +27,7 @@ def one_f_one_b_order(r: int, p: int, m: int, backward: str = "B") -> list[Actio
 
 def one_f_one_b(p: int, m: int, chunks: int = 1, recompute: bool = False) -> Schedule:
     """PipeDream-Flush: Megatron's non-interleaved 1F1B and torch's Schedule1F1B."""
-    _validate(p, m)
-    _single_chunk("1f1b", chunks)
+    check_sizes("1f1b", p, m)
+    check_chunks("1f1b", chunks, (1,))
     lists = tuple(tuple(one_f_one_b_order(r, p, m)) for r in range(p))
     return Schedule("1f1b", p, m, looped_placement(p, 1), lists, recompute=recompute)

@@ -1,7 +1,8 @@
 """The calibration profile format: file names, columns, schema version and the checks readers run.
 
-Standard library only: ``simulator/profiled.py`` imports this module to read profiles, and it must never pull
-in torch. See ``calibration/profiles/README.md`` for the format in prose.
+Standard library only: ``calibration/`` writes profiles by it and ``simulator/profiled.py`` reads them, so it
+lives on the simulator's side (data flows calibration -> profile -> cost model) and never pulls in torch.
+See ``calibration/profiles/README.md`` for the format in prose.
 """
 
 from __future__ import annotations
