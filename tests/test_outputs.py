@@ -8,7 +8,7 @@ import sys
 
 import pandas as pd
 
-from experiments.plots import write_gantt
+from experiments.plots import gantt_figure, write_gantt
 from experiments.tables import write_timeline
 from simulator.costs import UniformCosts
 from simulator.schedules import build
@@ -51,9 +51,19 @@ def test_trace_uncompressed(tmp_path) -> None:
 
 
 def test_gantt_png_large_pipeline(tmp_path) -> None:
-    """The Gantt chart renders a PNG, also at p=32, m=128 (4096 ops: no per-op labels)."""
+    """ZB-V at p=32, m=128 (24,576 ops) renders; F, I, W and both chunks get their own colours, one collection
+    per device, kind and chunk parity, with no per-op labels or edges at that size."""
+    result = simulate(build("zb-v", 32, 128), UniformCosts())
+    fig = gantt_figure(result)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["forward", "input-grad", "weight-grad", "forward, odd chunk", "input-grad, odd chunk",
+                      "weight-grad, odd chunk"]
+    faces = {tuple(c.get_facecolor()[0]) for c in ax.collections}
+    assert len(ax.collections) == 32 * 3 * 2 and len(faces) == 6
+    assert not ax.texts
     path = tmp_path / "g.png"
-    write_gantt(simulate(build("1f1b", 32, 128), UniformCosts()), str(path))
+    write_gantt(result, str(path))
     assert path.read_bytes()[:8] == PNG_MAGIC
 
 
