@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.costs import StageCost
-from simulator.ir import Action
 
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -40,42 +38,58 @@ def static_memory(params: int, versions: int, precision: str) -> StaticMemory:
                         params * OPTIMIZER_BYTES[precision])
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryEvents:
-    """Flat (device, time, delta) rows; ``units`` counts stashed activations in device-stages."""
+    """Flat (device, time, delta) rows as arrays; ``units`` counts stashed activations in device-stages."""
 
-    device: list[int]
-    time: list[int]
-    delta: list[int]
-    units: list[float]
-
-    def add(self, device: int, time: int, delta: int, units: float = 0.0) -> None:
-        self.device.append(device)
-        self.time.append(time)
-        self.delta.append(delta)
-        self.units.append(units)
+    device: np.ndarray
+    time: np.ndarray
+    delta: np.ndarray
+    units: np.ndarray
 
 
-def op_memory_events(events: MemoryEvents, device: int, action: Action, start: int, end: int, cost: StageCost,
-                     recompute: bool, chunks: int) -> None:
-    """What one compute op stashes and frees (SCHEDULES.md section 0 bookkeeping).
+def events(device: np.ndarray, time: np.ndarray, delta: np.ndarray, units: float | np.ndarray = 0.0) -> MemoryEvents:
+    """Rows from equally long arrays (``units`` may be one number for all rows)."""
+    return MemoryEvents(device, time, delta, np.broadcast_to(np.asarray(units, dtype=np.float64), device.shape))
+
+
+def concat(parts: list[MemoryEvents]) -> MemoryEvents:
+    return MemoryEvents(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("device", "time", "delta", "units")))
+
+
+@dataclass(frozen=True)
+class OpArrays:
+    """Per compute op: device, kind, times, and its stage's byte counts (all numpy arrays)."""
+
+    device: np.ndarray
+    kind: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    activation: np.ndarray  # M_B
+    weight_grad: np.ndarray  # M_W
+    stage_input: np.ndarray
+
+
+def op_memory_events(ops: OpArrays, recompute: bool, chunks: int) -> MemoryEvents:
+    """What compute ops stash and free (SCHEDULES.md section 0 bookkeeping).
 
     F stashes M_B (only the stage input under recompute); I turns it into M_W; W frees M_W;
     a fused B frees everything. Under recompute a backward first rebuilds M_B.
     """
     unit = 1.0 / chunks
-    kept = cost.input_bytes if recompute else cost.activation_bytes
-    if action.kind == "F":
-        events.add(device, start, kept, unit)
-        return
-    if action.kind == "W":
-        events.add(device, end, -cost.weight_grad_bytes)
-        return
+    kept = ops.stage_input if recompute else ops.activation
+    forward, weight = ops.kind == "F", ops.kind == "W"
+    backward = (ops.kind == "I") | (ops.kind == "B")
+    rebuilt = ops.activation if recompute else np.zeros_like(ops.activation)
+    residue = np.where(ops.kind == "I", ops.weight_grad, 0)
+    parts = [
+        events(ops.device[forward], ops.start[forward], kept[forward], unit),
+        events(ops.device[weight], ops.end[weight], -ops.weight_grad[weight]),
+        events(ops.device[backward], ops.end[backward], (residue - kept - rebuilt)[backward], -unit),
+    ]
     if recompute:
-        events.add(device, start, cost.activation_bytes)
-        kept += cost.activation_bytes
-    residue = cost.weight_grad_bytes if action.kind == "I" else 0
-    events.add(device, end, residue - kept, -unit)
+        parts.append(events(ops.device[backward], ops.start[backward], rebuilt[backward]))
+    return concat(parts)
 
 
 @dataclass(frozen=True)
@@ -90,10 +104,7 @@ class DeviceMemory:
 
 def device_timelines(events: MemoryEvents, static: list[int]) -> list[DeviceMemory]:
     """Cumulative bytes per device; at equal times frees come before allocations."""
-    dev = np.asarray(events.device, dtype=np.int64)
-    time = np.asarray(events.time, dtype=np.int64)
-    delta = np.asarray(events.delta, dtype=np.int64)
-    units = np.asarray(events.units, dtype=np.float64)
+    dev, time, delta, units = events.device, events.time, events.delta, events.units
     order = np.lexsort((units, delta, time, dev))
     dev, time, delta, units = dev[order], time[order], delta[order], units[order]
     out = []

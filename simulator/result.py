@@ -6,11 +6,21 @@ import statistics
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import pandas as pd
 
 from simulator.engine import CompiledSchedule, RunTimes
 from simulator.ir import Schedule
-from simulator.memory import DeviceMemory, MemoryEvents, device_timelines, op_memory_events, static_memory
+from simulator.memory import (
+    DeviceMemory,
+    MemoryEvents,
+    OpArrays,
+    concat,
+    device_timelines,
+    events,
+    op_memory_events,
+    static_memory,
+)
 
 
 @dataclass(frozen=True)
@@ -159,33 +169,42 @@ def _iteration_times(schedule: Schedule, compiled: CompiledSchedule, times: RunT
 
 def _memory(schedule: Schedule, compiled: CompiledSchedule, times: RunTimes, precision: str,
             ) -> tuple[list[DeviceMemory], list[int]]:
-    home, chunks = schedule.stage_to_device, schedule.chunks
-    params = [0] * schedule.num_devices
-    for stage, cost in enumerate(compiled.stage_costs):
-        params[home[stage]] += cost.params
-    static = [static_memory(params[d], schedule.versions(d), precision).total for d in range(schedule.num_devices)]
-    events = MemoryEvents([], [], [], [])
-    for i, action in enumerate(compiled.actions):
-        op_memory_events(events, home[action.stage], action, times.op_start[i], times.op_end[i],
-                         compiled.stage_costs[action.stage], schedule.recompute, chunks)
-    _buffer_events(events, compiled, times)
-    return device_timelines(events, static), static
+    home = np.asarray(schedule.stage_to_device)
+    params = np.bincount(home, [c.params for c in compiled.stage_costs], minlength=schedule.num_devices)
+    static = [static_memory(int(params[d]), schedule.versions(d), precision).total
+              for d in range(schedule.num_devices)]
+    stage = np.fromiter((a.stage for a in compiled.actions), dtype=np.int64, count=len(compiled.actions))
+    costs = compiled.stage_costs
+    ops = OpArrays(
+        device=home[stage],
+        kind=np.array([a.kind for a in compiled.actions]),
+        start=np.asarray(times.op_start, dtype=np.int64),
+        end=np.asarray(times.op_end, dtype=np.int64),
+        activation=np.array([c.activation_bytes for c in costs], dtype=np.int64)[stage],
+        weight_grad=np.array([c.weight_grad_bytes for c in costs], dtype=np.int64)[stage],
+        stage_input=np.array([c.input_bytes for c in costs], dtype=np.int64)[stage],
+    )
+    op_events = op_memory_events(ops, schedule.recompute, schedule.chunks)
+    return device_timelines(concat([op_events, _buffer_events(compiled, times, ops.end)]), static), static
 
 
-def _buffer_events(events: MemoryEvents, compiled: CompiledSchedule, times: RunTimes) -> None:
-    """p2p buffers: the sender's copy until the transfer ends, the receiver's until its op starts."""
+def _buffer_events(compiled: CompiledSchedule, times: RunTimes, op_end: np.ndarray) -> MemoryEvents:
+    """p2p buffers: the sender's copy until the transfer ends, the receiver's until its last reader starts."""
     n_ops = len(compiled.actions)
-    consumer_start: dict[int, int] = {}
+    consumer_start = list(times.transfer_end)  # a transfer nobody reads is freed on arrival
     for i, waits in enumerate(compiled.waits):
         for signal in waits:
             if signal >= n_ops:
-                consumer_start.setdefault(signal - n_ops, times.op_start[i])
-    for t, nbytes in enumerate(compiled.transfer_bytes):
-        produced = times.op_end[compiled.transfer_producer[t]]
-        events.add(compiled.transfer_src[t], produced, nbytes)
-        events.add(compiled.transfer_src[t], times.transfer_end[t], -nbytes)
-        events.add(compiled.transfer_dst[t], times.transfer_start[t], nbytes)
-        events.add(compiled.transfer_dst[t], consumer_start.get(t, times.transfer_end[t]), -nbytes)
+                consumer_start[signal - n_ops] = max(consumer_start[signal - n_ops], times.op_start[i])
+    nbytes = np.asarray(compiled.transfer_bytes, dtype=np.int64)
+    src, dst = np.asarray(compiled.transfer_src, dtype=np.int64), np.asarray(compiled.transfer_dst, dtype=np.int64)
+    produced = op_end[np.asarray(compiled.transfer_producer, dtype=np.int64)]
+    return concat([
+        events(src, produced, nbytes),
+        events(src, np.asarray(times.transfer_end, dtype=np.int64), -nbytes),
+        events(dst, np.asarray(times.transfer_start, dtype=np.int64), nbytes),
+        events(dst, np.asarray(consumer_start, dtype=np.int64), -nbytes),
+    ])
 
 
 def build_result(schedule: Schedule, compiled: CompiledSchedule, times: RunTimes, precision: str,

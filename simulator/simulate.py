@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from simulator.check import check
+from simulator.check import ScheduleError, structure_problems
 from simulator.costs import CostModel, Link
-from simulator.engine import Engine, LinkLookup, compile_schedule
+from simulator.engine import Engine, LinkLookup, compile_schedule, gc_paused
 from simulator.ir import Schedule
 from simulator.result import SimResult, build_result
 
@@ -27,14 +27,18 @@ def simulate(schedule: Schedule, costs: CostModel, link: LinkLookup | None = Non
         memory_capacity_bytes: device memory, to report OOM.
 
     Raises:
-        ScheduleError: malformed or deadlocking schedule, naming the actions.
+        ScheduleError: malformed or deadlocking schedule, naming the actions. Structure is checked first;
+            deadlocks are found by the engine itself (no separate lockstep pass), naming each stuck op.
     """
     wall = time.perf_counter()
-    check(schedule)
-    compiled = compile_schedule(schedule, costs, link or (lambda src, dst: DEFAULT_LINK))
-    times = Engine(compiled).run()
-    samples = schedule.num_microbatches * samples_per_microbatch * data_parallel
-    result = build_result(schedule, compiled, times, costs.precision, samples)
+    problems = structure_problems(schedule)
+    if problems:
+        raise ScheduleError(problems)
+    with gc_paused():
+        compiled = compile_schedule(schedule, costs, link or (lambda src, dst: DEFAULT_LINK))
+        times = Engine(compiled).run()
+        samples = schedule.num_microbatches * samples_per_microbatch * data_parallel
+        result = build_result(schedule, compiled, times, costs.precision, samples)
     result.sim_wall_s = time.perf_counter() - wall
     result.memory_capacity_bytes = memory_capacity_bytes
     result.warnings.extend(getattr(costs, "warnings", []))

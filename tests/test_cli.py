@@ -147,3 +147,13 @@ def test_bad_topology_file(text: str, expected: str, tmp_path, capsys) -> None:
     path.write_text(text)
     code, _, err = run_cli(["simulate", "--set", f"cluster.topology={path}"], capsys)
     assert code == 2 and err.count("\n") == 1 and expected in err
+
+
+def test_simulate_reports_a_deadlocking_csv(tmp_path, capsys) -> None:
+    """simulate on a deadlocking CSV exits 1 naming each stuck op and what it waits for."""
+    path = tmp_path / "dead.csv"
+    path.write_text("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n")
+    code, out, err = run_cli(["simulate", "--schedule", f"csv:{path}", "--set", "costs.kind=uniform"], capsys)
+    assert code == 1 and out == ""
+    assert "deadlock: device 0 op 1: 0B0 waits for 1B0 (transfer)" in err
+    assert "device 1 op 0: 1F1 waits for 0F1 (transfer)" in err
