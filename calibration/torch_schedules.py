@@ -31,6 +31,10 @@ SCHEDULE_CHUNKS: dict[str, int | None] = {
     "DualPipeV": 2,
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULE_CHUNKS)
+# Those whose pipeline_order is well formed in torch 2.13, with stages per rank (1F1B's gives the last rank
+# forwards 1..m); the tests hold the replay, the lowering and the dry-run counts to these.
+WELL_FORMED: tuple[tuple[str, int], ...] = (("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2),
+                                            ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
 
 # torch's computation-type values that are compute in our IR; everything else (comms, FSDP, REDUCE_GRAD) is skipped.
 _COMPUTE_TYPES = {"F": "F", "B": "B", "I": "I", "W": "W"}

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from calibration.torch_schedules import (
+    WELL_FORMED,
     build_torch_schedule,
     expand_overlaps,
     golden_name,
@@ -29,9 +30,6 @@ from simulator.lowering import add_send_recv, comm_pair, comm_steps, lockstep_co
 from simulator.schedules import build
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
-# torch 2.13 schedules whose pipeline_order is well formed, with their stages per rank (1F1B's is not).
-WELL_FORMED = [("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2), ("InterleavedZeroBubble", 2),
-               ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
 OURS = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("v-half", 2)]
 SIZES = [(2, 4), (3, 6), (4, 8)]
 

@@ -13,6 +13,7 @@ from types import ModuleType
 import pytest
 
 from calibration.torch_schedules import (
+    WELL_FORMED,
     SCHEDULE_NAMES,
     build_torch_schedule,
     canonical_name,
@@ -29,9 +30,6 @@ from simulator.csvio import from_csv_text, read_csv, to_csv_text
 from simulator.ir import Action, Schedule, producers
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
-# Every torch schedule whose pipeline_order is well formed in torch 2.13, with its stages per rank.
-WELL_FORMED = [("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2), ("InterleavedZeroBubble", 2),
-               ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
 MULTI_STAGE_CSV = [("Interleaved1F1B", 2), ("LoopedBFS", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)]
 SIZES = [(1, 4), (2, 4), (3, 6), (4, 8)]
 GOLDENS = [("GPipe", 1), ("1F1B", 1), ("ZBVZeroBubble", 2)]
@@ -93,7 +91,7 @@ def test_v_schedules_need_two_chunks() -> None:
         torch_schedule("GPipe", 4, 8, chunks=2)
 
 
-@pytest.mark.parametrize(("name", "chunks"), WELL_FORMED + [("1F1B", 1)])
+@pytest.mark.parametrize(("name", "chunks"), [*WELL_FORMED, ("1F1B", 1)])
 def test_replay_keeps_torch_order(torch_sched: ModuleType, name: str, chunks: int) -> None:
     """Per rank, our compute ops are torch's in torch's order, stages where torch places them."""
     schedule = torch_schedule(f"Schedule{name}", 4, 8, chunks)
