@@ -2,7 +2,7 @@
 
 The main CLI calls ``register(subparsers)``; on a GPU box without the rest of pipescope,
 ``python -m calibration.commands calibrate ...`` does the same. Values are checked here rather than by
-argparse so a bad one gives a single line ``pipescope: error: <key>: <value> ...expected ...`` and exit 2.
+argparse so a bad one gives a single line ``pipescope: error: <key>: <value>, expected ...`` and exit 2.
 torch is imported only once the arguments are known to be good.
 """
 
@@ -19,7 +19,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, 
 
 
 class UsageError(ValueError):
-    """A bad command-line value; the message reads ``<key>: <value> ...expected ...``."""
+    """A bad command-line value; the message reads ``<key>: <value>, expected ...``."""
 
 
 def int_list(key: str, text: str, example: str = "1,2,4,8") -> tuple[int, ...]:
@@ -28,10 +28,10 @@ def int_list(key: str, text: str, example: str = "1,2,4,8") -> tuple[int, ...]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise UsageError(f"{key}: {text!r} ...{expected}") from None
+        raise UsageError(f"{key}: {text!r}, {expected}") from None
     bad = [v for v in values if v <= 0]
     if not values or bad:
-        raise UsageError(f"{key}: {bad[0] if bad else repr(text)} ...{expected}")
+        raise UsageError(f"{key}: {bad[0] if bad else repr(text)}, {expected}")
     return tuple(sorted(set(values)))
 
 
@@ -39,14 +39,14 @@ def positive(key: str, value: float | None, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
     if value is None or value <= 0:
-        raise UsageError(f"{key}: {value} ...expected a positive number")
+        raise UsageError(f"{key}: {value}, expected a positive number")
 
 
 def size_bytes(key: str, text: str) -> int:
     """``"32KiB"``, ``"1GiB"``, ``"512MB"`` or plain bytes -> int bytes."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if match is None or match.group(2).lower() not in _UNITS:
-        raise UsageError(f"{key}: {text!r} ...expected a size such as 32KiB, 64MiB, 1GiB")
+        raise UsageError(f"{key}: {text!r}, expected a size such as 32KiB, 64MiB, 1GiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
@@ -95,14 +95,14 @@ def _int(key: str, text: str | None) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise UsageError(f"{key}: {text!r} ...expected an integer") from None
+        raise UsageError(f"{key}: {text!r}, expected an integer") from None
 
 
 def _float(key: str, text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise UsageError(f"{key}: {text!r} ...expected a number") from None
+        raise UsageError(f"{key}: {text!r}, expected a number") from None
 
 
 def timing_config(args: argparse.Namespace, flush_l2: bool = True):
@@ -111,11 +111,11 @@ def timing_config(args: argparse.Namespace, flush_l2: bool = True):
               "max_reps": _int("--max-reps", args.max_reps), "rel_tol": _float("--rel-tol", args.rel_tol),
               "budget_s": _float("--budget-s", args.budget_s)}
     if values["warmup"] < 0:
-        raise UsageError(f"--warmup: {values['warmup']} ...expected 0 or more")
+        raise UsageError(f"--warmup: {values['warmup']}, expected 0 or more")
     for key in ("min_reps", "max_reps", "rel_tol", "budget_s"):
         positive("--" + key.replace("_", "-"), values[key], allow_none=False)
     if values["max_reps"] < values["min_reps"]:
-        raise UsageError(f"--max-reps: {values['max_reps']} ...expected at least --min-reps {values['min_reps']}")
+        raise UsageError(f"--max-reps: {values['max_reps']}, expected at least --min-reps {values['min_reps']}")
     from calibration.timing import TimingConfig
 
     return TimingConfig(flush_l2=flush_l2, **values)
@@ -131,11 +131,11 @@ def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
         raise UsageError(str(exc)) from None
     microbatches = int_list("--microbatch-sizes", args.microbatch_sizes)
     if args.precision is not None and args.precision not in PRECISIONS:
-        raise UsageError(f"--precision: {args.precision!r} ...expected one of {', '.join(PRECISIONS)}")
+        raise UsageError(f"--precision: {args.precision!r}, expected one of {', '.join(PRECISIONS)}")
     if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
-        raise UsageError(f"--device: {args.device!r} ...expected cuda, cuda:N or cpu")
+        raise UsageError(f"--device: {args.device!r}, expected cuda, cuda:N or cpu")
     if not args.out:
-        raise UsageError("--out: missing ...expected a folder to write the profile to")
+        raise UsageError("--out: missing, expected a folder to write the profile to")
     shards, threads = _int("--vocab-shards", args.vocab_shards), _int("--threads", args.threads)
     positive("--vocab-shards", shards)
     positive("--threads", threads)
@@ -144,7 +144,7 @@ def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device: {device!r} ...expected cpu (torch sees no CUDA device here)")
+        raise UsageError(f"--device: {device!r}, expected cpu (torch sees no CUDA device here)")
     from calibration.calibrate import CalibrationConfig
     from calibration.env import command_line
     from calibration.profile_io import ensure_writable

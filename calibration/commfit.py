@@ -19,7 +19,7 @@ def bus_factor(collective: str, world_size: int) -> float:
     n = world_size
     factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "p2p": 1.0}
     if collective not in factors:
-        raise ValueError(f"collective: {collective!r} ...expected one of {', '.join(factors)}")
+        raise ValueError(f"collective: {collective!r}, expected one of {', '.join(factors)}")
     return factors[collective]
 
 

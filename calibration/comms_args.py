@@ -43,21 +43,21 @@ def comms_config(args: argparse.Namespace, timing: Any, argv: list[str] | None) 
     """Validate ``calibrate-comms`` arguments; UsageError naming the first bad one."""
     for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR"):
         if key not in os.environ:
-            raise UsageError(f"{key}: unset ...expected a launch under torchrun, e.g. {LAUNCH_HINT}")
+            raise UsageError(f"{key}: unset, expected a launch under torchrun, e.g. {LAUNCH_HINT}")
     if not args.out:
-        raise UsageError("--out: missing ...expected a folder to write the comms profile to")
+        raise UsageError("--out: missing, expected a folder to write the comms profile to")
     low, high = size_bytes("--min-bytes", args.min_bytes), size_bytes("--max-bytes", args.max_bytes)
     if not 4 <= low <= high:
-        raise UsageError(f"--min-bytes: {args.min_bytes!r} ...expected at least 4 bytes and at most --max-bytes")
+        raise UsageError(f"--min-bytes: {args.min_bytes!r}, expected at least 4 bytes and at most --max-bytes")
     wanted = tuple(c.strip() for c in args.collectives.split(",") if c.strip())
     unknown = [c for c in wanted if c not in COLLECTIVES]
     if unknown or not wanted:
-        raise UsageError(f"--collectives: {args.collectives!r} ...expected a subset of {','.join(COLLECTIVES)}")
+        raise UsageError(f"--collectives: {args.collectives!r}, expected a subset of {','.join(COLLECTIVES)}")
     if args.backend not in (None, "nccl", "gloo"):
-        raise UsageError(f"--backend: {args.backend!r} ...expected nccl or gloo")
+        raise UsageError(f"--backend: {args.backend!r}, expected nccl or gloo")
     edges = tuple(size_bytes("--range-edges", e) for e in args.range_edges.split(",") if e.strip())
     if not edges or min(edges) <= 0:
-        raise UsageError(f"--range-edges: {args.range_edges!r} ...expected positive sizes such as 1MiB,64MiB")
+        raise UsageError(f"--range-edges: {args.range_edges!r}, expected positive sizes such as 1MiB,64MiB")
     from calibration.env import command_line
     from calibration.profile_io import ensure_writable
 

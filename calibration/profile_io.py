@@ -35,7 +35,7 @@ def ensure_writable(out: str | os.PathLike) -> Path:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise ValueError(f"--out: {str(out)!r} ...expected a writable folder ({type(exc).__name__}: "
+        raise ValueError(f"--out: {str(out)!r}, expected a writable folder ({type(exc).__name__}: "
                          f"{exc.strerror or exc})") from exc
     return path
 

@@ -39,10 +39,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     sets = list(args.sets)
-    for flag, key in (("schedule", "name"), ("stages", "stages"), ("microbatches", "microbatches"),
-                      ("chunks", "chunks")):
-        if getattr(args, flag) is not None:
-            sets.append(f"schedule.{key}={getattr(args, flag)}")
+    if args.schedule is not None:  # quoted: a name such as 'torch:' must stay a string, not become YAML
+        sets.append(f"schedule.name={json.dumps(args.schedule)}")
+    for key in ("stages", "microbatches", "chunks"):
+        if getattr(args, key) is not None:
+            sets.append(f"schedule.{key}={getattr(args, key)}")
     if args.recompute:
         sets.append("schedule.recompute=true")
     return load_config(args.config, sets)
@@ -137,6 +138,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from experiments.bench import run_bench
+    if args.repeat < 1:
+        return usage_error(f"--repeat: got {args.repeat}, expected an integer >= 1")
     return run_bench(args.repeat, args.quick, args.json)
 
 

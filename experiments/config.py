@@ -22,6 +22,19 @@ class ConfigError(ValueError):
     """Bad configuration: the message is one line naming key, value and expectation."""
 
 
+class StrictLoader(yaml.SafeLoader):
+    """safe_load's loader, but a key given twice in one mapping is an error, not a silent overwrite."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _time(default: float) -> Any:
     return field(default=default, metadata={"unit": "time"})
 
@@ -32,13 +45,24 @@ def _size(default: int | None) -> Any:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
+    """``stages`` and ``microbatches`` stay None unless given, so a CSV schedule can be checked against them;
+    generators use ``p`` and ``m`` (defaults 4 and 8)."""
+
     name: str = "1f1b"
-    stages: int = 4
-    microbatches: int = 8
+    stages: int | None = None
+    microbatches: int | None = None
     chunks: int = 1
     recompute: bool = False
     vocab: str = "naive"
     vertical_sync: bool = False
+
+    @property
+    def p(self) -> int:
+        return self.stages if self.stages is not None else 4
+
+    @property
+    def m(self) -> int:
+        return self.microbatches if self.microbatches is not None else 8
 
 
 @dataclass(frozen=True)
@@ -191,8 +215,8 @@ def read_yaml(path: str) -> dict:
         raise ConfigError(f"--config: {path!r} does not exist or is not a file")
     try:
         with open(path, encoding="utf-8") as handle:
-            raw = yaml.safe_load(handle)
-    except (OSError, yaml.YAMLError) as err:
+            raw = yaml.load(handle, Loader=StrictLoader)
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
         raise ConfigError(f"--config: {path!r} is not readable YAML ({str(err).splitlines()[0]})") from None
     if raw is None:
         return {}

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from experiments.config import Config, ConfigError
-from simulator.costs import AnalyticCosts, CostModel, UniformCosts
+from experiments.config import Config, ConfigError, ScheduleConfig
+from simulator.costs import AnalyticCosts, CostError, CostModel, UniformCosts
 from simulator.csvio import read_csv
 from simulator.ir import Schedule
 from simulator.models import DEVICES, ModelSpec, layer_work, output_layer_flops, preset
@@ -31,9 +31,9 @@ def build_schedule(config: Config) -> Schedule:
     """The schedule named by ``schedule.name``: a generator, ``torch:<Name>`` or ``csv:<path>``."""
     s = config.schedule
     if s.name.startswith("csv:"):
-        return _csv_schedule(s.name[4:])
+        return _csv_schedule(s)
     if s.name.startswith("torch:"):
-        return _torch_schedule(s.name[6:], s.stages, s.microbatches, s.chunks)
+        return _torch_schedule(s.name[6:], s.p, s.m, s.chunks)
     try:
         gen = generator(s.name)
     except KeyError:
@@ -50,19 +50,26 @@ def build_schedule(config: Config) -> Schedule:
                               f"one iteration; iterations applies to schedules without a flush")
         options["iterations"] = config.iterations
     try:
-        return gen.build(s.stages, s.microbatches, chunks=s.chunks, recompute=s.recompute, **options)
+        return gen.build(s.p, s.m, chunks=s.chunks, recompute=s.recompute, **options)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
 
-def _csv_schedule(path: str) -> Schedule:
-    """A CSV schedule; its microbatch count is read from the file, not from schedule.microbatches."""
+def _csv_schedule(s: ScheduleConfig) -> Schedule:
+    """A CSV schedule. Its size comes from the file; stages or chunks given as well must agree with it,
+    microbatches given are the count the checker holds the file to, and recompute applies to it."""
+    path = s.name[4:]
     try:
-        return read_csv(path, None)
+        schedule = read_csv(path, s.microbatches)
     except OSError as err:
         raise ConfigError(f"schedule.name: csv file {path!r} cannot be read ({err.strerror})") from None
     except ValueError as err:
         raise ConfigError(f"schedule.name: csv file {path!r}: {err}") from None
+    if s.stages is not None and s.stages != schedule.num_devices:
+        raise ConfigError(f"schedule.stages: got {s.stages}, but {path!r} has {schedule.num_devices} devices")
+    if s.chunks != 1 and s.chunks != schedule.chunks:
+        raise ConfigError(f"schedule.chunks: got {s.chunks}, but {path!r} has {schedule.chunks} per device")
+    return replace(schedule, recompute=s.recompute)
 
 
 def _torch_schedule(name: str, stages: int, microbatches: int, chunks: int) -> Schedule:
@@ -127,6 +134,10 @@ def model_flops(config: Config, microbatches: int) -> float:
     return per_mb * microbatches
 
 
+# Each microbatch-stage is 2-3 ops at about 12 us each (pipescope bench): 500k of them take about 15 s.
+MAX_MICROBATCH_STAGES = 500_000
+
+
 def _check_layers(layers: int, stages: int) -> None:
     if layers < stages:
         raise ConfigError(f"model.layers: got {layers}, expected at least one layer per stage "
@@ -138,11 +149,15 @@ def _precheck(config: Config) -> None:
     s = config.schedule
     if s.name.startswith("csv:"):
         return  # its size is in the file
-    build_cluster(config, s.stages)
+    known = s.name in GENERATORS or s.name in ALIASES
+    chunks = max(s.chunks, generator(s.name).min_chunks) if known else s.chunks
+    size = s.p * chunks * s.m * (config.iterations or 3)
+    if size > MAX_MICROBATCH_STAGES:
+        raise ConfigError(f"schedule: stages x chunks x microbatches x iterations = {size:,} microbatch-stages, "
+                          f"expected at most {MAX_MICROBATCH_STAGES:,} (about 15 s of simulation)")
+    build_cluster(config, s.p)
     if config.costs.kind == "analytic" and not s.name.startswith("torch:"):
-        known = s.name in GENERATORS or s.name in ALIASES
-        chunks = max(s.chunks, generator(s.name).min_chunks) if known else s.chunks
-        _check_layers(model_spec(config).layers, s.stages * chunks)
+        _check_layers(model_spec(config).layers, s.p * chunks)
 
 
 def run_config(config: Config) -> Run:
@@ -157,8 +172,11 @@ def run_config(config: Config) -> Run:
     uniform = config.costs.kind == "uniform"
     default_capacity = None if uniform else device.memory_bytes
     capacity = config.cluster.memory if config.cluster.memory is not None else default_capacity
-    result = simulate(schedule, costs, cluster.link, samples_per_microbatch=config.model.microbatch_size,
-                      data_parallel=config.cluster.data_parallel, memory_capacity_bytes=capacity)
+    try:
+        result = simulate(schedule, costs, cluster.link, samples_per_microbatch=config.model.microbatch_size,
+                          data_parallel=config.cluster.data_parallel, memory_capacity_bytes=capacity)
+    except CostError as err:
+        raise ConfigError(f"costs: {err}") from None
     if config.costs.kind == "analytic":  # a profile's model need not be the preset's: no MFU then
         result.model_flops_per_iteration = model_flops(config, schedule.num_microbatches)
         result.peak_flops_per_device = device.peak_flops[config.model.precision]

@@ -64,7 +64,17 @@ class CostModel(Protocol):
         ...
 
 
+MAX_OP_SECONDS = 1e6  # beyond 11 days per op a model size or efficiency is mistyped; ns would overflow int64 sums
+
+
+class CostError(ValueError):
+    """A cost model produced an op time no run could have (non-finite or beyond MAX_OP_SECONDS)."""
+
+
 def seconds_to_ns(seconds: float) -> int:
+    if not math.isfinite(seconds) or seconds > MAX_OP_SECONDS:
+        raise CostError(f"an op would take {seconds:g} s (at most {MAX_OP_SECONDS:g} s); "
+                        f"check the model size and costs.efficiency")
     return int(round(seconds * 1e9))
 
 

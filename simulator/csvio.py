@@ -59,7 +59,12 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
     stage that shows up on a second device. An ``OVERLAP_F_B`` cell becomes its actions in
     order. Without ``num_microbatches`` it is taken as one more than the highest microbatch seen.
     """
-    rows = [row for row in csv.reader(io.StringIO(text))]
+    rows = list(csv.reader(io.StringIO(text.removeprefix("\ufeff"))))
+    while rows and not any(cell.strip() for cell in rows[-1]):
+        rows.pop()  # trailing blank lines are not idle ranks
+    empty = [rank for rank, row in enumerate(rows) if not any(cell.strip() for cell in row)]
+    if empty:
+        raise ValueError(f"row {empty[0]} is blank, expected one row of actions per rank")
     device_actions = []
     for rank, row in enumerate(rows):
         try:

@@ -19,8 +19,8 @@ COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 STAGE_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")  # torch's per-stage actions, no microbatch
 WEIGHT_UPDATES = ("flush", "async-stash", "2bw")
 
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)(\d+)$")
-_STAGE_ACTION_RE = re.compile(r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD)$")
+_ACTION_RE = re.compile(r"^([0-9]+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)([0-9]+)$")
+_STAGE_ACTION_RE = re.compile(r"^([0-9]+)(UNSHARD|RESHARD|REDUCE_GRAD)$")
 _OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 
 

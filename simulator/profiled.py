@@ -85,7 +85,7 @@ class ProfiledCosts:
         layers = layers if layers is not None else int(model.get("layers", 1))
         for key, value in (("model.microbatch_size", microbatch_size), ("model.seq", seq), ("model.layers", layers)):
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{key}: {value!r} ...expected a positive integer")
+                raise ValueError(f"{key}: {value!r}, expected a positive integer")
         costs = cls(read_table(profile_dir, meta, "timings"), read_table(profile_dir, meta, "memory"), meta,
                     microbatch_size, seq, layers, meta.get("precision", "fp32"))
         if precision is not None and precision != costs.precision:

@@ -42,4 +42,7 @@ def simulate(schedule: Schedule, costs: CostModel, link: LinkLookup | None = Non
     result.sim_wall_s = time.perf_counter() - wall
     result.memory_capacity_bytes = memory_capacity_bytes
     result.warnings.extend(getattr(costs, "warnings", []))
+    if schedule.weight_update != "flush" and schedule.iterations == 1:
+        result.warnings.append(f"{schedule.name} has no flush but ran one iteration: there is no steady state, so the "
+                               f"iteration time is the whole run with fill and drain; use iterations >= 2")
     return result

@@ -6,6 +6,7 @@ was given and what is accepted; callers prefix the config key.
 
 from __future__ import annotations
 
+import math
 import re
 
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-zµ/]*)\s*$")
@@ -28,6 +29,8 @@ def _parse(value: object, units: dict, what: str, example: str) -> float:
         if match is None:
             raise ValueError(f"got {value!r}, expected a {what} such as {example}")
         number, unit = float(match.group(1)), match.group(2)
+    if not math.isfinite(number):
+        raise ValueError(f"got {value!r}, expected a finite {what}")
     if unit not in units:
         raise ValueError(f"got {value!r}: unknown unit {unit!r}, expected one of {', '.join(u for u in units if u)}")
     if number < 0:

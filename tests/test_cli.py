@@ -73,7 +73,11 @@ def test_oom_is_reported_with_device_and_bytes(capsys) -> None:
     (["--set", "cluster.topology=moon"], "cluster.topology(='moon') is neither a file nor one of"),
     (["--stages", "two"], "schedule.stages: got 'two', expected an integer"),
     (["--stages", "32", "--set", "cluster.nodes=4"], "model.layers: got 24, expected at least one layer per stage"),
-    (["--stages", "3000", "--microbatches", "3000"], "pipeline needs 3000 GPUs but cluster.nodes(=1)"),
+    (["--stages", "3000"], "pipeline needs 3000 GPUs but cluster.nodes(=1)"),
+    (["--microbatches", "100000000"], "microbatch-stages, expected at most 500,000"),
+    (["--schedule", "2bw", "--set", "iterations=1000000000"], "microbatch-stages, expected at most 500,000"),
+    (["--set", "costs.forward=.nan"], "costs.forward: got nan, expected a finite time"),
+    (["--set", "model.hidden=1000000000", "--set", "model.heads=1"], "costs: an op would take"),
     (["--set", "model.hidden=7"], "model.heads: got 16, expected a divisor of model.hidden (=7)"),
     (["--set", "costs.efficiency=true"], "costs.efficiency: got True, expected a number"),
     (["--set", "costs.p2p=1e30"], "costs.p2p: got 1e+30 s, expected at most 1e+06 s"),
@@ -157,3 +161,19 @@ def test_simulate_reports_a_deadlocking_csv(tmp_path, capsys) -> None:
     assert code == 1 and out == ""
     assert "deadlock: device 0 op 1: 0B0 waits for 1B0 (transfer)" in err
     assert "device 1 op 0: 1F1 waits for 0F1 (transfer)" in err
+
+
+def test_csv_schedule_honours_given_sizes_and_recompute(tmp_path, capsys) -> None:
+    """With csv:, a disagreeing --stages is refused, --microbatches is what the file must cover, and
+    --recompute adds a forward to every backward."""
+    path = tmp_path / "s.csv"
+    path.write_text("0F0,0B0\n1F0,1B0\n")
+    base = ["simulate", "--json", "--schedule", f"csv:{path}", "--set", "costs.kind=uniform"]
+    assert main([*base, "--stages", "4"]) == 2
+    assert "schedule.stages: got 4, but" in capsys.readouterr().err
+    assert main([*base, "--microbatches", "2"]) == 1
+    assert "stage 0 microbatch 1: missing F (0F1)" in capsys.readouterr().err
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)["iteration_time_s"]
+    assert main([*base, "--recompute"]) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_time_s"] == pytest.approx(plain + 2.0)

@@ -54,3 +54,14 @@ def test_csv_idle_steps_are_kept() -> None:
     schedule = from_csv_text(text)
     assert schedule.device_actions[0] == (Action(0, "F", 0), None, Action(0, "B", 0))
     assert to_csv_text(schedule) == text
+
+
+def test_csv_blank_lines_bom_and_digits() -> None:
+    """Trailing blank lines are not ranks, a blank rank in the middle is an error, a BOM is ignored,
+    and only ASCII digits count as stage or microbatch numbers."""
+    assert from_csv_text("0F0,0B0\n1F0,1B0\n\n\n").num_devices == 2
+    assert from_csv_text("\ufeff0F0,0B0\n1F0,1B0\n").device_actions[0][0] == Action(0, "F", 0)
+    with pytest.raises(ValueError, match="row 1 is blank"):
+        from_csv_text("0F0,0B0\n\n1F0,1B0\n")
+    with pytest.raises(ValueError, match="is not of the form"):
+        parse_action("\u0660F\u0660")

@@ -74,13 +74,14 @@ def _check_machine(machine: Machine, path: str) -> None:
             raise ValueError(f"cluster.topology: {path!r}: {key} is {value}, expected > 0")
 
 
-def machine_graph(machine: Machine, nodes: int) -> nx.Graph:
-    """GPUs ``(node, i)`` joined by their node's NVLink switch, and each through its own NIC to the fabric.
+def machine_graph(machine: Machine, nodes: list[int] | range) -> nx.Graph:
+    """GPUs ``(node, i)`` of the given nodes joined by their node's NVLink switch, and each through its own
+    NIC to the fabric.
 
     Edge latencies are half a hop so a GPU-switch-GPU path costs one hop's latency.
     """
     graph = nx.Graph()
-    for n in range(nodes):
+    for n in nodes:
         switch = ("nvswitch", n)
         for i in range(machine.gpus_per_node):
             gpu, nic = ("gpu", n * machine.gpus_per_node + i), ("nic", n, i)
@@ -99,11 +100,14 @@ class Cluster:
         if placement not in PLACEMENTS:
             raise ValueError(f"cluster.placement(={placement!r}) must be one of {', '.join(PLACEMENTS)}")
         self.machine, self.nodes, self.placement = machine, nodes, placement
-        self.graph = machine_graph(machine, nodes)
         self.num_gpus = nodes * machine.gpus_per_node
         if devices is not None and devices > self.num_gpus:
             raise ValueError(f"pipeline needs {devices} GPUs but cluster.nodes(={nodes}) x "
                              f"{machine.gpus_per_node} GPUs of {machine.name} gives {self.num_gpus}")
+        # Only the nodes the pipeline uses: a 100,000-node cluster running 4 stages needs 1 to 4 of them.
+        used = range(nodes) if devices is None else sorted({self.gpu_of(d) // machine.gpus_per_node
+                                                            for d in range(devices)})
+        self.graph = machine_graph(machine, used)
         self.link = lru_cache(maxsize=None)(self._link)
 
     def gpu_of(self, device: int) -> int:
