@@ -1,0 +1,24 @@
+"""Every config shipped in experiments/configs loads and simulates."""
+
+import glob
+import os
+
+import pytest
+
+from experiments.config import load_config
+from experiments.run import run_config
+
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "experiments", "configs", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_simulates(path: str) -> None:
+    """Each file is a valid config whose run fits in memory and has a positive iteration time."""
+    run = run_config(load_config(path))
+    assert run.result.iteration_ns > 0
+    assert run.result.oom() == []
+
+
+def test_there_are_configs() -> None:
+    """The demo and the hardware-named recipes are found."""
+    assert len(CONFIGS) >= 4
