@@ -3,8 +3,6 @@ and deadlock freedom (a unit-time lockstep replay that names the stuck actions).
 
 from __future__ import annotations
 
-from collections import Counter
-
 from simulator.ir import COMPUTE_KINDS, Action, Schedule, producers
 
 
@@ -183,8 +181,3 @@ def _stuck_lines(lists: list[list[Action]], cursor: list[int], needs: dict[Actio
             waiting = ", ".join(str(p) for p in needs[action] if p not in done)
             lines.append(f"device {device} op {cursor[device]}: {action} waits for {waiting}")
     return lines
-
-
-def op_counts(schedule: Schedule) -> Counter[str]:
-    """How many ops of each kind the schedule holds."""
-    return Counter(a.kind for d in range(schedule.num_devices) for a in schedule.compute_actions(d))

@@ -127,6 +127,24 @@ class UniformCosts:
         return 0
 
 
+class PerStageCache:
+    """``stage_cost`` memoised per (stage, num_stages), for cost models whose ``_compute`` is costly.
+
+    Chunks need no key: they are already counted in ``num_stages``. Subclasses declare a ``_cache`` dict field.
+    """
+
+    _cache: dict
+
+    def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
+        key = (stage, num_stages)
+        if key not in self._cache:
+            self._cache[key] = self._compute(stage, num_stages)
+        return self._cache[key]
+
+    def _compute(self, stage: int, num_stages: int) -> StageCost:
+        raise NotImplementedError
+
+
 def split_layers(layers: int, num_stages: int) -> list[int]:
     """Transformer blocks per stage: equal slices, the remainder on the earliest stages."""
     base, extra = divmod(layers, num_stages)
@@ -134,7 +152,7 @@ def split_layers(layers: int, num_stages: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class AnalyticCosts:
+class AnalyticCosts(PerStageCache):
     """FLOPs and bytes of each stage against a datasheet peak times an efficiency factor.
 
     The input embedding sits on the first stage and the output layer (logits, softmax,
@@ -151,12 +169,6 @@ class AnalyticCosts:
     def _flops_ns(self, flops: float) -> int:
         rate = self.device.peak_flops[self.precision] * self.efficiency
         return seconds_to_ns(flops / rate)
-
-    def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
-        key = (stage, num_stages)
-        if key not in self._cache:
-            self._cache[key] = self._compute(stage, num_stages)
-        return self._cache[key]
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
         n = split_layers(self.model.layers, num_stages)[stage]

@@ -17,7 +17,6 @@ from typing import NamedTuple
 COMPUTE_KINDS = ("F", "I", "W", "B")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 STAGE_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")  # torch's per-stage actions, no microbatch
-WEIGHT_UPDATES = ("flush", "async-stash", "2bw")
 
 _ACTION_RE = re.compile(r"^([0-9]+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)([0-9]+)$")
 _STAGE_ACTION_RE = re.compile(r"^([0-9]+)(UNSHARD|RESHARD|REDUCE_GRAD)$")

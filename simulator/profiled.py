@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from simulator import profile_schema as schema
-from simulator.costs import Link, StageCost, link_occupancy_ns, link_transfer_ns, split_layers
+from simulator.costs import Link, PerStageCache, StageCost, link_occupancy_ns, link_transfer_ns, split_layers
 
 
 def read_table(profile_dir: str | os.PathLike, meta: dict, table: str) -> pd.DataFrame:
@@ -43,7 +43,7 @@ def interp1(xs: list[float], ys: list[float], x: float) -> tuple[float, bool]:
 
 
 @dataclass
-class ProfiledCosts:
+class ProfiledCosts(PerStageCache):
     """A ``CostModel`` from a calibration profile (see ``calibration/profiles/README.md``).
 
     Per stage: its share of transformer layers (``split_layers``) times the per-layer F, I, W and recompute
@@ -145,13 +145,6 @@ class ProfiledCosts:
     def params_of(self, component: str) -> int:
         rows = self.memory[self.memory["component"] == component]
         return int(rows["params"].iloc[0]) if not rows.empty else 0
-
-    def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
-        """Costs of ``stage`` of ``num_stages`` (chunks are already counted in ``num_stages``, as in AnalyticCosts)."""
-        key = (stage, num_stages)
-        if key not in self._cache:
-            self._cache[key] = self._compute(stage, num_stages)
-        return self._cache[key]
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
         n = split_layers(self.layers, num_stages)[stage]

@@ -21,7 +21,6 @@ class Generator:
     build: Callable[..., Schedule]
     description: str
     min_chunks: int = 1
-    max_chunks: int | None = 1
 
 
 GENERATORS: dict[str, Generator] = {}
@@ -43,15 +42,15 @@ register(Generator("2bw", two_bw,
                    "option iterations=3"))
 register(Generator("interleaved", interleaved,
                    "Interleaved 1F1B (Megatron/torch): chunks >= 2 looped stages per device, m >= p "
-                   "(cut into m // p rounds; Megatron's order when p divides m)", min_chunks=2, max_chunks=None))
+                   "(cut into m // p rounds; Megatron's order when p divides m)", min_chunks=2))
 register(Generator("zb-h1", zb_h1, "ZB-H1: 1F1B memory, split I/W, device r defers r W's; bubble (p-1)(F+I-W)"))
 register(Generator("zb-h2", zb_h2, "ZB-H2: 2(p-r)-1 warm-up forwards, device r defers 2r W's; bubble (p-1)(F+I-2W)"))
 register(Generator("zb-v", zb_v, "ZB-V (torch ScheduleZBVZeroBubble): V placement, 2 chunks (chunks=1 read as 2), "
-                   "p activations per device, no bubble when F = I = W and m >= 2p-1", min_chunks=2, max_chunks=2))
+                   "p activations per device, no bubble when F = I = W and m >= 2p-1", min_chunks=2))
 register(Generator("v-half", v_half, "V-Half: V placement, 2 chunks (chunks=1 read as 2), "
-                   "(p+2)//2 activations per device", min_chunks=2, max_chunks=2))
+                   "(p+2)//2 activations per device", min_chunks=2))
 register(Generator("v-min", v_min, "V-Min: V placement, 2 chunks (chunks=1 read as 2), "
-                   "(p+4)//3 activations per device", min_chunks=2, max_chunks=2))
+                   "(p+4)//3 activations per device", min_chunks=2))
 
 
 def generator(name: str) -> Generator:

@@ -31,6 +31,13 @@ class OrderBuilder:
                 self.ops.append(Action(stage, kind, self.count[(stage, kind)]))
                 self.count[(stage, kind)] += 1
 
+    def drain(self, stage: int) -> None:
+        """The cool-down: [I, W] while I's are left, then the W's still deferred."""
+        while self.left(stage, "I"):
+            self.add(stage, "I", "W")
+        while self.left(stage, "W"):
+            self.add(stage, "W")
+
 
 def zb_h1_order(r: int, p: int, m: int) -> list[Action]:
     """Device r: 1F1B with I for B, its first W only after r+1 I's (so r W's are left for the drain).
@@ -46,10 +53,7 @@ def zb_h1_order(r: int, p: int, m: int) -> list[Action]:
     out.add(r, "W")
     while out.left(r, "F"):
         out.add(r, "F", "I", "W")
-    while out.left(r, "I"):
-        out.add(r, "I", "W")
-    while out.left(r, "W"):
-        out.add(r, "W")
+    out.drain(r)
     return out.ops
 
 
@@ -70,10 +74,7 @@ def zb_h2_order(r: int, p: int, m: int) -> list[Action]:
             out.add(r, "I", "F")
     while out.left(r, "F"):
         out.add(r, "I", "W", "F")
-    while out.left(r, "I"):
-        out.add(r, "I", "W")
-    while out.left(r, "W"):
-        out.add(r, "W")
+    out.drain(r)
     return out.ops
 
 
