@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from calibration import env, ops
-from calibration.model import Block, Embedding, OutputLayer
-from calibration.presets import Shape
-from calibration.profile_io import ensure_writable, write_json, write_table
-from simulator.profile_schema import COMPUTE_META, SCHEMA_VERSION
-from calibration.timing import Timer, TimingConfig, make_timer
+from pipescope.calibration import env, ops
+from pipescope.calibration.model import Block, Embedding, OutputLayer
+from pipescope.calibration.presets import Shape
+from pipescope.calibration.profile_io import ensure_writable, write_json, write_table
+from pipescope.simulator.profile_schema import COMPUTE_META, SCHEMA_VERSION
+from pipescope.calibration.timing import Timer, TimingConfig, make_timer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -1,7 +1,7 @@
 """The ``calibrate`` and ``calibrate-comms`` subcommands.
 
 The main CLI calls ``register(subparsers)``; on a GPU box without the rest of pipescope,
-``python -m calibration.commands calibrate ...`` does the same. Values are checked here rather than by
+``python -m pipescope.calibration.commands calibrate ...`` does the same. Values are checked here rather than by
 argparse so a bad one gives a single line ``pipescope: error: <key>: <value>, expected ...`` and exit 2.
 torch is imported only once the arguments are known to be good.
 """
@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from calibration.presets import PRECISIONS, PRESETS, resolve
+from pipescope.calibration.presets import PRECISIONS, PRESETS, resolve
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
@@ -80,9 +80,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_timing_args(cal, budget=2.0)
     cal.set_defaults(func=calibrate_command)
     comms = subparsers.add_parser("calibrate-comms", help="time collectives and p2p under torchrun",
-                                  description="Run under torchrun: torchrun --nproc-per-node N -m calibration.comms "
+                                  description="Run under torchrun: torchrun --nproc-per-node N -m pipescope.calibration.comms "
                                   "--out DIR (or the pipescope executable with calibrate-comms).")
-    from calibration.comms_args import add_comms_args
+    from pipescope.calibration.comms_args import add_comms_args
 
     add_comms_args(comms)
     add_timing_args(comms, budget=1.0)
@@ -116,7 +116,7 @@ def timing_config(args: argparse.Namespace, flush_l2: bool = True):
         positive("--" + key.replace("_", "-"), values[key], allow_none=False)
     if values["max_reps"] < values["min_reps"]:
         raise UsageError(f"--max-reps: {values['max_reps']}, expected at least --min-reps {values['min_reps']}")
-    from calibration.timing import TimingConfig
+    from pipescope.calibration.timing import TimingConfig
 
     return TimingConfig(flush_l2=flush_l2, **values)
 
@@ -145,9 +145,9 @@ def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device: {device!r}, expected cpu (torch sees no CUDA device here)")
-    from calibration.calibrate import CalibrationConfig
-    from calibration.env import command_line
-    from calibration.profile_io import ensure_writable
+    from pipescope.calibration.calibrate import CalibrationConfig
+    from pipescope.calibration.env import command_line
+    from pipescope.calibration.profile_io import ensure_writable
 
     precision = args.precision or ("bf16" if device.startswith("cuda") else "fp32")
     try:
@@ -170,7 +170,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         config = calibration_config(args, getattr(args, "argv", None))
     except UsageError as exc:
         return usage_error(str(exc))
-    from calibration.calibrate import run
+    from pipescope.calibration.calibrate import run
 
     run(config)
     return 0
@@ -178,13 +178,13 @@ def calibrate_command(args: argparse.Namespace) -> int:
 
 def comms_command(args: argparse.Namespace) -> int:
     """Entry point of ``pipescope calibrate-comms`` (under torchrun): 0 on success, 2 on a bad argument."""
-    from calibration.comms_args import comms_config
+    from pipescope.calibration.comms_args import comms_config
 
     try:
         config = comms_config(args, timing_config(args, flush_l2=False), getattr(args, "argv", None))
     except UsageError as exc:
         return usage_error(str(exc))
-    from calibration.comms import run
+    from pipescope.calibration.comms import run
 
     run(config)
     return 0
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m calibration.commands calibrate|calibrate-comms ...``; returns the exit code."""
+    """``python -m pipescope.calibration.commands calibrate|calibrate-comms ...``; returns the exit code."""
     args = build_parser().parse_args(argv)
     args.argv = argv
     return args.func(args)

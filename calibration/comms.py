@@ -1,6 +1,6 @@
 """``calibrate-comms``: time all-reduce, all-gather, reduce-scatter and p2p send/recv under torchrun.
 
-Launch: ``torchrun --nproc-per-node N -m calibration.comms --out DIR`` (nccl on GPUs, gloo on CPU). Sizes
+Launch: ``torchrun --nproc-per-node N -m pipescope.calibration.comms --out DIR`` (nccl on GPUs, gloo on CPU). Sizes
 double from ``--min-bytes`` to ``--max-bytes``, capped by free memory. Each size is warmed up, then repeated
 (a barrier before each repetition, outside the timed window); a repetition's time is the mean over ranks, as
 nccl-tests reports by default. p2p is a ping-pong between ranks 0 and 1, half the round trip. Rank 0 writes
@@ -18,12 +18,12 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from calibration import env
-from calibration.commfit import bandwidths, fit_rows
-from calibration.comms_args import CommsConfig
-from calibration.profile_io import write_json, write_table
-from simulator.profile_schema import COMMS_META, SCHEMA_VERSION
-from calibration.timing import stats
+from pipescope.calibration import env
+from pipescope.calibration.commfit import bandwidths, fit_rows
+from pipescope.calibration.comms_args import CommsConfig
+from pipescope.calibration.profile_io import write_json, write_table
+from pipescope.simulator.profile_schema import COMMS_META, SCHEMA_VERSION
+from pipescope.calibration.timing import stats
 
 # torch >= 2.13 renamed the tensor collectives; keep working on the older names too.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -173,8 +173,8 @@ def write_profile(config: CommsConfig, rows: list[dict], backend: str, device: t
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``torchrun ... -m calibration.comms [args]``: the calibrate-comms subcommand on its own."""
-    from calibration.commands import build_parser
+    """``torchrun ... -m pipescope.calibration.comms [args]``: the calibrate-comms subcommand on its own."""
+    from pipescope.calibration.commands import build_parser
 
     args = build_parser().parse_args(["calibrate-comms", *(sys.argv[1:] if argv is None else argv)])
     args.argv = None if argv is None else ["calibrate-comms", *argv]  # None: record this process's sys.argv

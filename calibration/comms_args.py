@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from calibration.commands import UsageError, size_bytes
-from simulator.profile_schema import COLLECTIVES
+from pipescope.calibration.commands import UsageError, size_bytes
+from pipescope.simulator.profile_schema import COLLECTIVES
 
-LAUNCH_HINT = "torchrun --nproc-per-node N -m calibration.comms --out DIR"
+LAUNCH_HINT = "torchrun --nproc-per-node N -m pipescope.calibration.comms --out DIR"
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,8 @@ def comms_config(args: argparse.Namespace, timing: Any, argv: list[str] | None) 
     edges = tuple(size_bytes("--range-edges", e) for e in args.range_edges.split(",") if e.strip())
     if not edges or min(edges) <= 0:
         raise UsageError(f"--range-edges: {args.range_edges!r}, expected positive sizes such as 1MiB,64MiB")
-    from calibration.env import command_line
-    from calibration.profile_io import ensure_writable
+    from pipescope.calibration.env import command_line
+    from pipescope.calibration.profile_io import ensure_writable
 
     if os.environ["RANK"] == "0":
         try:

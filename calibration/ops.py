@@ -15,10 +15,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from calibration.memory import peak_backward_bytes, saved_tensor_bytes
-from calibration.model import Block, Embedding, OutputLayer, shard_backward, shard_forward, shard_size
-from simulator.profile_schema import EMBEDDING, LAYER, OPTIMIZER, OUTPUT, OUTPUT_SHARD
-from calibration.timing import Bench, Stats, Timer
+from pipescope.calibration.memory import peak_backward_bytes, saved_tensor_bytes
+from pipescope.calibration.model import Block, Embedding, OutputLayer, shard_backward, shard_forward, shard_size
+from pipescope.simulator.profile_schema import EMBEDDING, LAYER, OPTIMIZER, OUTPUT, OUTPUT_SHARD
+from pipescope.calibration.timing import Bench, Stats, Timer
 
 Row = dict[str, object]
 

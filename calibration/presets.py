@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from simulator.models import PRESETS
-from simulator.models import ModelSpec as Shape
+from pipescope.simulator.models import PRESETS
+from pipescope.simulator.models import ModelSpec as Shape
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 

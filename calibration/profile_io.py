@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from simulator.profile_schema import TABLE_COLUMNS
+from pipescope.simulator.profile_schema import TABLE_COLUMNS
 
 
 def has_parquet() -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from simulator.ir import Action, Schedule
+from pipescope.simulator.ir import Action, Schedule
 
 # torch's names (``get_schedule_class`` keys) with the stages per rank each supports: None means any.
 SCHEDULE_CHUNKS: dict[str, int | None] = {
@@ -255,7 +255,7 @@ def golden_name(name: str, stages: int, microbatches: int) -> str:
 
 def write_golden(folder: str, name: str, stages: int, microbatches: int, chunks: int = 1) -> str:
     """Write torch's order as our compute-only CSV (torch's text form) under ``folder``; returns the path."""
-    from simulator.csvio import write_csv
+    from pipescope.simulator.csvio import write_csv
 
     path = os.path.join(folder, golden_name(name, stages, microbatches))
     write_csv(torch_schedule(name, stages, microbatches, chunks), path)

@@ -12,12 +12,12 @@ import json
 import statistics
 import time
 
-from simulator.check import check
-from simulator.costs import UniformCosts
-from simulator.engine import CompiledSchedule, Engine, compile_schedule, gc_paused
-from simulator.result import build_result
-from simulator.schedules import build
-from simulator.simulate import DEFAULT_LINK, simulate
+from pipescope.simulator.check import check
+from pipescope.simulator.costs import UniformCosts
+from pipescope.simulator.engine import CompiledSchedule, Engine, compile_schedule, gc_paused
+from pipescope.simulator.result import build_result
+from pipescope.simulator.schedules import build
+from pipescope.simulator.simulate import DEFAULT_LINK, simulate
 
 CASES = ((8, 64), (64, 512))
 COSTS = UniformCosts(forward=1e-3, backward_input=1e-3, backward_weight=1e-3, p2p=1e-4)

@@ -8,8 +8,8 @@ import os
 import sys
 from typing import NoReturn
 
-from experiments.config import ConfigError, load_config
-from simulator.check import ScheduleError
+from pipescope.experiments.config import ConfigError, load_config
+from pipescope.simulator.check import ScheduleError
 
 
 class Parser(argparse.ArgumentParser):
@@ -66,7 +66,7 @@ def _check_output_names(args: argparse.Namespace) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from experiments.run import run_config
+    from pipescope.experiments.run import run_config
     _check_output_names(args)
     run = run_config(config_from_args(args))
     try:
@@ -76,7 +76,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(run.result.summary()))
     else:
-        from experiments.report import table
+        from pipescope.experiments.report import table
         print(table(run.config, run.result))
         for label, path in (("gantt", args.gantt), ("trace", args.trace), ("csv", args.csv),
                             ("timeline", args.timeline)):
@@ -87,21 +87,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _write_outputs(run, args: argparse.Namespace) -> None:
     if args.csv:
-        from simulator.csvio import write_csv
+        from pipescope.simulator.csvio import write_csv
         write_csv(run.schedule, args.csv)
     if args.trace:
-        from simulator.trace import write_trace
+        from pipescope.simulator.trace import write_trace
         write_trace(run.result, args.trace)
     if args.gantt:
-        from experiments.plots import write_gantt
+        from pipescope.experiments.plots import write_gantt
         write_gantt(run.result, args.gantt)
     if args.timeline:
-        from experiments.tables import write_timeline
+        from pipescope.experiments.tables import write_timeline
         write_timeline(run.result, args.timeline)
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:
-    from simulator.schedules import ALIASES, GENERATORS
+    from pipescope.simulator.schedules import ALIASES, GENERATORS
     width = max(len(n) for n in GENERATORS) + 2
     for name, gen in GENERATORS.items():
         aliases = [a for a, target in ALIASES.items() if target == name]
@@ -113,15 +113,15 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from simulator.check import check
-    from simulator.csvio import read_csv
+    from pipescope.simulator.check import check
+    from pipescope.simulator.csvio import read_csv
     if not os.path.isfile(args.file):
         return usage_error(f"FILE: {args.file!r} does not exist or is not a file")
     try:
         schedule = read_csv(args.file, args.microbatches)
     except ValueError as err:
         return usage_error(f"FILE: {args.file!r}: {err}")
-    from simulator.lowering import comm_steps
+    from pipescope.simulator.lowering import comm_steps
     try:
         steps = check(schedule)
         torch_steps = comm_steps(schedule)
@@ -137,7 +137,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from experiments.bench import run_bench
+    from pipescope.experiments.bench import run_bench
     if args.repeat < 1:
         return usage_error(f"--repeat: got {args.repeat}, expected an integer >= 1")
     return run_bench(args.repeat, args.quick, args.json)
@@ -173,7 +173,7 @@ def build_parser() -> Parser:
 
 def _register_calibration(sub: argparse._SubParsersAction) -> None:
     try:
-        from calibration.commands import register
+        from pipescope.calibration.commands import register
     except ImportError as err:
         reason = str(err)
         for name in ("calibrate", "calibrate-comms"):

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from simulator.units import parse_size, parse_time
+from pipescope.simulator.units import parse_size, parse_time
 
 
 class ConfigError(ValueError):

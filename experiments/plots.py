@@ -10,9 +10,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from simulator.csvio import write_text_atomic  # noqa: E402
-from simulator.result import SimResult  # noqa: E402
-from simulator.units import format_time  # noqa: E402
+from pipescope.simulator.csvio import write_text_atomic  # noqa: E402
+from pipescope.simulator.result import SimResult  # noqa: E402
+from pipescope.simulator.units import format_time  # noqa: E402
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 ODD_CHUNK_COLORS = {"F": "#27406B", "B": "#9A5424", "I": "#7E2A2D", "W": "#2F6B3D"}  # darker: readable at any size

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from experiments.config import Config
-from simulator.result import SimResult
-from simulator.units import format_bytes, format_time
+from pipescope.experiments.config import Config
+from pipescope.simulator.result import SimResult
+from pipescope.simulator.units import format_bytes, format_time
 
 
 def _headline(config: Config, result: SimResult) -> str:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, replace
 
-from experiments.config import Config, ConfigError, ScheduleConfig
-from simulator.costs import AnalyticCosts, CostError, CostModel, UniformCosts
-from simulator.csvio import read_csv
-from simulator.ir import Schedule
-from simulator.models import DEVICES, ModelSpec, layer_work, output_layer_flops, preset
-from simulator.result import SimResult
-from simulator.schedules import ALIASES, GENERATORS, generator
-from simulator.simulate import simulate
-from topologies.cluster import Cluster, Machine, load_machine
+from pipescope.experiments.config import Config, ConfigError, ScheduleConfig
+from pipescope.simulator.costs import AnalyticCosts, CostError, CostModel, UniformCosts
+from pipescope.simulator.csvio import read_csv
+from pipescope.simulator.ir import Schedule
+from pipescope.simulator.models import DEVICES, ModelSpec, layer_work, output_layer_flops, preset
+from pipescope.simulator.result import SimResult
+from pipescope.simulator.schedules import ALIASES, GENERATORS, generator
+from pipescope.simulator.simulate import simulate
+from pipescope.topologies.cluster import Cluster, Machine, load_machine
 
 
 def model_spec(config: Config) -> ModelSpec:
@@ -74,7 +74,7 @@ def _csv_schedule(s: ScheduleConfig) -> Schedule:
 
 def _torch_schedule(name: str, stages: int, microbatches: int, chunks: int) -> Schedule:
     try:
-        from calibration.torch_schedules import torch_schedule
+        from pipescope.calibration.torch_schedules import torch_schedule
     except ImportError as err:
         raise ConfigError(f"schedule.name: torch:{name} needs torch installed ({err})") from None
     try:
@@ -104,7 +104,7 @@ def build_costs(config: Config, machine: Machine) -> CostModel:
 def _profiled_costs(config: Config) -> CostModel:
     if not config.costs.profile:
         raise ConfigError("costs.profile: missing, expected a profile folder written by 'pipescope calibrate'")
-    from simulator.profiled import ProfiledCosts
+    from pipescope.simulator.profiled import ProfiledCosts
     m = config.model
     try:
         return ProfiledCosts.load(config.costs.profile, m.microbatch_size, seq=m.seq, layers=m.layers,

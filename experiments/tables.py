@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from simulator.csvio import write_text_atomic
-from simulator.result import SimResult
+from pipescope.simulator.csvio import write_text_atomic
+from pipescope.simulator.result import SimResult
 
 
 def write_timeline(result: SimResult, path: str) -> None:

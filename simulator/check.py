@@ -3,7 +3,7 @@ and deadlock freedom (a unit-time lockstep replay that names the stuck actions).
 
 from __future__ import annotations
 
-from simulator.ir import COMPUTE_KINDS, Action, Schedule, producers
+from pipescope.simulator.ir import COMPUTE_KINDS, Action, Schedule, producers
 
 
 class ScheduleError(ValueError):

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from simulator.models import DeviceSpec, ModelSpec, layer_work, output_activation_bytes, output_layer_flops
+from pipescope.simulator.models import DeviceSpec, ModelSpec, layer_work, output_activation_bytes, output_layer_flops
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import io
 import os
 import tempfile
 
-from simulator.ir import COMPUTE_KINDS, Schedule, parse_cell
+from pipescope.simulator.ir import COMPUTE_KINDS, Schedule, parse_cell
 
 
 def to_csv_text(schedule: Schedule, compute_only: bool = True) -> str:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import simpy
 
-from simulator.check import ScheduleError
-from simulator.costs import CostModel, Link, StageCost
-from simulator.ir import Action, Schedule, producers
+from pipescope.simulator.check import ScheduleError
+from pipescope.simulator.costs import CostModel, Link, StageCost
+from pipescope.simulator.ir import Action, Schedule, producers
 
 LinkLookup = Callable[[int, int], Link]
 

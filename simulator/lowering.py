@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from simulator.check import ScheduleError
-from simulator.ir import COMM_KINDS, COMPUTE_KINDS, STAGE_KINDS, Action, Schedule
+from pipescope.simulator.check import ScheduleError
+from pipescope.simulator.ir import COMM_KINDS, COMPUTE_KINDS, STAGE_KINDS, Action, Schedule
 
 Timeline = list[list[Action | None]]
 """Per device, one entry per step: the action run at that step, or ``None`` where the device waited."""

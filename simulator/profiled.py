@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from simulator import profile_schema as schema
-from simulator.costs import Link, PerStageCache, StageCost, link_occupancy_ns, link_transfer_ns, split_layers
+from pipescope.simulator import profile_schema as schema
+from pipescope.simulator.costs import Link, PerStageCache, StageCost, link_occupancy_ns, link_transfer_ns, split_layers
 
 
 def read_table(profile_dir: str | os.PathLike, meta: dict, table: str) -> pd.DataFrame:

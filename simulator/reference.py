@@ -11,8 +11,8 @@ import heapq
 from dataclasses import dataclass
 from collections.abc import Callable
 
-from simulator.check import ScheduleError
-from simulator.ir import Action, Schedule, producers
+from pipescope.simulator.check import ScheduleError
+from pipescope.simulator.ir import Action, Schedule, producers
 
 
 @dataclass(frozen=True)

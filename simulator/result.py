@@ -9,9 +9,9 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from simulator.engine import CompiledSchedule, RunTimes
-from simulator.ir import Schedule
-from simulator.memory import (
+from pipescope.simulator.engine import CompiledSchedule, RunTimes
+from pipescope.simulator.ir import Schedule
+from pipescope.simulator.memory import (
     DeviceMemory,
     MemoryEvents,
     OpArrays,

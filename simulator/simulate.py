@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
-from simulator.check import ScheduleError, structure_problems
-from simulator.costs import CostModel, Link
-from simulator.engine import Engine, LinkLookup, compile_schedule, gc_paused
-from simulator.ir import Schedule
-from simulator.result import SimResult, build_result
+from pipescope.simulator.check import ScheduleError, structure_problems
+from pipescope.simulator.costs import CostModel, Link
+from pipescope.simulator.engine import Engine, LinkLookup, compile_schedule, gc_paused
+from pipescope.simulator.ir import Schedule
+from pipescope.simulator.result import SimResult, build_result
 
 # Used when no cluster is given: one NVLink-class hop between any two devices.
 DEFAULT_LINK = Link(bandwidth=450e9, latency_ns=2_000)

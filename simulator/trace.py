@@ -6,8 +6,8 @@ from __future__ import annotations
 import gzip
 import json
 
-from simulator.csvio import write_text_atomic
-from simulator.result import SimResult
+from pipescope.simulator.csvio import write_text_atomic
+from pipescope.simulator.result import SimResult
 
 KIND_NAMES = {"F": "forward", "I": "input-grad", "W": "weight-grad", "B": "backward",
               "SEND_F": "send activation", "SEND_B": "send gradient"}

@@ -19,14 +19,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from calibration import commands, commfit  # noqa: E402 (after the torch skip)
-from calibration.memory import saved_tensor_bytes  # noqa: E402
-from calibration.model import GPT, Block, shard_backward, shard_forward, shard_size  # noqa: E402
-from calibration.profile_io import write_table  # noqa: E402
-from simulator.profile_schema import ProfileError  # noqa: E402
-from calibration.timing import Bench, CpuTimer, Timer, TimingConfig, is_stable, stats  # noqa: E402
-from simulator.costs import Link  # noqa: E402
-from simulator.profiled import ProfiledCosts  # noqa: E402
+from pipescope.calibration import commands, commfit  # noqa: E402 (after the torch skip)
+from pipescope.calibration.memory import saved_tensor_bytes  # noqa: E402
+from pipescope.calibration.model import GPT, Block, shard_backward, shard_forward, shard_size  # noqa: E402
+from pipescope.calibration.profile_io import write_table  # noqa: E402
+from pipescope.simulator.profile_schema import ProfileError  # noqa: E402
+from pipescope.calibration.timing import Bench, CpuTimer, Timer, TimingConfig, is_stable, stats  # noqa: E402
+from pipescope.simulator.costs import Link  # noqa: E402
+from pipescope.simulator.profiled import ProfiledCosts  # noqa: E402
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,8 +273,9 @@ def test_unknown_preset_is_a_one_line_usage_error(tmp_path: Path, capsys: pytest
 
 BLOCKER = """
 import sys
-BLOCKED = ('simpy', 'yaml', 'matplotlib', 'experiments', 'topologies', 'simulator.')
-PLAIN = ('simulator.ir', 'simulator.csvio', 'simulator.models', 'simulator.profile_schema')
+BLOCKED = ('simpy', 'yaml', 'matplotlib', 'pipescope.experiments', 'pipescope.topologies', 'pipescope.simulator.')
+PLAIN = ('pipescope.simulator.ir', 'pipescope.simulator.csvio', 'pipescope.simulator.models',
+         'pipescope.simulator.profile_schema', 'pipescope.simulator.units')
 class Blocker:
     def find_spec(self, name, path=None, target=None):
         if name.startswith(BLOCKED) and name not in PLAIN:
@@ -284,7 +285,7 @@ sys.meta_path.insert(0, Blocker())
 
 
 def test_standalone_calibration_runs_without_simulator_dependencies(tmp_path: Path) -> None:
-    """`python -m calibration.commands calibrate` of `tiny` works with simpy, yaml and every simulator module but
+    """`python -m pipescope.calibration.commands calibrate` of `tiny` works with simpy, yaml and every simulator module but
     the stdlib-only IR unimportable (a GPU box with torch, numpy and pandas; torch itself brings networkx)."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
@@ -292,16 +293,16 @@ def test_standalone_calibration_runs_without_simulator_dependencies(tmp_path: Pa
     args = ["calibrate", "--model", "tiny", "--microbatch-sizes", "1", "--device", "cpu", "--threads", "1",
             "--vocab-shards", "1", "--warmup", "1", "--min-reps", "3", "--budget-s", "0.02",
             "--out", str(tmp_path / "p")]
-    done = subprocess.run([sys.executable, "-m", "calibration.commands", *args], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "pipescope.calibration.commands", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((tmp_path / "p" / "profile.json").read_text())["model"]["name"] == "tiny"
 
 
-ALLOWED_THIRD_PARTY = {"torch", "numpy", "pandas", "pyarrow", "calibration"}
+ALLOWED_THIRD_PARTY = {"torch", "numpy", "pandas", "pyarrow"}
 # Stdlib-only too, but the cost models are what calibration feeds: keeping them out keeps calibration
 # self-contained. simulator.models (model shapes and presets, plain data) is shared on purpose.
-FORBIDDEN = {"simulator.costs", "simulator.profiled"}
+FORBIDDEN = {"pipescope.simulator.costs", "pipescope.simulator.profiled"}
 
 
 def module_imports(path: Path) -> list[str]:
@@ -317,14 +318,16 @@ def module_imports(path: Path) -> list[str]:
 
 def is_plain_data_module(name: str) -> bool:
     """A project module importing only the standard library and other such modules (the IR, its CSV I/O)."""
-    if name == "simulator":
+    if name in ("pipescope", "pipescope.simulator"):
         return True
-    path = ROOT / (name.replace(".", "/") + ".py")
+    path = ROOT / (name.removeprefix("pipescope.").replace(".", "/") + ".py")
     return name not in FORBIDDEN and path.is_file() and all(
         n.split(".")[0] in sys.stdlib_module_names or is_plain_data_module(n) for n in module_imports(path))
 
 
 def allowed_in_calibration(name: str) -> bool:
+    if name.startswith("pipescope.calibration"):
+        return True
     top = name.split(".")[0]
     return top in sys.stdlib_module_names or top in ALLOWED_THIRD_PARTY or is_plain_data_module(name)
 
@@ -334,8 +337,8 @@ def test_calibration_imports_only_torch_numpy_pandas_and_plain_data() -> None:
     for path in sorted((ROOT / "calibration").glob("*.py")):
         for name in module_imports(path):
             assert allowed_in_calibration(name), f"{path.name} imports {name}"
-    assert allowed_in_calibration("simulator.ir")
-    assert not any(allowed_in_calibration(n) for n in ("simpy", "networkx", "yaml", "simulator.costs"))
+    assert allowed_in_calibration("pipescope.simulator.ir")
+    assert not any(allowed_in_calibration(n) for n in ("simpy", "networkx", "yaml", "pipescope.simulator.costs"))
 
 
 def test_bus_bandwidth_factors_and_line_fit_follow_nccl_tests() -> None:
@@ -371,7 +374,7 @@ def test_comms_calibration_under_torchrun_with_gloo(profile: Calibrated, tmp_pat
     out = Path(shutil.copytree(profile.out, tmp_path / "p"))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    args = ["-m", "calibration.comms", "--out", str(out), "--min-bytes", "32KiB", "--max-bytes", "64KiB",
+    args = ["-m", "pipescope.calibration.comms", "--out", str(out), "--min-bytes", "32KiB", "--max-bytes", "64KiB",
             "--warmup", "1", "--min-reps", "5", "--budget-s", "0.05"]
     done = subprocess.run(torchrun + args, cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -392,7 +395,7 @@ def test_comms_calibration_under_torchrun_with_gloo(profile: Calibrated, tmp_pat
 
 def test_simulate_cli_runs_on_the_profile(profile: Calibrated, capsys: pytest.CaptureFixture) -> None:
     """`pipescope simulate --set costs.kind=profile` uses the profile; an unmeasured microbatch size is flagged."""
-    from experiments.cli import main
+    from pipescope.experiments.cli import main
     base = ["simulate", "--json", "--stages", "2", "--microbatches", "4", "--set", "costs.kind=profile",
             "--set", f"costs.profile={profile.out}", "--set", "model.layers=4", "--set", "model.precision=fp32"]
     assert main([*base, "--set", f"model.microbatch_size={MICROBATCH}"]) == 0

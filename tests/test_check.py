@@ -2,9 +2,9 @@
 
 import pytest
 
-from simulator.check import ScheduleError, check, lockstep
-from simulator.csvio import from_csv_text
-from simulator.schedules import build
+from pipescope.simulator.check import ScheduleError, check, lockstep
+from pipescope.simulator.csvio import from_csv_text
+from pipescope.simulator.schedules import build
 
 
 def test_generated_schedules_pass() -> None:

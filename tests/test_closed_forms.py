@@ -2,10 +2,10 @@
 
 import pytest
 
-from simulator.costs import UniformCosts
-from simulator.reference import list_schedule, uniform_duration
-from simulator.schedules import build
-from simulator.simulate import simulate
+from pipescope.simulator.costs import UniformCosts
+from pipescope.simulator.reference import list_schedule, uniform_duration
+from pipescope.simulator.schedules import build
+from pipescope.simulator.simulate import simulate
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16)]
 

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from experiments.config import load_config
-from experiments.run import run_config
+from pipescope.experiments.config import load_config
+from pipescope.experiments.run import run_config
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "experiments", "configs", "*.yaml")))
 

@@ -4,12 +4,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from simulator.check import ScheduleError
-from simulator.costs import Link, UniformCosts
-from simulator.engine import Engine, compile_schedule
-from simulator.ir import Action, Schedule
-from simulator.schedules import build
-from simulator.simulate import simulate
+from pipescope.simulator.check import ScheduleError
+from pipescope.simulator.costs import Link, UniformCosts
+from pipescope.simulator.engine import Engine, compile_schedule
+from pipescope.simulator.ir import Action, Schedule
+from pipescope.simulator.schedules import build
+from pipescope.simulator.simulate import simulate
 
 
 def test_engine_reports_deadlock_with_stuck_ops() -> None:
@@ -26,8 +26,8 @@ def test_engine_reports_deadlock_with_stuck_ops() -> None:
 
 def test_link_bandwidth_and_latency_set_transfer_time() -> None:
     """Analytic transfers take latency + bytes / bandwidth of the path the cluster gives."""
-    from simulator.costs import AnalyticCosts
-    from simulator.models import DEVICES, preset
+    from pipescope.simulator.costs import AnalyticCosts
+    from pipescope.simulator.models import DEVICES, preset
     costs = AnalyticCosts(preset("gpt-355m"), DEVICES["a100"])
     slow = simulate(build("1f1b", 2, 2), costs, lambda a, b: Link(1e9, 10_000))
     fast = simulate(build("1f1b", 2, 2), costs, lambda a, b: Link(1e12, 10_000))
@@ -56,8 +56,8 @@ def test_transfers_queue_on_a_busy_link() -> None:
 
 def test_latency_overlaps_on_a_link() -> None:
     """Analytic transfers hold the link for bytes/bandwidth only; latency of one overlaps the next."""
-    from simulator.costs import AnalyticCosts
-    from simulator.models import DEVICES, preset
+    from pipescope.simulator.costs import AnalyticCosts
+    from pipescope.simulator.models import DEVICES, preset
     costs = AnalyticCosts(preset("gpt-355m"), DEVICES["a100"])
     link = Link(1e15, 10**9)  # a huge latency, negligible serialisation
     result = simulate(build("gpipe", 2, 3), costs, lambda a, b: link)
@@ -68,7 +68,7 @@ def test_latency_overlaps_on_a_link() -> None:
 
 def test_uniform_p2p_longer_than_ops_is_a_pure_delay() -> None:
     """Uniform p2p (2 s, twice an op) adds to each hop without queueing: equal to the plain timing model."""
-    from simulator.reference import list_schedule, uniform_duration
+    from pipescope.simulator.reference import list_schedule, uniform_duration
     schedule = build("gpipe", 4, 8)
     result = simulate(schedule, UniformCosts(forward=1.0, backward_input=0.5, backward_weight=0.5, p2p=2.0))
     reference = list_schedule(schedule, uniform_duration(10**9, 5 * 10**8, 5 * 10**8), 2 * 10**9)

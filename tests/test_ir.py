@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from simulator.csvio import from_csv_text, read_csv, to_csv_text, write_csv
-from simulator.ir import Action, parse_action, parse_cell
-from simulator.schedules import build
+from pipescope.simulator.csvio import from_csv_text, read_csv, to_csv_text, write_csv
+from pipescope.simulator.ir import Action, parse_action, parse_cell
+from pipescope.simulator.schedules import build
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from experiments.cli import main
-from simulator.costs import UniformCosts
-from simulator.schedules import build
-from simulator.simulate import simulate
+from pipescope.experiments.cli import main
+from pipescope.simulator.costs import UniformCosts
+from pipescope.simulator.schedules import build
+from pipescope.simulator.simulate import simulate
 
 
 @pytest.mark.parametrize("name", ["pipedream", "2bw"])

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from calibration.torch_schedules import (
+from pipescope.calibration.torch_schedules import (
     WELL_FORMED,
     build_torch_schedule,
     expand_overlaps,
@@ -23,11 +23,11 @@ from calibration.torch_schedules import (
     torch_pipeline_order,
     torch_schedule,
 )
-from simulator.check import ScheduleError, check, lockstep
-from simulator.csvio import read_csv
-from simulator.ir import Action, Schedule, parse_action
-from simulator.lowering import add_send_recv, comm_pair, comm_steps, lockstep_comms, simulate_comms
-from simulator.schedules import build
+from pipescope.simulator.check import ScheduleError, check, lockstep
+from pipescope.simulator.csvio import read_csv
+from pipescope.simulator.ir import Action, Schedule, parse_action
+from pipescope.simulator.lowering import add_send_recv, comm_pair, comm_steps, lockstep_comms, simulate_comms
+from pipescope.simulator.schedules import build
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 OURS = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("v-half", 2)]

@@ -2,11 +2,11 @@
 
 import pytest
 
-from simulator.costs import AnalyticCosts, UniformCosts
-from simulator.memory import static_memory
-from simulator.models import DEVICES, layer_work, preset
-from simulator.schedules import build
-from simulator.simulate import simulate
+from pipescope.simulator.costs import AnalyticCosts, UniformCosts
+from pipescope.simulator.memory import static_memory
+from pipescope.simulator.models import DEVICES, layer_work, preset
+from pipescope.simulator.schedules import build
+from pipescope.simulator.simulate import simulate
 
 MODEL = preset("gpt-1.3b")
 COSTS = AnalyticCosts(MODEL, DEVICES["h100"], microbatch_size=1, precision="bf16")

@@ -8,12 +8,12 @@ import sys
 
 import pandas as pd
 
-from experiments.plots import gantt_figure, write_gantt
-from experiments.tables import write_timeline
-from simulator.costs import UniformCosts
-from simulator.schedules import build
-from simulator.simulate import simulate
-from simulator.trace import chrome_trace, write_trace
+from pipescope.experiments.plots import gantt_figure, write_gantt
+from pipescope.experiments.tables import write_timeline
+from pipescope.simulator.costs import UniformCosts
+from pipescope.simulator.schedules import build
+from pipescope.simulator.simulate import simulate
+from pipescope.simulator.trace import chrome_trace, write_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -80,7 +80,7 @@ def test_timeline_parquet_and_csv(tmp_path) -> None:
 def test_make_demo_command(tmp_path) -> None:
     """`make demo` runs `make demo-run`; the same target here prints the table and writes both files."""
     out = tmp_path / "demo"
-    command = ["make", "-s", "--no-print-directory", "demo-run", f"PIPESCOPE={sys.executable} -m experiments.cli",
+    command = ["make", "-s", "--no-print-directory", "demo-run", f"PIPESCOPE={sys.executable} -m pipescope.experiments.cli",
                f"DEMO_OUT={out}"]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

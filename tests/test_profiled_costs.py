@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from calibration.profile_io import write_json, write_table
-from simulator.profile_schema import SCHEMA_VERSION, ProfileError
-from simulator.costs import Link, link_transfer_ns, split_layers
-from simulator.profiled import ProfiledCosts, interp1
+from pipescope.calibration.profile_io import write_json, write_table
+from pipescope.simulator.profile_schema import SCHEMA_VERSION, ProfileError
+from pipescope.simulator.costs import Link, link_transfer_ns, split_layers
+from pipescope.simulator.profiled import ProfiledCosts, interp1
 
 # Per-microbatch time = BASE + SLOPE * microbatch_size * seq / 128 (ns), so every value is checkable by hand.
 BASE = {"F": 1000, "I": 2000, "W": 1500, "B": 3300, "R": 1000}

@@ -11,10 +11,10 @@ from fractions import Fraction
 
 import pytest
 
-from simulator.check import check
-from simulator.ir import Schedule
-from simulator.reference import ReferenceTimes, list_schedule, uniform_duration
-from simulator.schedules import build
+from pipescope.simulator.check import check
+from pipescope.simulator.ir import Schedule
+from pipescope.simulator.reference import ReferenceTimes, list_schedule, uniform_duration
+from pipescope.simulator.schedules import build
 
 FAMILIES = ("pipedream", "2bw", "interleaved", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
 SPLIT = ("zb-h1", "zb-h2", "zb-v", "v-half", "v-min")

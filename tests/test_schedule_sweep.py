@@ -3,10 +3,10 @@ engine without deadlock (issue 3's sweep in full: 4,200 schedules, about 2 minut
 
 import pytest
 
-from simulator.check import check
-from simulator.costs import UniformCosts
-from simulator.schedules import GENERATORS, build
-from simulator.simulate import simulate
+from pipescope.simulator.check import check
+from pipescope.simulator.costs import UniformCosts
+from pipescope.simulator.schedules import GENERATORS, build
+from pipescope.simulator.simulate import simulate
 
 COSTS = UniformCosts(forward=1.0, backward_input=1.2, backward_weight=0.8, p2p=0.1)  # unequal: no lucky ties
 

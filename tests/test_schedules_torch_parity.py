@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.schedules import build
+from pipescope.simulator.schedules import build
 
 pytest.importorskip("torch")
-torch_schedules = pytest.importorskip("calibration.torch_schedules")
+torch_schedules = pytest.importorskip("pipescope.calibration.torch_schedules")
 
 
 def compute_orders(schedule) -> list[list[str]]:

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from calibration.torch_schedules import (
+from pipescope.calibration.torch_schedules import (
     WELL_FORMED,
     SCHEDULE_NAMES,
     build_torch_schedule,
@@ -25,9 +25,9 @@ from calibration.torch_schedules import (
     torch_pipeline_order,
     torch_schedule,
 )
-from simulator.check import ScheduleError, check, lockstep
-from simulator.csvio import from_csv_text, read_csv, to_csv_text
-from simulator.ir import Action, Schedule, producers
+from pipescope.simulator.check import ScheduleError, check, lockstep
+from pipescope.simulator.csvio import from_csv_text, read_csv, to_csv_text
+from pipescope.simulator.ir import Action, Schedule, producers
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 MULTI_STAGE_CSV = [("Interleaved1F1B", 2), ("LoopedBFS", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)]

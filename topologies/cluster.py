@@ -10,9 +10,9 @@ from functools import lru_cache
 import networkx as nx
 import yaml
 
-from simulator.costs import Link
-from simulator.models import DEVICES
-from simulator.units import parse_bandwidth, parse_time
+from pipescope.simulator.costs import Link
+from pipescope.simulator.models import DEVICES
+from pipescope.simulator.units import parse_bandwidth, parse_time
 
 MACHINES_DIR = os.path.join(os.path.dirname(__file__), "machines")
 PLACEMENTS = ("linear", "spread")

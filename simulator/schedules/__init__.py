@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from collections.abc import Callable
 
-from simulator.ir import Schedule
-from simulator.schedules.basic import gpipe, one_f_one_b
-from simulator.schedules.interleaved import interleaved
-from simulator.schedules.pipedream import pipedream, two_bw
-from simulator.schedules.vshape import v_half, v_min
-from simulator.schedules.zero_bubble import zb_h1, zb_h2, zb_v
+from pipescope.simulator.ir import Schedule
+from pipescope.simulator.schedules.basic import gpipe, one_f_one_b
+from pipescope.simulator.schedules.interleaved import interleaved
+from pipescope.simulator.schedules.pipedream import pipedream, two_bw
+from pipescope.simulator.schedules.vshape import v_half, v_min
+from pipescope.simulator.schedules.zero_bubble import zb_h1, zb_h2, zb_v
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from simulator.ir import Action, Schedule, looped_placement
-from simulator.schedules.common import check_chunks, check_sizes
+from pipescope.simulator.ir import Action, Schedule, looped_placement
+from pipescope.simulator.schedules.common import check_chunks, check_sizes
 
 
 def gpipe(p: int, m: int, chunks: int = 1, recompute: bool = False) -> Schedule:

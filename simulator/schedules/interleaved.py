@@ -11,8 +11,8 @@ With m a multiple of p this is exactly Megatron's order, and with torch's rule i
 
 from __future__ import annotations
 
-from simulator.ir import Action, Schedule, looped_placement
-from simulator.schedules.common import check_sizes
+from pipescope.simulator.ir import Action, Schedule, looped_placement
+from pipescope.simulator.schedules.common import check_sizes
 
 
 def round_sizes(p: int, m: int) -> list[int]:

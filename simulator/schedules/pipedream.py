@@ -6,9 +6,9 @@ pipeline fills once and drains once per run (SCHEDULES.md sections 2 and 3).
 
 from __future__ import annotations
 
-from simulator.ir import Action, Schedule, looped_placement
-from simulator.schedules.basic import one_f_one_b_order
-from simulator.schedules.common import check_chunks, check_iterations, check_sizes
+from pipescope.simulator.ir import Action, Schedule, looped_placement
+from pipescope.simulator.schedules.basic import one_f_one_b_order
+from pipescope.simulator.schedules.common import check_chunks, check_iterations, check_sizes
 
 DEFAULT_ITERATIONS = 3
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from simulator.ir import Action, Schedule, v_placement
-from simulator.schedules.common import check_sizes, v_chunks
+from pipescope.simulator.ir import Action, Schedule, v_placement
+from pipescope.simulator.schedules.common import check_sizes, v_chunks
 
 PERIOD = 6  # unit slots per microbatch per device: F and I of both chunks, plus two W's
 # Block entries, in order: F of chunk 0, F of chunk 1, I of chunk 1, I of chunk 0.

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from simulator.ir import Action, Schedule, looped_placement, v_placement
-from simulator.schedules.common import check_sizes, v_chunks
+from pipescope.simulator.ir import Action, Schedule, looped_placement, v_placement
+from pipescope.simulator.schedules.common import check_sizes, v_chunks
 
 
 class OrderBuilder:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from experiments.bench import bench_case
+from pipescope.experiments.bench import bench_case
 
 
 @pytest.mark.benchmark
