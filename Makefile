@@ -24,7 +24,7 @@ demo-run:
 	$(PIPESCOPE) simulate --config experiments/configs/demo.yaml --gantt $(DEMO_OUT)/gantt.png --trace $(DEMO_OUT)/trace.json.gz
 
 test: $(STAMP)
-	$(PY) -m ruff check simulator topologies calibration experiments tests
+	$(PY) -m ruff check pipescope simulator topologies calibration experiments tests
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -285,16 +285,16 @@ sys.meta_path.insert(0, Blocker())
 
 
 def test_standalone_calibration_runs_without_simulator_dependencies(tmp_path: Path) -> None:
-    """`python -m pipescope.calibration.commands calibrate` of `tiny` works with simpy, yaml and every simulator module but
-    the stdlib-only IR unimportable (a GPU box with torch, numpy and pandas; torch itself brings networkx)."""
+    """`python -m pipescope.calibration.commands calibrate` of `tiny` works with simpy, yaml and every
+    simulator module but the stdlib-only IR unimportable (a GPU box with torch, numpy and pandas; torch itself brings networkx)."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])}
     args = ["calibrate", "--model", "tiny", "--microbatch-sizes", "1", "--device", "cpu", "--threads", "1",
             "--vocab-shards", "1", "--warmup", "1", "--min-reps", "3", "--budget-s", "0.02",
             "--out", str(tmp_path / "p")]
-    done = subprocess.run([sys.executable, "-m", "pipescope.calibration.commands", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env=env)
+    done = subprocess.run([sys.executable, "-m", "pipescope.calibration.commands", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((tmp_path / "p" / "profile.json").read_text())["model"]["name"] == "tiny"
 

@@ -122,7 +122,8 @@ def test_schedules_lists_generators(capsys) -> None:
 
 def test_console_script_argparse_error_is_one_line() -> None:
     """An unknown command through the real entry point: exit 2, one line."""
-    proc = subprocess.run([sys.executable, "-m", "pipescope.experiments.cli", "frobnicate"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pipescope.experiments.cli", "frobnicate"], capture_output=True,
+                          text=True)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "invalid choice: 'frobnicate'" in proc.stderr
 

@@ -80,8 +80,8 @@ def test_timeline_parquet_and_csv(tmp_path) -> None:
 def test_make_demo_command(tmp_path) -> None:
     """`make demo` runs `make demo-run`; the same target here prints the table and writes both files."""
     out = tmp_path / "demo"
-    command = ["make", "-s", "--no-print-directory", "demo-run", f"PIPESCOPE={sys.executable} -m pipescope.experiments.cli",
-               f"DEMO_OUT={out}"]
+    command = ["make", "-s", "--no-print-directory", "demo-run",
+               f"PIPESCOPE={sys.executable} -m pipescope.experiments.cli", f"DEMO_OUT={out}"]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "1f1b: p=4 m=8" in proc.stdout and "iteration time" in proc.stdout and "bubble rate" in proc.stdout
