@@ -81,7 +81,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cal.set_defaults(func=calibrate_command)
     comms = subparsers.add_parser("calibrate-comms", help="time collectives and p2p under torchrun",
                                   description="Run under torchrun: torchrun --nproc-per-node N "
-                                  "-m pipescope.calibration.comms --out DIR (or the pipescope executable with calibrate-comms).")
+                                  "-m pipescope.calibration.comms --out DIR (or the pipescope executable with "
+                                  "calibrate-comms).")
     from pipescope.calibration.comms_args import add_comms_args
 
     add_comms_args(comms)

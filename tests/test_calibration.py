@@ -286,7 +286,8 @@ sys.meta_path.insert(0, Blocker())
 
 def test_standalone_calibration_runs_without_simulator_dependencies(tmp_path: Path) -> None:
     """`python -m pipescope.calibration.commands calibrate` of `tiny` works with simpy, yaml and every
-    simulator module but the stdlib-only IR unimportable (a GPU box with torch, numpy and pandas; torch itself brings networkx)."""
+    simulator module but the stdlib-only IR unimportable (a GPU box with torch, numpy and pandas; torch itself
+    brings networkx)."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])}
