@@ -15,6 +15,7 @@ from pipescope.calibration.profile_io import ensure_writable, write_json, write_
 from pipescope.simulator.profile_schema import COMPUTE_META, SCHEMA_VERSION
 from pipescope.calibration.timing import Timer, TimingConfig, make_timer
 
+# Keyed like simulator.models.PRECISIONS (the byte counts live there); a test checks the keys agree.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

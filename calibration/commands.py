@@ -13,52 +13,17 @@ import re
 import sys
 from pathlib import Path
 
+from pipescope.calibration.args import (
+    UsageError,
+    add_timing_args,
+    int_list,
+    optional_int,
+    positive,
+    timing_config,
+    usage_error,
+)
+from pipescope.calibration.comms_args import add_comms_args, comms_config
 from pipescope.calibration.presets import PRECISIONS, PRESETS, resolve
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-
-
-class UsageError(ValueError):
-    """A bad command-line value; the message reads ``<key>: <value>, expected ...``."""
-
-
-def int_list(key: str, text: str, example: str = "1,2,4,8") -> tuple[int, ...]:
-    """``"1,2,4"`` -> (1, 2, 4), each positive, in ascending order without repeats."""
-    expected = f"expected comma-separated positive integers, e.g. {example}"
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise UsageError(f"{key}: {text!r}, {expected}") from None
-    bad = [v for v in values if v <= 0]
-    if not values or bad:
-        raise UsageError(f"{key}: {bad[0] if bad else repr(text)}, {expected}")
-    return tuple(sorted(set(values)))
-
-
-def positive(key: str, value: float | None, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise UsageError(f"{key}: {value}, expected a positive number")
-
-
-def size_bytes(key: str, text: str) -> int:
-    """``"32KiB"``, ``"1GiB"``, ``"512MB"`` or plain bytes -> int bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise UsageError(f"{key}: {text!r}, expected a size such as 32KiB, 64MiB, 1GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def add_timing_args(parser: argparse.ArgumentParser, budget: float) -> None:
-    group = parser.add_argument_group("timing")
-    group.add_argument("--warmup", type=str, default="3", help="untimed runs first (default 3)")
-    group.add_argument("--min-reps", type=str, default="7", help="at least this many timed runs (default 7)")
-    group.add_argument("--max-reps", type=str, default="200", help="at most this many timed runs (default 200)")
-    group.add_argument("--rel-tol", type=str, default="0.02",
-                       help="stop once the median's standard error is below this fraction of it (default 0.02)")
-    group.add_argument("--budget-s", type=str, default=str(budget),
-                       help=f"wall-time budget per measured op in seconds (default {budget})")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,49 +48,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                   description="Run under torchrun: torchrun --nproc-per-node N "
                                   "-m pipescope.calibration.comms --out DIR (or the pipescope executable with "
                                   "calibrate-comms).")
-    from pipescope.calibration.comms_args import add_comms_args
-
     add_comms_args(comms)
-    add_timing_args(comms, budget=1.0)
     comms.set_defaults(func=comms_command)
-
-
-def _int(key: str, text: str | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise UsageError(f"{key}: {text!r}, expected an integer") from None
-
-
-def _float(key: str, text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise UsageError(f"{key}: {text!r}, expected a number") from None
-
-
-def timing_config(args: argparse.Namespace, flush_l2: bool = True):
-    """TimingConfig from the shared timing flags (imported lazily: it pulls in torch)."""
-    values = {"warmup": _int("--warmup", args.warmup), "min_reps": _int("--min-reps", args.min_reps),
-              "max_reps": _int("--max-reps", args.max_reps), "rel_tol": _float("--rel-tol", args.rel_tol),
-              "budget_s": _float("--budget-s", args.budget_s)}
-    if values["warmup"] < 0:
-        raise UsageError(f"--warmup: {values['warmup']}, expected 0 or more")
-    for key in ("min_reps", "max_reps", "rel_tol", "budget_s"):
-        positive("--" + key.replace("_", "-"), values[key], allow_none=False)
-    if values["max_reps"] < values["min_reps"]:
-        raise UsageError(f"--max-reps: {values['max_reps']}, expected at least --min-reps {values['min_reps']}")
-    from pipescope.calibration.timing import TimingConfig
-
-    return TimingConfig(flush_l2=flush_l2, **values)
 
 
 def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
     """Validate ``calibrate``'s arguments into a CalibrationConfig; UsageError on the first bad one."""
     seqs = int_list("--seq", args.seq, "1024,2048") if args.seq else None
-    overrides = {k: _int(f"--{k}", getattr(args, k)) for k in ("layers", "hidden", "heads", "vocab")}
+    overrides = {k: optional_int(f"--{k}", getattr(args, k)) for k in ("layers", "hidden", "heads", "vocab")}
     try:
         shape = resolve(args.model, seq=max(seqs) if seqs else None, **overrides)
     except ValueError as exc:
@@ -137,7 +67,7 @@ def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
         raise UsageError(f"--device: {args.device!r}, expected cuda, cuda:N or cpu")
     if not args.out:
         raise UsageError("--out: missing, expected a folder to write the profile to")
-    shards, threads = _int("--vocab-shards", args.vocab_shards), _int("--threads", args.threads)
+    shards, threads = optional_int("--vocab-shards", args.vocab_shards), optional_int("--threads", args.threads)
     positive("--vocab-shards", shards)
     positive("--threads", threads)
     timing = timing_config(args)
@@ -160,11 +90,6 @@ def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
                              threads=threads, timing=timing, command=command_line(argv))
 
 
-def usage_error(message: str) -> int:
-    print(f"pipescope: error: {message}", file=sys.stderr)
-    return 2
-
-
 def calibrate_command(args: argparse.Namespace) -> int:
     """Entry point of ``pipescope calibrate``: 0 on success, 2 on a bad argument."""
     try:
@@ -179,10 +104,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
 
 def comms_command(args: argparse.Namespace) -> int:
     """Entry point of ``pipescope calibrate-comms`` (under torchrun): 0 on success, 2 on a bad argument."""
-    from pipescope.calibration.comms_args import comms_config
-
     try:
-        config = comms_config(args, timing_config(args, flush_l2=False), getattr(args, "argv", None))
+        config = comms_config(args, getattr(args, "argv", None))
     except UsageError as exc:
         return usage_error(str(exc))
     from pipescope.calibration.comms import run

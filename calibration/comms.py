@@ -9,6 +9,7 @@ the ``comms`` and ``comms_fit`` tables and ``comms.json``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -20,7 +21,8 @@ import torch.distributed as dist
 
 from pipescope.calibration import env
 from pipescope.calibration.commfit import bandwidths, fit_rows
-from pipescope.calibration.comms_args import CommsConfig
+from pipescope.calibration.args import UsageError, usage_error
+from pipescope.calibration.comms_args import CommsConfig, add_comms_args, comms_config
 from pipescope.calibration.profile_io import write_json, write_table
 from pipescope.simulator.profile_schema import COMMS_META, SCHEMA_VERSION
 from pipescope.calibration.timing import stats
@@ -173,12 +175,20 @@ def write_profile(config: CommsConfig, rows: list[dict], backend: str, device: t
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``torchrun ... -m pipescope.calibration.comms [args]``: the calibrate-comms subcommand on its own."""
-    from pipescope.calibration.commands import build_parser
+    """``torchrun ... -m pipescope.calibration.comms [args]``: the calibrate-comms subcommand on its own.
 
-    args = build_parser().parse_args(["calibrate-comms", *(sys.argv[1:] if argv is None else argv)])
-    args.argv = None if argv is None else ["calibrate-comms", *argv]  # None: record this process's sys.argv
-    return args.func(args)
+    Builds its own parser from ``comms_args`` rather than the main CLI's, so this module never imports
+    ``commands`` (which imports this one to run): the calibration imports stay a tree.
+    """
+    parser = argparse.ArgumentParser(prog="pipescope calibrate-comms", description="time collectives and p2p")
+    add_comms_args(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = comms_config(args, None if argv is None else ["calibrate-comms", *argv])  # None: sys.argv
+    except UsageError as exc:
+        return usage_error(str(exc))
+    run(config)
+    return 0
 
 
 if __name__ == "__main__":

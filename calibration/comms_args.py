@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipescope.calibration.commands import UsageError, size_bytes
+from pipescope.calibration.args import UsageError, add_timing_args, size_arg, timing_config
 from pipescope.simulator.profile_schema import COLLECTIVES
 
 LAUNCH_HINT = "torchrun --nproc-per-node N -m pipescope.calibration.comms --out DIR"
@@ -29,6 +29,7 @@ class CommsConfig:
 
 
 def add_comms_args(parser: argparse.ArgumentParser) -> None:
+    """``calibrate-comms``'s flags, timing flags included (shared by the main CLI and ``-m ...calibration.comms``)."""
     parser.add_argument("--out", help="profile folder (the compute profile's, to use both in one simulation)")
     parser.add_argument("--min-bytes", default="32KiB", help="smallest message (default 32KiB)")
     parser.add_argument("--max-bytes", default="1GiB", help="largest message, capped by free memory (default 1GiB)")
@@ -37,16 +38,20 @@ def add_comms_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", help="nccl or gloo (default nccl when CUDA is available, else gloo)")
     parser.add_argument("--range-edges", default="1MiB,64MiB",
                         help="sizes where a new latency/bandwidth fit starts (default 1MiB,64MiB)")
+    add_timing_args(parser, budget=1.0)
 
 
-def comms_config(args: argparse.Namespace, timing: Any, argv: list[str] | None) -> CommsConfig:
-    """Validate ``calibrate-comms`` arguments; UsageError naming the first bad one."""
+def comms_config(args: argparse.Namespace, argv: list[str] | None) -> CommsConfig:
+    """Validate ``calibrate-comms`` arguments, timing flags included; UsageError naming the first bad one.
+
+    ``argv`` is the command as given in-process (None: this process's sys.argv), recorded in the profile.
+    """
     for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR"):
         if key not in os.environ:
             raise UsageError(f"{key}: unset, expected a launch under torchrun, e.g. {LAUNCH_HINT}")
     if not args.out:
         raise UsageError("--out: missing, expected a folder to write the comms profile to")
-    low, high = size_bytes("--min-bytes", args.min_bytes), size_bytes("--max-bytes", args.max_bytes)
+    low, high = size_arg("--min-bytes", args.min_bytes), size_arg("--max-bytes", args.max_bytes)
     if not 4 <= low <= high:
         raise UsageError(f"--min-bytes: {args.min_bytes!r}, expected at least 4 bytes and at most --max-bytes")
     wanted = tuple(c.strip() for c in args.collectives.split(",") if c.strip())
@@ -55,9 +60,10 @@ def comms_config(args: argparse.Namespace, timing: Any, argv: list[str] | None) 
         raise UsageError(f"--collectives: {args.collectives!r}, expected a subset of {','.join(COLLECTIVES)}")
     if args.backend not in (None, "nccl", "gloo"):
         raise UsageError(f"--backend: {args.backend!r}, expected nccl or gloo")
-    edges = tuple(size_bytes("--range-edges", e) for e in args.range_edges.split(",") if e.strip())
+    edges = tuple(size_arg("--range-edges", e) for e in args.range_edges.split(",") if e.strip())
     if not edges or min(edges) <= 0:
         raise UsageError(f"--range-edges: {args.range_edges!r}, expected positive sizes such as 1MiB,64MiB")
+    timing = timing_config(args, flush_l2=False)  # last of the flags: it imports torch
     from pipescope.calibration.env import command_line
     from pipescope.calibration.profile_io import ensure_writable
 

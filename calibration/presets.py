@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipescope.simulator.models import PRESETS
+from pipescope.simulator.models import PRECISIONS, PRESETS
 from pipescope.simulator.models import ModelSpec as Shape
 
-PRECISIONS = ("bf16", "fp16", "fp32")
+__all__ = ["PRECISIONS", "PRESETS", "Shape", "resolve"]  # PRECISIONS: the simulator's table, one for both
 
 
 def resolve(preset: str | None, **overrides: int | None) -> Shape:

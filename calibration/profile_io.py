@@ -1,9 +1,10 @@
-"""Writing profiles atomically: every file goes to a temporary name in the same folder and is renamed into
-place, tables first and the JSON metadata last, so a killed run never leaves a profile that loads as valid.
+"""Writing profiles atomically (``simulator.files.write_atomic``: a temporary name in the same folder, renamed
+into place), tables first and the JSON metadata last, so a killed run never leaves a profile that loads as valid.
 Parquet when pyarrow is installed, CSV otherwise. No pickle anywhere."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import tempfile
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from pipescope.simulator.files import write_atomic
 from pipescope.simulator.profile_schema import TABLE_COLUMNS
 
 
@@ -40,45 +42,26 @@ def ensure_writable(out: str | os.PathLike) -> Path:
     return path
 
 
-def _atomic(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename the temporary file onto ``path`` (same folder, so atomic)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a profile is meant to be shared like any file
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def write_json(path: Path, data: dict) -> None:
     """Write ``data`` as indented JSON, atomically."""
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True, default=str)
-            f.write("\n")
-
-    _atomic(path, write)
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def write_table(out: Path, table: str, rows: list[dict], parquet: bool | None = None) -> str:
-    """Write ``rows`` as table ``table`` (columns in schema order first) and return the file name used."""
+    """Write ``rows`` as table ``table`` (columns in schema order first) and return the file name used.
+
+    The table is serialised in memory first, so a value pandas or pyarrow cannot write fails before any file
+    (temporary or not) exists; then one atomic write puts it in place.
+    """
     frame = pd.DataFrame(rows)
     schema_cols = [c for c in TABLE_COLUMNS[table] if c in frame.columns]
     frame = frame[schema_cols + [c for c in frame.columns if c not in schema_cols]]
     use_parquet = has_parquet() if parquet is None else parquet
     name = f"{table}.parquet" if use_parquet else f"{table}.csv"
+    buffer = io.BytesIO()
     if use_parquet:
-        _atomic(out / name, lambda tmp: frame.to_parquet(tmp, index=False))
+        frame.to_parquet(buffer, index=False)
     else:
-        _atomic(out / name, lambda tmp: frame.to_csv(tmp, index=False))
+        frame.to_csv(buffer, index=False)
+    write_atomic(out / name, buffer.getvalue())
     return name

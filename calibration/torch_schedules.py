@@ -13,12 +13,11 @@ torch is imported lazily, so this module imports (and the IR helpers work) witho
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipescope.simulator.ir import Action, Schedule
+from pipescope.simulator.ir import Action, ActionKind, Schedule
 
 # torch's names (``get_schedule_class`` keys) with the stages per rank each supports: None means any.
 SCHEDULE_CHUNKS: dict[str, int | None] = {
@@ -37,7 +36,7 @@ WELL_FORMED: tuple[tuple[str, int], ...] = (("GPipe", 1), ("Interleaved1F1B", 2)
                                             ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
 
 # torch's computation-type values that are compute in our IR; everything else (comms, FSDP, REDUCE_GRAD) is skipped.
-_COMPUTE_TYPES = {"F": "F", "B": "B", "I": "I", "W": "W"}
+_COMPUTE_TYPES = {k: ActionKind(k) for k in "FBIW"}
 _OVERLAP = "OVERLAP_F_B"
 
 TorchOrder = dict[int, list[Any]]
@@ -249,14 +248,36 @@ def dry_run_compute_steps(timeline: TorchOrder) -> dict[Action, int]:
 
 
 def golden_name(name: str, stages: int, microbatches: int) -> str:
-    """File name of a golden torch schedule CSV: ``torch_<ScheduleName>_p<P>_m<M>.csv``."""
+    """File name of a golden torch schedule CSV: ``torch_<ScheduleName>_p<P>_m<M>.csv``.
+
+    Test-only (tests/goldens.py writes them); it stays here while tests/test_lowering.py imports it from here.
+    """
     return f"torch_{canonical_name(name)}_p{stages}_m{microbatches}.csv"
 
 
-def write_golden(folder: str, name: str, stages: int, microbatches: int, chunks: int = 1) -> str:
-    """Write torch's order as our compute-only CSV (torch's text form) under ``folder``; returns the path."""
-    from pipescope.simulator.csvio import write_csv
+def to_torch_order(schedule: Schedule) -> TorchOrder:
+    """Our per-device actions as torch ``_Action`` objects, idle steps dropped (as torch's dry run does)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
 
-    path = os.path.join(folder, golden_name(name, stages, microbatches))
-    write_csv(torch_schedule(name, stages, microbatches, chunks), path)
-    return path
+    return {d: [torch_schedules._Action(a.stage, torch_schedules._ComputationType(str(a.kind)), a.microbatch)
+                for a in acts if a is not None] for d, acts in enumerate(schedule.device_actions)}
+
+
+def dry_run_steps(schedule: Schedule) -> tuple[int | None, str]:
+    """torch's own unit-time dry run of ``schedule`` (lowered by torch's ``_add_send_recv`` unless it holds sends
+    and receives already): (step count, "") when it finishes, (None, the reason) when torch stalls or refuses."""
+    import contextlib
+    import io
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    home = schedule.stage_to_device
+    order = to_torch_order(schedule)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # torch prints its partial timeline before raising
+            if not schedule.is_lowered:
+                order = torch_schedules._add_send_recv(order, lambda s: home[s], schedule.num_stages)
+            timeline = torch_schedules._simulate_comms_compute(order, lambda s: home[s], schedule.num_stages)
+    except (AssertionError, ValueError) as err:
+        return None, str(err).splitlines()[0] if str(err) else type(err).__name__
+    return max((len(actions) for actions in timeline.values()), default=0), ""

@@ -6,10 +6,13 @@ import argparse
 import json
 import os
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from pipescope.experiments.config import ConfigError, load_config
-from pipescope.simulator.check import ScheduleError
+from pipescope.config import ConfigError, load_config
+
+if TYPE_CHECKING:
+    from pipescope.simulator.result import SimResult
+from pipescope.simulator.ir import ScheduleError
 
 
 class Parser(argparse.ArgumentParser):
@@ -66,18 +69,18 @@ def _check_output_names(args: argparse.Namespace) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from pipescope.experiments.run import run_config
+    from pipescope.runner import run
     _check_output_names(args)
-    run = run_config(config_from_args(args))
+    result = run(config_from_args(args))
     try:
-        _write_outputs(run, args)
+        _write_outputs(result, args)
     except OSError as err:
         return usage_error(f"cannot write {err.filename!r}: {err.strerror}")
     if args.json:
-        print(json.dumps(run.result.summary()))
+        print(json.dumps(result.summary()))
     else:
         from pipescope.experiments.report import table
-        print(table(run.config, run.result))
+        print(table(result))
         for label, path in (("gantt", args.gantt), ("trace", args.trace), ("csv", args.csv),
                             ("timeline", args.timeline)):
             if path:
@@ -85,19 +88,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_outputs(run, args: argparse.Namespace) -> None:
+def _write_outputs(result: SimResult, args: argparse.Namespace) -> None:
     if args.csv:
         from pipescope.simulator.csvio import write_csv
-        write_csv(run.schedule, args.csv)
+        write_csv(result.schedule, args.csv)
     if args.trace:
         from pipescope.simulator.trace import write_trace
-        write_trace(run.result, args.trace)
+        write_trace(result, args.trace)
     if args.gantt:
         from pipescope.experiments.plots import write_gantt
-        write_gantt(run.result, args.gantt)
+        write_gantt(result, args.gantt)
     if args.timeline:
         from pipescope.experiments.tables import write_timeline
-        write_timeline(run.result, args.timeline)
+        write_timeline(result, args.timeline)
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:
@@ -121,19 +124,32 @@ def cmd_check(args: argparse.Namespace) -> int:
         schedule = read_csv(args.file, args.microbatches)
     except ValueError as err:
         return usage_error(f"FILE: {args.file!r}: {err}")
-    from pipescope.simulator.lowering import comm_steps
     try:
         steps = check(schedule)
-        torch_steps = comm_steps(schedule)
     except ScheduleError as err:
         print(f"{args.file}: invalid schedule", file=sys.stderr)
         for line in err.problems:
             print(f"  {line}", file=sys.stderr)
         return 1
+    torch_steps, stalled = _torch_dry_run(schedule)
     print(f"{args.file}: ok: {schedule.num_devices} devices, {schedule.num_stages} stages, "
           f"{schedule.total_microbatches} microbatches, {schedule.num_compute_ops()} ops, {steps} unit-time steps "
-          f"({torch_steps} with send/recv, as torch's dry run counts)")
+          f"({torch_steps})")
+    if stalled:
+        print(f"{args.file}: torch's dry run refuses it: {stalled}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _torch_dry_run(schedule) -> tuple[str, str]:
+    """("N with send/recv, as torch's dry run counts", "") from torch itself; the reason when torch stalls."""
+    try:
+        from pipescope.calibration.torch_schedules import dry_run_steps
+        steps, stalled = dry_run_steps(schedule)
+    except ImportError:
+        return "torch not installed: no dry-run count", ""
+    return (f"{steps} with send/recv, as torch's dry run counts" if steps is not None else "torch's dry run stalls",
+            stalled)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

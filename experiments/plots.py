@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from pipescope.simulator.csvio import write_text_atomic  # noqa: E402
+from pipescope.simulator.files import write_atomic  # noqa: E402
 from pipescope.simulator.result import SimResult  # noqa: E402
 from pipescope.simulator.units import format_time  # noqa: E402
 
@@ -72,4 +72,4 @@ def write_gantt(result: SimResult, path: str, title: str | None = None) -> None:
     buffer = io.BytesIO()
     fig.savefig(buffer, format=path.rsplit(".", 1)[-1].lower() if "." in path else "png", dpi=150)
     plt.close(fig)
-    write_text_atomic(path, buffer.getvalue())
+    write_atomic(path, buffer.getvalue())

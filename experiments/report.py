@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from pipescope.experiments.config import Config
+from pipescope.simulator.costs import CostKind
+from pipescope.simulator.ir import Role
 from pipescope.simulator.result import SimResult
 from pipescope.simulator.units import format_bytes, format_time
 
 
-def _headline(config: Config, result: SimResult) -> str:
+def _headline(result: SimResult) -> str:
+    config = result.config
     s, m, c = result.schedule, config.model, config.cluster
     costs = config.costs.kind
-    model = "uniform costs" if costs == "uniform" else f"{m.preset} mb={m.microbatch_size} {m.precision} ({costs})"
+    uniform = costs is CostKind.UNIFORM
+    model = "uniform costs" if uniform else f"{m.preset} mb={m.microbatch_size} {m.precision} ({costs})"
     return (f"{s.name}: p={s.num_devices} m={s.num_microbatches} v={s.chunks}"
             f"{' recompute' if s.recompute else ''}  {model}  on {c.topology} x{c.nodes}")
 
@@ -42,13 +45,13 @@ def _device_rows(result: SimResult) -> list[str]:
     return rows
 
 
-def table(config: Config, result: SimResult, max_rows: int = 16) -> str:
+def table(result: SimResult, max_rows: int = 16) -> str:
     """Headline, totals and a per-device table (elided in the middle past ``max_rows`` devices)."""
     rows = _device_rows(result)
     if len(rows) - 1 > max_rows:
         half = max_rows // 2
         rows = rows[: half + 1] + [f"{'...':>6}  ({len(rows) - 1 - max_rows} devices not shown)"] + rows[-half:]
     warnings = [f"warning: {w}" for w in result.warnings]
-    sim = f"simulated {len(result.compiled.actions)} ops and {len(result.compiled.transfer_src)} transfers in " \
-          f"{result.sim_wall_s:.2f} s"
-    return "\n".join([_headline(config, result), *_totals(result), "", *rows, *warnings, sim])
+    ops, transfers = result.records.mask(Role.COMPUTE).sum(), result.records.mask(Role.SEND).sum()
+    sim = f"simulated {ops} ops and {transfers} transfers in {result.sim_wall_s:.2f} s"
+    return "\n".join([_headline(result), *_totals(result), "", *rows, *warnings, sim])

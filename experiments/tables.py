@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from pipescope.simulator.csvio import write_text_atomic
+from pipescope.simulator.files import write_atomic
 from pipescope.simulator.result import SimResult
 
 
@@ -15,4 +15,4 @@ def write_timeline(result: SimResult, path: str) -> None:
         result.timeline.to_parquet(buffer, index=False)
     else:
         result.timeline.to_csv(buffer, index=False)
-    write_text_atomic(path, buffer.getvalue())
+    write_atomic(path, buffer.getvalue())

@@ -1,34 +1,38 @@
-"""Schedule checker: structure (every op exactly once, on the right device, W after I)
-and deadlock freedom (a unit-time lockstep replay that names the stuck actions)."""
+"""Schedule checker: structure (every op exactly once, on the right device, W after I) and deadlock freedom.
+
+Deadlocks are found by the engine itself: the lowered program replayed with every compute op one time unit and
+free transfers, which also gives the lockstep step count (results visible the next step, as in torch's dry run).
+"""
 
 from __future__ import annotations
 
-from pipescope.simulator.ir import COMPUTE_KINDS, Action, Schedule, producers
+from pipescope.simulator.engine import Engine
+from pipescope.simulator.ir import COMPUTE_KINDS, Action, ActionKind, Schedule, ScheduleError
+from pipescope.simulator.lowering import lower
+from pipescope.simulator.network import FifoLinks
+from pipescope.simulator.program import compile_program, unit_durations
 
-
-class ScheduleError(ValueError):
-    """A malformed or deadlocking schedule; ``problems`` holds one line per finding."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
-        super().__init__("; ".join(shown))
+K = ActionKind
 
 
 def check(schedule: Schedule) -> int:
     """Raise ScheduleError if the schedule is malformed or deadlocks.
 
     Returns:
-        The number of unit-time lockstep steps the schedule takes (compute only, results visible
-        the next step; torch's dry run also spends steps on sends and receives, so it counts more).
+        The number of unit-time lockstep steps the schedule takes (compute only: transfers are free, so an op runs
+        the step after its inputs; torch's dry run also spends steps on sends and receives, so it counts more).
     """
     problems = structure_problems(schedule)
     if problems:
         raise ScheduleError(problems)
-    steps, stuck = lockstep(schedule)
-    if stuck:
-        raise ScheduleError(["deadlock: " + line for line in stuck])
-    return steps
+    return unit_steps(schedule)
+
+
+def unit_steps(schedule: Schedule) -> int:
+    """The engine's makespan with every compute op one unit long and free transfers (ScheduleError on deadlock)."""
+    program = compile_program(lower(schedule), unit_durations(schedule.num_stages), [0] * schedule.num_stages)
+    times = Engine(program, FifoLinks.fixed_delay(0)).run()
+    return max(times.entry_end, default=0)
 
 
 def _positions(schedule: Schedule) -> dict[Action, list[tuple[int, int]]]:
@@ -72,7 +76,7 @@ def _coverage_problems(schedule: Schedule, where: dict[Action, list[tuple[int, i
         if len(places) > 1:
             listed = ", ".join(f"device {d} step {k}" for d, k in places)
             problems.append(f"{action} appears {len(places)} times ({listed})")
-    kinds: dict[int, dict[int, set[str]]] = {}
+    kinds: dict[int, dict[int, set[ActionKind]]] = {}
     for action in where:
         kinds.setdefault(action.stage, {}).setdefault(action.microbatch, set()).add(action.kind)
     for stage in range(schedule.num_stages):
@@ -80,7 +84,7 @@ def _coverage_problems(schedule: Schedule, where: dict[Action, list[tuple[int, i
     return problems
 
 
-def _stage_coverage(stage: int, kinds: dict[int, set[str]], total: int) -> list[str]:
+def _stage_coverage(stage: int, kinds: dict[int, set[ActionKind]], total: int) -> list[str]:
     """What is missing for one stage, at most MAX_LISTED_PER_STAGE lines.
 
     The scan stops early, so a file claiming 10^9 microbatches does not hang the checker.
@@ -99,13 +103,13 @@ def _stage_coverage(stage: int, kinds: dict[int, set[str]], total: int) -> list[
     return problems
 
 
-def _microbatch_problem(stage: int, mb: int, has: set[str]) -> str | None:
-    if "F" not in has:
+def _microbatch_problem(stage: int, mb: int, has: set[ActionKind]) -> str | None:
+    if K.F not in has:
         return f"stage {stage} microbatch {mb}: missing F ({stage}F{mb})"
-    if "B" in has and has & {"I", "W"}:
+    if K.B in has and has & {K.I, K.W}:
         return f"stage {stage} microbatch {mb}: has both B and I/W"
-    if "B" not in has and not {"I", "W"} <= has:
-        missing = " and ".join(sorted({"I", "W"} - has)) if has & {"I", "W"} else "B (or I and W)"
+    if K.B not in has and not {K.I, K.W} <= has:
+        missing = " and ".join(sorted({K.I, K.W} - has)) if has & {K.I, K.W} else "B (or I and W)"
         return f"stage {stage} microbatch {mb}: missing {missing}"
     return None
 
@@ -113,9 +117,9 @@ def _microbatch_problem(stage: int, mb: int, has: set[str]) -> str | None:
 def _order_problems(where: dict[Action, list[tuple[int, int]]]) -> list[str]:
     problems = []
     for action, places in where.items():
-        if action.kind != "W":
+        if action.kind is not ActionKind.W:
             continue
-        grad = Action(action.stage, "I", action.microbatch)
+        grad = Action(action.stage, ActionKind.I, action.microbatch)
         for (device, step), (i_device, i_step) in zip(places, where.get(grad, [])):
             if device == i_device and step < i_step:
                 problems.append(f"device {device} step {step}: {action} comes before its {grad} (step {i_step})")
@@ -130,54 +134,3 @@ def structure_problems(schedule: Schedule) -> list[str]:
         return problems
     where = _positions(schedule)
     return problems + _coverage_problems(schedule, where) + _order_problems(where)
-
-
-def lockstep(schedule: Schedule) -> tuple[int, list[str]]:
-    """Replay in unit time: each step, every device whose next op has its inputs runs it.
-
-    Results of a step are visible from the next step on, as in torch's dry run, so an op runs
-    at step max(step of the op before it on its device, steps of its producers) + 1. That is
-    computed with a worklist in one pass over the ops rather than step by step.
-
-    Returns:
-        (steps taken, stuck lines); stuck is empty when every op ran.
-    """
-    lists = [schedule.compute_actions(d) for d in range(schedule.num_devices)]
-    present = frozenset(a for acts in lists for a in acts)
-    step_of: dict[Action, int] = {}
-    blocked: dict[Action, list[int]] = {}
-    cursor = [0] * len(lists)
-    last = [0] * len(lists)
-    work, num_stages = list(range(len(lists))), schedule.num_stages
-    while work:
-        d = work.pop()
-        while cursor[d] < len(lists[d]):
-            action = lists[d][cursor[d]]
-            level = last[d]
-            for dep in producers(action, num_stages, present):
-                if dep not in step_of:
-                    blocked.setdefault(dep, []).append(d)
-                    break
-                level = max(level, step_of[dep])
-            else:
-                last[d] = step_of[action] = level + 1
-                cursor[d] += 1
-                work.extend(blocked.pop(action, ()))
-                continue
-            break
-    if len(step_of) < len(present):
-        needs = {lists[d][c]: producers(lists[d][c], schedule.num_stages, present)
-                 for d, c in enumerate(cursor) if c < len(lists[d])}
-        return max(step_of.values(), default=0), _stuck_lines(lists, cursor, needs, set(step_of))
-    return max(step_of.values(), default=0), []
-
-
-def _stuck_lines(lists: list[list[Action]], cursor: list[int], needs: dict[Action, list[Action]],
-                 done: set[Action]) -> list[str]:
-    lines = []
-    for device, acts in enumerate(lists):
-        if cursor[device] < len(acts):
-            action = acts[cursor[device]]
-            waiting = ", ".join(str(p) for p in needs[action] if p not in done)
-            lines.append(f"device {device} op {cursor[device]}: {action} waits for {waiting}")
-    return lines

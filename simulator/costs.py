@@ -8,17 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
-from pipescope.simulator.models import DeviceSpec, ModelSpec, layer_work, output_activation_bytes, output_layer_flops
-
-
-@dataclass(frozen=True)
-class Link:
-    """A path between two devices: the slowest bandwidth on it (bytes/s) and its total latency."""
-
-    bandwidth: float
-    latency_ns: int
+from pipescope.simulator.models import ModelSpec, layer_work, output_activation_bytes, output_layer_flops
 
 
 @dataclass(frozen=True)
@@ -55,12 +48,8 @@ class CostModel(Protocol):
         """Costs of ``stage`` when the model is cut into ``num_stages`` stages, ``chunks`` per device."""
         ...
 
-    def transfer_ns(self, nbytes: int, link: Link) -> int:
-        """Time from a transfer's start to its arrival."""
-        ...
-
-    def occupancy_ns(self, nbytes: int, link: Link) -> int:
-        """How long the transfer holds its link (bytes / bandwidth); the latency after it overlaps the next."""
+    def notes(self) -> list[str]:
+        """Warnings for the result (extrapolation, precision mismatch); empty when there is nothing to say."""
         ...
 
 
@@ -78,30 +67,52 @@ def seconds_to_ns(seconds: float) -> int:
     return int(round(seconds * 1e9))
 
 
-def link_transfer_ns(nbytes: int, link: Link) -> int:
-    """Latency plus bytes over bandwidth, rounded up to whole nanoseconds."""
-    if nbytes <= 0:
-        return 0
-    return link.latency_ns + link_occupancy_ns(nbytes, link)
+class CostKind(StrEnum):
+    """Which cost model a config asks for (``costs.kind``)."""
+
+    ANALYTIC = "analytic"
+    UNIFORM = "uniform"
+    PROFILE = "profile"
 
 
-def link_occupancy_ns(nbytes: int, link: Link) -> int:
-    """Bytes over bandwidth: how long a transfer keeps the link from the next one."""
-    return math.ceil(nbytes * 1e9 / link.bandwidth) if nbytes > 0 else 0
+def _time(default: float) -> float:
+    """A config field in seconds that YAML and ``--set`` may write with units (``18.5ms``)."""
+    return field(default=default, metadata={"unit": "time"})
+
+
+@dataclass(frozen=True)
+class UniformCostsConfig:
+    """``costs.kind: uniform``: F, I, W per whole device-stage and a fixed p2p time per transfer (seconds)."""
+
+    kind: CostKind = CostKind.UNIFORM
+    forward: float = _time(1.0)
+    backward_input: float = _time(1.0)
+    backward_weight: float = _time(1.0)
+    p2p: float = _time(0.0)
+
+    def costs(self, precision: str) -> UniformCosts:
+        return UniformCosts(self.forward, self.backward_input, self.backward_weight, precision=precision)
+
+
+@dataclass(frozen=True)
+class AnalyticCostsConfig:
+    """``costs.kind: analytic``: FLOPs against the device's datasheet peak times ``efficiency``."""
+
+    kind: CostKind = CostKind.ANALYTIC
+    efficiency: float = 0.5
 
 
 @dataclass(frozen=True)
 class UniformCosts:
-    """Fixed F, I, W and p2p times per whole device-stage (seconds), for theory and paper checks.
+    """Fixed F, I and W times per whole device-stage (seconds), for theory and paper checks.
 
-    A chunk op takes its share (1/v); a fused B takes I + W; p2p is a fixed time per transfer,
-    whatever the link. ``activation_bytes``/``weight_bytes`` optionally give memory a scale.
+    A chunk op takes its share (1/v); a fused B takes I + W. ``activation_bytes``/``weight_bytes`` optionally give
+    memory a scale. The p2p time of uniform runs is the network's (``FifoLinks.fixed_delay``).
     """
 
     forward: float = 1.0
     backward_input: float = 1.0
     backward_weight: float = 1.0
-    p2p: float = 0.0
     activation_bytes: int = 0
     weight_grad_bytes: int = 0
     params: int = 0
@@ -119,12 +130,8 @@ class UniformCosts:
             params=int(self.params * share),
         )
 
-    def transfer_ns(self, nbytes: int, link: Link) -> int:
-        return seconds_to_ns(self.p2p)
-
-    def occupancy_ns(self, nbytes: int, link: Link) -> int:
-        """Zero: p2p is a pure delay, as in SCHEDULES.md section 0's timing model."""
-        return 0
+    def notes(self) -> list[str]:
+        return []
 
 
 class PerStageCache:
@@ -160,14 +167,14 @@ class AnalyticCosts(PerStageCache):
     """
 
     model: ModelSpec
-    device: DeviceSpec
+    peak_flops: float  # the device's dense peak at ``precision`` (FLOP/s)
     microbatch_size: int = 1
     precision: str = "bf16"
     efficiency: float = 0.5
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def _flops_ns(self, flops: float) -> int:
-        rate = self.device.peak_flops[self.precision] * self.efficiency
+        rate = self.peak_flops * self.efficiency
         return seconds_to_ns(flops / rate)
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
@@ -194,9 +201,6 @@ class AnalyticCosts(PerStageCache):
             params=params,
         )
 
-    def transfer_ns(self, nbytes: int, link: Link) -> int:
-        return link_transfer_ns(nbytes, link)
-
-    def occupancy_ns(self, nbytes: int, link: Link) -> int:
-        return link_occupancy_ns(nbytes, link)
+    def notes(self) -> list[str]:
+        return []
 

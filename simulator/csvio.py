@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import csv
 import io
-import os
-import tempfile
 
+from pipescope.simulator.files import write_atomic
 from pipescope.simulator.ir import COMPUTE_KINDS, Schedule, parse_cell
 
 
@@ -23,33 +22,7 @@ def to_csv_text(schedule: Schedule, compute_only: bool = True) -> str:
 
 def write_csv(schedule: Schedule, path: str) -> None:
     """Write the compute-only CSV atomically (a killed run never leaves half a file)."""
-    write_text_atomic(path, to_csv_text(schedule))
-
-
-def write_text_atomic(path: str, text: str | bytes) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename.
-
-    Missing parent folders are created. An OSError names ``path``, not the temporary file.
-    """
-    data = text.encode() if isinstance(text, str) else text
-    try:
-        _write_then_rename(path, data)
-    except OSError as err:
-        raise OSError(err.errno, err.strerror, path) from None
-
-
-def _write_then_rename(path: str, data: bytes) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(path, to_csv_text(schedule))
 
 
 def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "csv") -> Schedule:

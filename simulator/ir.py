@@ -12,27 +12,72 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from enum import Enum, StrEnum
 from typing import NamedTuple
 
-COMPUTE_KINDS = ("F", "I", "W", "B")
-COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-STAGE_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")  # torch's per-stage actions, no microbatch
 
-_ACTION_RE = re.compile(r"^([0-9]+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)([0-9]+)$")
-_STAGE_ACTION_RE = re.compile(r"^([0-9]+)(UNSHARD|RESHARD|REDUCE_GRAD)$")
+class ActionKind(StrEnum):
+    """What an action does, spelled with torch's letters so ``2F0`` and torch's CSV round-trip.
+
+    F forward, I input-grad, W weight-grad, B fused backward (I + W); SEND_*/RECV_* the p2p transfers lowering adds;
+    torch's per-stage UNSHARD/RESHARD/REDUCE_GRAD (kept, no work here); collectives over a group of devices.
+    """
+
+    F = "F"
+    I = "I"  # noqa: E741 (torch's letter)
+    W = "W"
+    B = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
+    REDUCE_GRAD = "REDUCE_GRAD"
+    ALL_REDUCE = "ALL_REDUCE"
+    ALL_GATHER = "ALL_GATHER"
+    REDUCE_SCATTER = "REDUCE_SCATTER"
+    BROADCAST = "BROADCAST"
+
+
+class Role(Enum):
+    """How the engine treats an action kind."""
+
+    COMPUTE = "compute"  # takes time on the device's compute stream
+    SEND = "send"  # starts a transfer to the peer stage's device
+    RECV = "recv"  # posts the matching receive; the consuming op waits for the arrival
+    STAGE = "stage"  # torch's per-stage bookkeeping: kept in place, no work
+    COLLECTIVE = "collective"  # every member joins; each resumes when the network says it ended
+
+
+ROLE: dict[ActionKind, Role] = {
+    ActionKind.F: Role.COMPUTE, ActionKind.I: Role.COMPUTE, ActionKind.W: Role.COMPUTE, ActionKind.B: Role.COMPUTE,
+    ActionKind.SEND_F: Role.SEND, ActionKind.SEND_B: Role.SEND,
+    ActionKind.RECV_F: Role.RECV, ActionKind.RECV_B: Role.RECV,
+    ActionKind.UNSHARD: Role.STAGE, ActionKind.RESHARD: Role.STAGE, ActionKind.REDUCE_GRAD: Role.STAGE,
+    ActionKind.ALL_REDUCE: Role.COLLECTIVE, ActionKind.ALL_GATHER: Role.COLLECTIVE,
+    ActionKind.REDUCE_SCATTER: Role.COLLECTIVE, ActionKind.BROADCAST: Role.COLLECTIVE,
+}
+COMPUTE_KINDS = frozenset(k for k, r in ROLE.items() if r is Role.COMPUTE)
+COMM_KINDS = frozenset(k for k, r in ROLE.items() if r in (Role.SEND, Role.RECV))
+STAGE_KINDS = frozenset(k for k, r in ROLE.items() if r is Role.STAGE)
+COLLECTIVE_KINDS = frozenset(k for k, r in ROLE.items() if r is Role.COLLECTIVE)
+
+_POINT_KINDS = "|".join(k.value for k in sorted(COMPUTE_KINDS | COMM_KINDS, key=len, reverse=True))
+_ACTION_RE = re.compile(rf"^([0-9]+)({_POINT_KINDS})([0-9]+)$")
+_STAGE_ACTION_RE = re.compile(rf"^([0-9]+)({'|'.join(k.value for k in STAGE_KINDS)})$")
 _OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 
 
 class Action(NamedTuple):
     """One op of one stage on one microbatch, e.g. ``2F0`` (stage 2, forward, microbatch 0).
 
-    Kinds: F forward, I input-grad, W weight-grad, B fused backward (I + W), plus
-    torch's communication kinds after lowering. A NamedTuple because schedules hold
-    hundreds of thousands of them as dict keys: tuple hashing is done in C.
+    A NamedTuple because schedules hold hundreds of thousands of them as dict keys: tuple hashing is done in C
+    (``ActionKind`` is a ``str`` enum, so it hashes as its letters).
     """
 
     stage: int
-    kind: str
+    kind: ActionKind
     microbatch: int
 
     def __str__(self) -> str:
@@ -41,15 +86,46 @@ class Action(NamedTuple):
         return f"{self.stage}{self.kind}{self.microbatch}"
 
 
+class Collective(NamedTuple):
+    """A collective over a group of devices, e.g. a stage's gradient all-reduce between replicas.
+
+    The same value sits in the list of every device of ``group``; the engine starts it when the last member reaches
+    it and each member resumes when the network says it ended. ``stage``/``microbatch`` say what it belongs to
+    (-1 when nothing).
+    """
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+    group: tuple[int, ...]
+    nbytes: int
+
+    def __str__(self) -> str:
+        members = "+".join(map(str, self.group))
+        return f"{self.stage}{self.kind}{self.microbatch}[{members}:{self.nbytes}B]"
+
+
+ProgramAction = Action | Collective
+
+
+class ScheduleError(ValueError):
+    """A malformed or deadlocking schedule; ``problems`` holds one line per finding."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
+        super().__init__("; ".join(shown))
+
+
 def parse_action(text: str) -> Action:
     """Parse torch's text form (``2F0``, ``0I3``, ``3SEND_F1``, ``0UNSHARD``; microbatch -1 for the last)."""
     match = _ACTION_RE.match(text.strip())
     if match is not None:
         stage, kind, microbatch = match.groups()
-        return Action(int(stage), kind, int(microbatch))
+        return Action(int(stage), ActionKind(kind), int(microbatch))
     match = _STAGE_ACTION_RE.match(text.strip())
     if match is not None:
-        return Action(int(match.group(1)), match.group(2), -1)
+        return Action(int(match.group(1)), ActionKind(match.group(2)), -1)
     raise ValueError(f"action {text!r} is not of the form <stage><F|I|W|B|SEND_F|RECV_F|SEND_B|RECV_B><microbatch> "
                      f"or <stage><UNSHARD|RESHARD|REDUCE_GRAD>")
 
@@ -65,6 +141,14 @@ def parse_cell(text: str) -> list[Action]:
     return [parse_action(text)]
 
 
+class WeightUpdate(StrEnum):
+    """When weights change: one synchronous step per iteration, PipeDream's per-stage stashed updates, or 2BW's."""
+
+    FLUSH = "flush"
+    ASYNC_STASH = "async-stash"
+    TWO_BW = "2bw"
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per-device ordered action lists plus the stage-to-device map.
@@ -74,9 +158,9 @@ class Schedule:
         num_devices: pipeline devices ``p``.
         num_microbatches: microbatches per optimizer step ``m``.
         stage_to_device: ``stage_to_device[s]`` is the device holding stage ``s``.
-        device_actions: per device, its ops in order; ``None`` is an idle step (CSV).
-        weight_update: ``flush`` (one synchronous step per iteration), ``async-stash``
-            (PipeDream: per-stage updates, stashed weight versions) or ``2bw``.
+        device_actions: per device, its actions in order; ``None`` is an idle step (CSV). Compute-only as generators
+            build it; lowering adds SEND/RECV (and collectives) to make the program the engine runs.
+        weight_update: see ``WeightUpdate``.
         iterations: how many optimizer steps the lists span (microbatches are numbered
             ``0 .. iterations*m - 1``; iteration of microbatch k is ``k // m``).
         recompute: forward activations are recomputed before each backward.
@@ -87,8 +171,8 @@ class Schedule:
     num_devices: int
     num_microbatches: int
     stage_to_device: tuple[int, ...]
-    device_actions: tuple[tuple[Action | None, ...], ...]
-    weight_update: str = "flush"
+    device_actions: tuple[tuple[ProgramAction | None, ...], ...]
+    weight_update: WeightUpdate = WeightUpdate.FLUSH
     iterations: int = 1
     recompute: bool = False
     weight_versions: tuple[int, ...] = field(default=())
@@ -109,10 +193,15 @@ class Schedule:
     @property
     def splits_backward(self) -> bool:
         """True when backward runs as separate I and W ops."""
-        return any(a is not None and a.kind == "I" for acts in self.device_actions for a in acts)
+        return any(a is not None and a.kind is ActionKind.I for acts in self.device_actions for a in acts)
 
     def versions(self, device: int) -> int:
         return self.weight_versions[device] if self.weight_versions else 1
+
+    @property
+    def is_lowered(self) -> bool:
+        """True when the lists hold SEND/RECV actions (lowered, or a torch "compute_comms" CSV)."""
+        return any(a is not None and a.kind in COMM_KINDS for acts in self.device_actions for a in acts)
 
     def compute_actions(self, device: int) -> list[Action]:
         return [a for a in self.device_actions[device] if a is not None and a.kind in COMPUTE_KINDS]
@@ -132,20 +221,21 @@ def v_placement(num_devices: int) -> tuple[int, ...]:
 
 
 def producers(action: Action, num_stages: int, present: set[Action] | frozenset[Action]) -> list[Action]:
-    """The ops whose results ``action`` needs (SCHEDULES.md section 0).
+    """The compute ops whose results ``action`` needs (docs/schedules.md section 0): the one dependency rule.
 
-    F(s) needs F(s-1); I/B(s) needs its own F(s) and the backward of stage s+1
-    (its I if the schedule has one, else its B); W(s) needs I(s).
+    F(s) needs F(s-1); I/B(s) needs its own F(s) and the backward of stage s+1 (its I if the schedule has one,
+    else its B); W(s) needs I(s). Lowering turns a producer on another device into the RECV of its transfer
+    (``simulator.lowering.program_inputs``).
     """
-    s, mb = action.stage, action.microbatch
-    if action.kind == "F":
-        return [Action(s - 1, "F", mb)] if s > 0 else []
-    if action.kind == "W":
-        return [Action(s, "I", mb)]
-    if action.kind in ("I", "B"):
-        deps = [Action(s, "F", mb)]
+    s, mb, kind = action.stage, action.microbatch, action.kind
+    if kind is ActionKind.F:
+        return [Action(s - 1, ActionKind.F, mb)] if s > 0 else []
+    if kind is ActionKind.W:
+        return [Action(s, ActionKind.I, mb)]
+    if kind is ActionKind.I or kind is ActionKind.B:
+        deps = [Action(s, ActionKind.F, mb)]
         if s + 1 < num_stages:
-            split = Action(s + 1, "I", mb)
-            deps.append(split if split in present else Action(s + 1, "B", mb))
+            split = Action(s + 1, ActionKind.I, mb)
+            deps.append(split if split in present else Action(s + 1, ActionKind.B, mb))
         return deps
     return []

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipescope.simulator.costs import StageCost
+from pipescope.simulator.ir import ActionKind, Role, Schedule
+from pipescope.simulator.program import RECEIVED_FROM, SENT_BY
+from pipescope.simulator.timeline import Timeline
 
-WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-OPTIMIZER_BYTES = {"bf16": 12, "fp16": 12, "fp32": 8}
+from pipescope.simulator.models import PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,9 @@ class StaticMemory:
 
 def static_memory(params: int, versions: int, precision: str) -> StaticMemory:
     """Weights times the versions held, one gradient buffer, Adam state."""
-    return StaticMemory(params * WEIGHT_BYTES[precision] * versions, params * GRAD_BYTES[precision],
-                        params * OPTIMIZER_BYTES[precision])
+    bytes_per = PRECISIONS[precision]  # simulator/models.py: the one precision table
+    return StaticMemory(params * bytes_per.weight_bytes * versions, params * bytes_per.grad_bytes,
+                        params * bytes_per.optimizer_bytes)
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ class OpArrays:
     """Per compute op: device, kind, times, and its stage's byte counts (all numpy arrays)."""
 
     device: np.ndarray
-    kind: np.ndarray
+    kind: np.ndarray  # ActionKind values as a numpy string array
     start: np.ndarray
     end: np.ndarray
     activation: np.ndarray  # M_B
@@ -73,15 +76,16 @@ class OpArrays:
 def op_memory_events(ops: OpArrays, recompute: bool, chunks: int) -> MemoryEvents:
     """What compute ops stash and free (SCHEDULES.md section 0 bookkeeping).
 
-    F stashes M_B (only the stage input under recompute); I turns it into M_W; W frees M_W;
+    The memory effect of each compute kind, in one place: F stashes M_B (only the stage input under recompute);
+    I turns it into M_W; W frees M_W;
     a fused B frees everything. Under recompute a backward first rebuilds M_B.
     """
     unit = 1.0 / chunks
     kept = ops.stage_input if recompute else ops.activation
-    forward, weight = ops.kind == "F", ops.kind == "W"
-    backward = (ops.kind == "I") | (ops.kind == "B")
+    forward, weight, input_grad = ops.kind == K.F, ops.kind == K.W, ops.kind == K.I
+    backward = input_grad | (ops.kind == K.B)
     rebuilt = ops.activation if recompute else np.zeros_like(ops.activation)
-    residue = np.where(ops.kind == "I", ops.weight_grad, 0)
+    residue = np.where(input_grad, ops.weight_grad, 0)
     parts = [
         events(ops.device[forward], ops.start[forward], kept[forward], unit),
         events(ops.device[weight], ops.end[weight], -ops.weight_grad[weight]),
@@ -116,3 +120,65 @@ def device_timelines(events: MemoryEvents, static: list[int]) -> list[DeviceMemo
         peak_units = float(np.round(stash.max(), 9)) if stash.size else 0.0
         out.append(DeviceMemory(time[mask], used, max(peak, base), max(peak_units, 0.0)))
     return out
+
+
+K = ActionKind
+
+
+def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], precision: str,
+           ) -> tuple[list[DeviceMemory], list[int]]:
+    """Per device: static state plus what compute ops stash and p2p buffers hold, over the timeline.
+
+    Returns:
+        (memory timeline per device, static bytes per device).
+    """
+    home = np.asarray(schedule.stage_to_device)
+    params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
+    static = [static_memory(int(params[d]), schedule.versions(d), precision).total
+              for d in range(schedule.num_devices)]
+    stage, compute = records.stage(), records.mask(Role.COMPUTE)
+    kinds = np.array([str(a.kind) for a in records.actions])
+    at = stage[compute]
+    ops = OpArrays(
+        device=records.device[compute], kind=kinds[compute], start=records.start[compute], end=records.end[compute],
+        activation=np.array([c.activation_bytes for c in stage_costs], dtype=np.int64)[at],
+        weight_grad=np.array([c.weight_grad_bytes for c in stage_costs], dtype=np.int64)[at],
+        stage_input=np.array([c.input_bytes for c in stage_costs], dtype=np.int64)[at],
+    )
+    parts = [op_memory_events(ops, schedule.recompute, schedule.chunks), _buffer_events(records, stage, kinds)]
+    return device_timelines(concat(parts), static), static
+
+
+def _buffer_events(records: Timeline, stage: np.ndarray, kinds: np.ndarray) -> MemoryEvents:
+    """p2p buffers: the sender's copy from its producer's end until the transfer arrives; the receiver's from the
+    transfer's start until its consumer starts (a transfer nobody consumes is freed on arrival)."""
+    microbatch = records.microbatch()
+    key = (stage * (int(microbatch.max(initial=0)) + 2) + microbatch + 1) * 2  # (stage, mb, direction) as one int
+    forward = np.isin(kinds, [K.F.value])
+    backward = np.isin(kinds, [K.I.value, K.B.value])
+    op_key = np.concatenate([key[forward], key[backward] + 1])
+    op_row = np.concatenate([np.flatnonzero(forward), np.flatnonzero(backward)])
+    order = np.argsort(op_key, kind="stable")
+    op_key, op_row = op_key[order], op_row[order]
+
+    def row_of(rows: np.ndarray, direction: np.ndarray) -> np.ndarray:
+        """The compute row with the same stage, microbatch and direction, or -1."""
+        wanted = key[rows] + direction
+        at = np.minimum(np.searchsorted(op_key, wanted), max(len(op_key) - 1, 0))
+        found = op_key[at] == wanted if len(op_key) else np.zeros(len(rows), dtype=bool)
+        return np.where(found, op_row[at] if len(op_key) else -1, -1)
+
+    sends = np.flatnonzero(np.isin(kinds, [k.value for k in SENT_BY]))
+    recvs = np.flatnonzero(np.isin(kinds, [k.value for k in RECEIVED_FROM]))
+    producer = row_of(sends, (kinds[sends] == K.SEND_B.value).astype(np.int64))
+    consumer = row_of(recvs, (kinds[recvs] == K.RECV_B.value).astype(np.int64))
+    produced = np.where(producer >= 0, records.end[producer], records.start[sends])
+    consumed = np.maximum(records.end[recvs], np.where(consumer >= 0, records.start[consumer], 0))
+    return concat([_held(records.device[sends], produced, records.end[sends], records.nbytes[sends]),
+                   _held(records.device[recvs], records.start[recvs], consumed, records.nbytes[recvs])])
+
+
+def _held(device: np.ndarray, since: np.ndarray, until: np.ndarray, nbytes: np.ndarray) -> MemoryEvents:
+    """Buffers held over [since, until); one held for no time (an instant transfer) is never allocated."""
+    kept = until > since
+    return concat([events(device[kept], since[kept], nbytes[kept]), events(device[kept], until[kept], -nbytes[kept])])

@@ -1,11 +1,32 @@
-"""Transformer model shapes, their FLOPs and activation bytes (SCHEDULES.md sections 5 and 7),
-and datasheet specs of the GPUs the analytic cost model knows."""
+"""Transformer model shapes, their FLOPs and activation bytes (docs/schedules.md sections 5 and 7), the precision
+table, and ``ModelConfig``, the model section of the config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element or parameter of one training precision (Adam; ZeRO paper's accounting).
+
+    Mixed precision (bf16/fp16) keeps 2-byte activations, weights and gradients plus 12 bytes of optimizer
+    state per parameter (fp32 master copy, momentum, variance); fp32 needs no master copy, so 8.
+    """
+
+    name: str
+    activation_bytes: int
+    weight_bytes: int  # per stashed weight version
+    grad_bytes: int
+    optimizer_bytes: int
+
+
+# The one precision table: the analytic cost model, the memory ledger, calibration and config choices read it.
+PRECISIONS: dict[str, Precision] = {
+    "bf16": Precision("bf16", activation_bytes=2, weight_bytes=2, grad_bytes=2, optimizer_bytes=12),
+    "fp16": Precision("fp16", activation_bytes=2, weight_bytes=2, grad_bytes=2, optimizer_bytes=12),
+    "fp32": Precision("fp32", activation_bytes=4, weight_bytes=4, grad_bytes=4, optimizer_bytes=8),
+}
 
 
 @dataclass(frozen=True)
@@ -66,7 +87,7 @@ class LayerWork:
 
 def layer_work(model: ModelSpec, microbatch_size: int, precision: str) -> LayerWork:
     s, b, h, a = model.seq, microbatch_size, model.hidden, model.heads
-    width = PRECISION_BYTES[precision]
+    width = PRECISIONS[precision].activation_bytes
     # The ZB paper's byte counts assume 2-byte activations; scale for fp32.
     scale = width / 2
     return LayerWork(
@@ -87,23 +108,29 @@ def output_layer_flops(model: ModelSpec, microbatch_size: int) -> tuple[float, f
 
 def output_activation_bytes(model: ModelSpec, microbatch_size: int, precision: str) -> int:
     """What the output layer stashes: the logits in the model's precision plus fp32 softmax for cross-entropy."""
-    return microbatch_size * model.seq * model.vocab * (PRECISION_BYTES[precision] + 4)
+    return microbatch_size * model.seq * model.vocab * (PRECISIONS[precision].activation_bytes + 4)
 
 
 @dataclass(frozen=True)
-class DeviceSpec:
-    """Datasheet numbers: dense tensor-core peak per precision (FLOP/s), HBM bandwidth and size."""
+class ModelConfig:
+    """The ``model`` section: a preset, optionally with some dimensions replaced, the microbatch and precision."""
 
-    name: str
-    peak_flops: dict[str, float]
-    memory_bandwidth: float
-    memory_bytes: int
+    preset: str = "gpt-1.3b"
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    seq: int | None = None
+    vocab: int | None = None
+    microbatch_size: int = 1
+    precision: str = "bf16"
 
-
-GiB = 1 << 30
-DEVICES: dict[str, DeviceSpec] = {
-    "v100": DeviceSpec("V100-SXM2-32GB", {"fp16": 125e12, "bf16": 125e12, "fp32": 15.7e12}, 900e9, 32 * GiB),
-    "a100": DeviceSpec("A100-SXM4-80GB", {"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, 2039e9, 80 * GiB),
-    "h100": DeviceSpec("H100-SXM5-80GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 3350e9, 80 * GiB),
-    "h200": DeviceSpec("H200-SXM-141GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 4800e9, 141 * 10**9),
-}
+    def spec(self) -> ModelSpec:
+        """The model's shape; ValueError naming the key when the preset is unknown or heads do not divide hidden."""
+        try:
+            spec = preset(self.preset, layers=self.layers, hidden=self.hidden, heads=self.heads, seq=self.seq,
+                          vocab=self.vocab)
+        except KeyError as err:
+            raise ValueError(err.args[0]) from None
+        if spec.hidden % spec.heads:
+            raise ValueError(f"model.heads: got {spec.heads}, expected a divisor of model.hidden (={spec.hidden})")
+        return spec

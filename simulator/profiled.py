@@ -8,7 +8,6 @@ Reads the files itself (pandas), sharing only the stdlib schema module with ``ca
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,16 @@ import numpy as np
 import pandas as pd
 
 from pipescope.simulator import profile_schema as schema
-from pipescope.simulator.costs import Link, PerStageCache, StageCost, link_occupancy_ns, link_transfer_ns, split_layers
+from pipescope.simulator.costs import CostKind, PerStageCache, StageCost, split_layers
+from pipescope.simulator.network import Link
+
+
+@dataclass(frozen=True)
+class ProfiledCostsConfig:
+    """``costs.kind: profile``: costs from a ``pipescope calibrate`` folder (``profile``)."""
+
+    kind: CostKind = CostKind.PROFILE
+    profile: str | None = None
 
 
 def read_table(profile_dir: str | os.PathLike, meta: dict, table: str) -> pd.DataFrame:
@@ -196,21 +204,10 @@ class ProfiledCosts(PerStageCache):
         coef = _nonnegative_fit(x, rows["median_ns"].to_numpy(float))
         return _ns(float(coef @ np.array([1.0, params, tensors])))
 
-    def transfer_ns(self, nbytes: int, link: Link) -> int:
-        """p2p time from the comms profile's fit for the size range (if any), else latency + bytes / bandwidth."""
-        if nbytes <= 0:
-            return 0
+    def p2p_link(self, nbytes: int) -> Link | None:
+        """The comms profile's p2p fit for this size range as a link (latency, bandwidth), or None without one."""
         row = self._p2p_fit(nbytes)
-        if row is None:
-            return link_transfer_ns(nbytes, link)
-        return int(round(row["latency_ns"])) + math.ceil(nbytes * 1e9 / float(row["bandwidth"]))
-
-    def occupancy_ns(self, nbytes: int, link: Link) -> int:
-        """Bytes over the fitted p2p bandwidth (or the link's): how long the link is held."""
-        row = self._p2p_fit(nbytes) if nbytes > 0 else None
-        if row is None:
-            return link_occupancy_ns(nbytes, link)
-        return math.ceil(nbytes * 1e9 / float(row["bandwidth"]))
+        return None if row is None else Link(float(row["bandwidth"]), int(round(row["latency_ns"])))
 
     def _p2p_fit(self, nbytes: int) -> pd.Series | None:
         """The comms profile's p2p fit row for this size range, if a comms profile was loaded."""

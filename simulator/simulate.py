@@ -1,48 +1,56 @@
-"""One call from a schedule and a cost model to a SimResult."""
+"""One call from a schedule, a cost model and a network to a SimResult."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
-from pipescope.simulator.check import ScheduleError, structure_problems
-from pipescope.simulator.costs import CostModel, Link
-from pipescope.simulator.engine import Engine, LinkLookup, compile_schedule, gc_paused
-from pipescope.simulator.ir import Schedule
+from pipescope.simulator.check import structure_problems
+from pipescope.simulator.costs import CostModel
+from pipescope.simulator.engine import Engine, gc_paused
+from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
+from pipescope.simulator.lowering import lower
+from pipescope.simulator.network import FifoLinks, Network
+from pipescope.simulator.program import compile_program, op_durations
 from pipescope.simulator.result import SimResult, build_result
-
-# Used when no cluster is given: one NVLink-class hop between any two devices.
-DEFAULT_LINK = Link(bandwidth=450e9, latency_ns=2_000)
+from pipescope.simulator.timeline import replay_timeline
 
 
-def simulate(schedule: Schedule, costs: CostModel, link: LinkLookup | None = None, samples_per_microbatch: int = 1,
-             data_parallel: int = 1, memory_capacity_bytes: int | None = None) -> SimResult:
-    """Check, compile and replay ``schedule`` under ``costs``.
+def simulate(schedule: Schedule, costs: CostModel, network: Network | None = None, *, samples_per_microbatch: int = 1,
+             data_parallel: int = 1, **extra: Any) -> SimResult:
+    """Check, lower, compile and replay ``schedule``.
 
     Args:
-        schedule: what each device runs, in order.
-        costs: durations and bytes per stage.
-        link: the path between two devices (bandwidth, latency); a single fast link if None.
+        schedule: what each device runs, in order (compute-only, or lowered already).
+        costs: compute durations and bytes per stage.
+        network: moves the data; None means free, instantaneous transfers (the plain timing model with zero p2p).
         samples_per_microbatch: the microbatch size, for throughput.
         data_parallel: pipeline replicas, for throughput.
-        memory_capacity_bytes: device memory, to report OOM.
+        **extra: further ``SimResult`` fields: ``memory_capacity_bytes`` (to report OOM),
+            ``model_flops_per_iteration`` and ``peak_flops_per_device`` (MFU), ``config`` (what it came from).
 
     Raises:
         ScheduleError: malformed or deadlocking schedule, naming the actions. Structure is checked first;
-            deadlocks are found by the engine itself (no separate lockstep pass), naming each stuck op.
+            deadlocks are found by the lowering or the engine itself, naming each stuck action.
     """
     wall = time.perf_counter()
     problems = structure_problems(schedule)
     if problems:
         raise ScheduleError(problems)
     with gc_paused():
-        compiled = compile_schedule(schedule, costs, link or (lambda src, dst: DEFAULT_LINK))
-        times = Engine(compiled).run()
+        stage_costs = [costs.stage_cost(s, schedule.num_stages, schedule.chunks) for s in range(schedule.num_stages)]
+        program = compile_program(lower(schedule), op_durations(stage_costs, schedule.recompute),
+                                  [c.boundary_bytes for c in stage_costs])
+        times = Engine(program, network or FifoLinks.fixed_delay(0)).run()
         samples = schedule.num_microbatches * samples_per_microbatch * data_parallel
-        result = build_result(schedule, compiled, times, costs.precision, samples)
+        result = build_result(schedule, replay_timeline(program, times, schedule.num_devices), stage_costs,
+                              costs.precision, samples, warnings=costs.notes() + _run_notes(schedule), **extra)
     result.sim_wall_s = time.perf_counter() - wall
-    result.memory_capacity_bytes = memory_capacity_bytes
-    result.warnings.extend(getattr(costs, "warnings", []))
-    if schedule.weight_update != "flush" and schedule.iterations == 1:
-        result.warnings.append(f"{schedule.name} has no flush but ran one iteration: there is no steady state, so the "
-                               f"iteration time is the whole run with fill and drain; use iterations >= 2")
     return result
+
+
+def _run_notes(schedule: Schedule) -> list[str]:
+    if schedule.weight_update is not WeightUpdate.FLUSH and schedule.iterations == 1:
+        return [f"{schedule.name} has no flush but ran one iteration: there is no steady state, so the iteration "
+                f"time is the whole run with fill and drain; use iterations >= 2"]
+    return []

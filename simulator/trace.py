@@ -6,7 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 
-from pipescope.simulator.csvio import write_text_atomic
+from pipescope.simulator.files import write_atomic
 from pipescope.simulator.result import SimResult
 
 KIND_NAMES = {"F": "forward", "I": "input-grad", "W": "weight-grad", "B": "backward",
@@ -63,4 +63,4 @@ def chrome_trace(result: SimResult) -> dict:
 def write_trace(result: SimResult, path: str) -> None:
     """Write the trace atomically; gzip-compressed when the name ends in ``.gz``."""
     data = json.dumps(chrome_trace(result), separators=(",", ":")).encode()
-    write_text_atomic(path, gzip.compress(data, compresslevel=6) if path.endswith(".gz") else data)
+    write_atomic(path, gzip.compress(data, compresslevel=6) if path.endswith(".gz") else data)

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-zµ/]*)\s*$")
+
+# Signed, so a negative size gets "expected a non-negative size" rather than "expected a size such as ...".
+_SIGNED_NUMBER = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "min": 60.0}
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_SIZE_UNITS_FOLDED = {unit.lower(): scale for unit, scale in SIZE_UNITS.items()}
 BANDWIDTH_UNITS = {"": 1.0, "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
                    "Kbit/s": 1e3 / 8, "Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8, "Tbit/s": 1e12 / 8,
                    "Gbps": 1e9 / 8, "GiB/s": 2.0**30}
@@ -44,8 +49,37 @@ def parse_time(value: object) -> float:
 
 
 def parse_size(value: object) -> int:
-    """Bytes from ``'16GiB'``, ``'512MB'`` or a plain number."""
-    return int(_parse(value, SIZE_UNITS, "size", "'16GiB' or '512MB'"))
+    """Bytes from ``'16GiB'``, ``'512MB'``, ``'1e3'`` or a plain number.
+
+    Units are case-insensitive (``'1gib'`` == ``'1GiB'``; there are no bit units, so ``'1Gb'`` is a gigabyte):
+    B, KB, MB, GB, TB (powers of 10) and KiB, MiB, GiB, TiB (powers of 2). The number may be fractional or in
+    exponent form as long as the result is a whole number of bytes: ``'1.5KiB'`` is 1536, ``'1.5B'`` is refused.
+    The arithmetic is exact (no float rounding), so ``'0.1KB'`` is 100.
+
+    Raises:
+        ValueError: one line naming the value and what was expected (a non-negative size with a known unit,
+            a whole number of bytes). Callers prefix the key or flag.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"got {value!r}, expected a size")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise ValueError(f"got {value!r}, expected a finite size")
+        number, unit = Fraction(value), ""
+    else:
+        match = _SIGNED_NUMBER.match(str(value))
+        if match is None:
+            raise ValueError(f"got {value!r}, expected a size such as '16GiB' or '512MB'")
+        number, unit = Fraction(match.group(1)), match.group(2)
+    if unit.lower() not in _SIZE_UNITS_FOLDED:
+        known = ", ".join(u for u in SIZE_UNITS if u)
+        raise ValueError(f"got {value!r}: unknown unit {unit!r}, expected one of {known} (any case)")
+    if number < 0:
+        raise ValueError(f"got {value!r}, expected a non-negative size")
+    size = number * _SIZE_UNITS_FOLDED[unit.lower()]
+    if size.denominator != 1:
+        raise ValueError(f"got {value!r}, expected a whole number of bytes")
+    return int(size)
 
 
 def parse_bandwidth(value: object) -> float:

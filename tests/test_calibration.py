@@ -25,7 +25,7 @@ from pipescope.calibration.model import GPT, Block, shard_backward, shard_forwar
 from pipescope.calibration.profile_io import write_table  # noqa: E402
 from pipescope.simulator.profile_schema import ProfileError  # noqa: E402
 from pipescope.calibration.timing import Bench, CpuTimer, Timer, TimingConfig, is_stable, stats  # noqa: E402
-from pipescope.simulator.costs import Link  # noqa: E402
+from pipescope.simulator.network import link_transfer_ns  # noqa: E402
 from pipescope.simulator.profiled import ProfiledCosts  # noqa: E402
 
 torch.set_num_threads(1)
@@ -275,7 +275,7 @@ BLOCKER = """
 import sys
 BLOCKED = ('simpy', 'yaml', 'matplotlib', 'pipescope.experiments', 'pipescope.topologies', 'pipescope.simulator.')
 PLAIN = ('pipescope.simulator.ir', 'pipescope.simulator.csvio', 'pipescope.simulator.models',
-         'pipescope.simulator.profile_schema', 'pipescope.simulator.units')
+         'pipescope.simulator.profile_schema', 'pipescope.simulator.units', 'pipescope.simulator.files')
 class Blocker:
     def find_spec(self, name, path=None, target=None):
         if name.startswith(BLOCKED) and name not in PLAIN:
@@ -342,6 +342,34 @@ def test_calibration_imports_only_torch_numpy_pandas_and_plain_data() -> None:
     assert not any(allowed_in_calibration(n) for n in ("simpy", "networkx", "yaml", "pipescope.simulator.costs"))
 
 
+def test_calibration_imports_form_a_tree() -> None:
+    """No import cycle among calibration modules, lazy (function-level) imports included."""
+    graph = {path.stem: {n.removeprefix("pipescope.calibration.") for n in module_imports(path)
+                         if n.startswith("pipescope.calibration.")}
+             for path in (ROOT / "calibration").glob("*.py")}
+    done: set[str] = set()
+
+    def visit(module: str, stack: tuple[str, ...]) -> None:
+        assert module not in stack, f"import cycle: {' -> '.join((*stack, module))}"
+        if module not in done:
+            for child in graph.get(module, ()):
+                visit(child, (*stack, module))
+            done.add(module)
+
+    for module in graph:
+        visit(module, ())
+
+
+def test_torch_dtypes_match_the_precision_table() -> None:
+    """calibrate's torch dtypes have the simulator's precision names and activation widths."""
+    from pipescope.calibration.calibrate import DTYPES
+    from pipescope.simulator.models import PRECISIONS
+
+    assert DTYPES.keys() == PRECISIONS.keys()
+    for name, dtype in DTYPES.items():
+        assert torch.empty(0, dtype=dtype).element_size() == PRECISIONS[name].activation_bytes
+
+
 def test_bus_bandwidth_factors_and_line_fit_follow_nccl_tests() -> None:
     """busbw = algbw * 2(n-1)/n for all-reduce, (n-1)/n for gathers; the fit recovers latency and bandwidth."""
     assert commfit.bandwidths("all_reduce", 4, 1000, 10) == (100.0, 150.0)
@@ -371,7 +399,7 @@ def read_table(path: Path):  # noqa: ANN201 (a pandas DataFrame)
 
 
 def test_comms_calibration_under_torchrun_with_gloo(profile: Calibrated, tmp_path: Path) -> None:
-    """Two gloo ranks time all four collectives; bandwidths follow nccl-tests and the p2p fit feeds transfer_ns."""
+    """Two gloo ranks time all four collectives; bandwidths follow nccl-tests and the p2p fit times transfers."""
     out = Path(shutil.copytree(profile.out, tmp_path / "p"))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
@@ -391,7 +419,7 @@ def test_comms_calibration_under_torchrun_with_gloo(profile: Calibrated, tmp_pat
     assert (fit["bandwidth"] > 0).all() and (fit["latency_ns"] >= 0).all()
     p2p = fit[fit["collective"] == "p2p"].iloc[0]
     expected = round(p2p["latency_ns"]) + math.ceil(65536 * 1e9 / p2p["bandwidth"])
-    assert ProfiledCosts.load(out, MICROBATCH).transfer_ns(65536, Link(bandwidth=1e15, latency_ns=0)) == expected
+    assert link_transfer_ns(65536, ProfiledCosts.load(out, MICROBATCH).p2p_link(65536)) == expected
 
 
 def test_simulate_cli_runs_on_the_profile(profile: Calibrated, capsys: pytest.CaptureFixture) -> None:

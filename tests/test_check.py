@@ -2,9 +2,15 @@
 
 import pytest
 
-from pipescope.simulator.check import ScheduleError, check, lockstep
+from pipescope.simulator.check import check, unit_steps
 from pipescope.simulator.csvio import from_csv_text
+from pipescope.simulator.ir import Schedule, ScheduleError, parse_action
 from pipescope.simulator.schedules import build
+
+
+def _lowered(rows: list[list[str]], microbatches: int) -> Schedule:
+    """A hand-lowered 2-stage schedule on 2 devices (it holds SEND/RECV actions, so it is taken as is)."""
+    return Schedule("hand", 2, microbatches, (0, 1), tuple(tuple(parse_action(t) for t in row) for row in rows))
 
 
 def test_generated_schedules_pass() -> None:
@@ -14,14 +20,34 @@ def test_generated_schedules_pass() -> None:
 
 
 def test_crafted_deadlock_names_the_stuck_actions() -> None:
-    """Device 0 runs B0 before F1 while device 1 waits for F1 first: both are named."""
+    """Device 0 runs B0 before F1 while device 1 waits for F1 first: the send/recv lowering cannot place either,
+    and names both with their positions and what would let them go."""
     text = "0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n"
     with pytest.raises(ScheduleError) as err:
         check(from_csv_text(text))
-    message = str(err.value)
-    assert "deadlock" in message
-    assert "device 0 op 1: 0B0 waits for 1B0" in message
-    assert "device 1 op 0: 1F1 waits for 0F1" in message
+    assert err.value.problems == [
+        "deadlock: cannot place sends/recvs: device 0 position 1: 0B0 waits for 0RECV_B0 or 1I0 or 1B0",
+        "deadlock: cannot place sends/recvs: device 1 position 0: 1F1 waits for 1RECV_F1 or 0F1",
+    ]
+
+
+def test_lowered_deadlock_names_the_stuck_actions() -> None:
+    """The same cycle in a hand-lowered program is found by the engine: each device's stuck op (counted among that
+    device's compute ops) and the cross-device input it waits for, named by its producer."""
+    rows = [["0F0", "0SEND_F0", "0RECV_B0", "0B0", "0F1", "0SEND_F1", "0RECV_B1", "0B1"],
+            ["1RECV_F0", "1RECV_F1", "1F1", "1F0", "1B0", "1SEND_B0", "1B1", "1SEND_B1"]]
+    with pytest.raises(ScheduleError) as err:
+        check(_lowered(rows, 2))
+    assert err.value.problems == ["deadlock: device 0 op 1: 0B0 waits for 1B0 (transfer)",
+                                  "deadlock: device 1 op 0: 1F1 waits for 0F1 (transfer)"]
+
+
+def test_consumer_before_its_recv_is_a_deadlock() -> None:
+    """A lowered program whose op comes before the RECV it needs on the same device can never run."""
+    rows = [["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1F0", "1RECV_F0", "1B0", "1SEND_B0"]]
+    with pytest.raises(ScheduleError, match=r"deadlock: device 1: 1F0 waits for 1RECV_F0, which device 1 only posts "
+                                            r"after it"):
+        check(_lowered(rows, 1))
 
 
 def test_missing_microbatch_is_named() -> None:
@@ -61,6 +87,7 @@ def test_microbatch_out_of_range_and_missing_both_reported() -> None:
     assert "missing F (1F0)" in str(err.value)
 
 
-def test_lockstep_counts_unit_steps() -> None:
+def test_check_counts_unit_steps() -> None:
     """1F1B p=2 m=2: 0F0 | 0F1 1F0 | 1B0 | 0B0 1F1 | 1B1 | 0B1 = 6 steps."""
-    assert lockstep(build("1f1b", 2, 2)) == (6, [])
+    schedule = build("1f1b", 2, 2)
+    assert check(schedule) == unit_steps(schedule) == 6

@@ -160,8 +160,8 @@ def test_simulate_reports_a_deadlocking_csv(tmp_path, capsys) -> None:
     path.write_text("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n")
     code, out, err = run_cli(["simulate", "--schedule", f"csv:{path}", "--set", "costs.kind=uniform"], capsys)
     assert code == 1 and out == ""
-    assert "deadlock: device 0 op 1: 0B0 waits for 1B0 (transfer)" in err
-    assert "device 1 op 0: 1F1 waits for 0F1 (transfer)" in err
+    assert "deadlock: cannot place sends/recvs: device 0 position 1: 0B0 waits for 0RECV_B0 or 1I0 or 1B0" in err
+    assert "device 1 position 0: 1F1 waits for 1RECV_F1 or 0F1" in err
 
 
 def test_csv_schedule_honours_given_sizes_and_recompute(tmp_path, capsys) -> None:

@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from pipescope.experiments.config import load_config
-from pipescope.experiments.run import run_config
+from pipescope import load_config, run
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "experiments", "configs", "*.yaml")))
 
@@ -14,9 +13,9 @@ CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "experi
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_shipped_config_simulates(path: str) -> None:
     """Each file is a valid config whose run fits in memory and has a positive iteration time."""
-    run = run_config(load_config(path))
-    assert run.result.iteration_ns > 0
-    assert run.result.oom() == []
+    result = run(load_config(path))
+    assert result.iteration_ns > 0
+    assert result.oom() == []
 
 
 def test_there_are_configs() -> None:

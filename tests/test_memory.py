@@ -4,12 +4,13 @@ import pytest
 
 from pipescope.simulator.costs import AnalyticCosts, UniformCosts
 from pipescope.simulator.memory import static_memory
-from pipescope.simulator.models import DEVICES, layer_work, preset
+from pipescope.simulator.models import layer_work, preset
+from pipescope.topologies.devices import DEVICES
 from pipescope.simulator.schedules import build
 from pipescope.simulator.simulate import simulate
 
 MODEL = preset("gpt-1.3b")
-COSTS = AnalyticCosts(MODEL, DEVICES["h100"], microbatch_size=1, precision="bf16")
+COSTS = AnalyticCosts(MODEL, DEVICES["h100"].peak_flops["bf16"], microbatch_size=1, precision="bf16")
 
 
 def test_static_bytes_per_parameter() -> None:

@@ -11,6 +11,7 @@ import pandas as pd
 from pipescope.experiments.plots import gantt_figure, write_gantt
 from pipescope.experiments.tables import write_timeline
 from pipescope.simulator.costs import UniformCosts
+from pipescope.simulator.network import FifoLinks
 from pipescope.simulator.schedules import build
 from pipescope.simulator.simulate import simulate
 from pipescope.simulator.trace import chrome_trace, write_trace
@@ -20,7 +21,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def small_result():
-    return simulate(build("1f1b", 3, 4), UniformCosts(p2p=0.1, activation_bytes=2**20))
+    return simulate(build("1f1b", 3, 4), UniformCosts(activation_bytes=2**20), FifoLinks.fixed_delay(100_000_000))
 
 
 def test_chrome_trace_structure(tmp_path) -> None:

@@ -10,7 +10,8 @@ import pytest
 
 from pipescope.calibration.profile_io import write_json, write_table
 from pipescope.simulator.profile_schema import SCHEMA_VERSION, ProfileError
-from pipescope.simulator.costs import Link, link_transfer_ns, split_layers
+from pipescope.simulator.costs import split_layers
+from pipescope.simulator.network import link_transfer_ns
 from pipescope.simulator.profiled import ProfiledCosts, interp1
 
 # Per-microbatch time = BASE + SLOPE * microbatch_size * seq / 128 (ns), so every value is checkable by hand.
@@ -190,16 +191,14 @@ def test_transfer_uses_the_p2p_fit_per_size_range(tmp_path: Path) -> None:
     folder = make_profile(tmp_path)
     add_comms(folder)
     costs = ProfiledCosts.load(folder, 2)
-    link = Link(bandwidth=1e12, latency_ns=1)
-    assert costs.transfer_ns(1000, link) == 10_000 + 1000
-    assert costs.transfer_ns(1 << 21, link) == 50_000 + math.ceil((1 << 21) / 10)
-    assert costs.transfer_ns(0, link) == 0
+    assert link_transfer_ns(1000, costs.p2p_link(1000)) == 10_000 + 1000
+    assert link_transfer_ns(1 << 21, costs.p2p_link(1 << 21)) == 50_000 + math.ceil((1 << 21) / 10)
+    assert link_transfer_ns(0, costs.p2p_link(0)) == 0
 
 
 def test_transfer_without_comms_profile_uses_the_link(tmp_path: Path) -> None:
-    """No comms.json: latency plus bytes over the link's bandwidth."""
-    link = Link(bandwidth=25e9, latency_ns=2000)
-    assert ProfiledCosts.load(make_profile(tmp_path), 2).transfer_ns(1 << 20, link) == link_transfer_ns(1 << 20, link)
+    """No comms.json: no p2p fit, so the network times transfers by the cluster's links."""
+    assert ProfiledCosts.load(make_profile(tmp_path), 2).p2p_link(1 << 20) is None
 
 
 def test_comms_profile_of_another_version_is_refused(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
-"""Schedule families against their closed forms, timed by the section-0 oracle (simulator.reference).
+"""Schedule families against their closed forms, timed by the engine under uniform costs (docs/schedules.md
+section 0's plain timing model, which the engine reproduces to the nanosecond).
 
-Every number below is measured from list_schedule's start/end times, never taken from a
-generator's own bookkeeping. "cost" is SCHEDULES.md's max_d span_d (a device's initial wait
+Every number below is measured from the engine's start/end times, never taken from a
+generator's own bookkeeping. "cost" is docs/schedules.md's max_d span_d (a device's initial wait
 not counted); the papers' bubble is cost - m(F+I+W), which is device 0's idle time.
 """
 
@@ -13,8 +14,8 @@ import pytest
 
 from pipescope.simulator.check import check
 from pipescope.simulator.ir import Schedule
-from pipescope.simulator.reference import ReferenceTimes, list_schedule, uniform_duration
 from pipescope.simulator.schedules import build
+from timing import Times, uniform_times
 
 FAMILIES = ("pipedream", "2bw", "interleaved", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
 SPLIT = ("zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
@@ -22,19 +23,19 @@ SPLIT = ("zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
 COSTS = [(1200, 1200, 1200), (1200, 2400, 1200), (2400, 1200, 1200), (1800, 1200, 600), (1200, 1800, 600)]
 
 
-def timed(schedule: Schedule, f: int = 1200, i: int = 1200, w: int = 1200) -> ReferenceTimes:
-    return list_schedule(schedule, uniform_duration(f, i, w, schedule.chunks), p2p_ns=0)
+def timed(schedule: Schedule, f: int = 1200, i: int = 1200, w: int = 1200) -> Times:
+    return uniform_times(schedule, f, i, w)
 
 
-def cost(times: ReferenceTimes) -> int:
+def cost(times: Times) -> int:
     return max(times.span)
 
 
-def idle(times: ReferenceTimes) -> list[int]:
+def idle(times: Times) -> list[int]:
     return [span - busy for span, busy in zip(times.span, times.busy)]
 
 
-def peak_activations(schedule: Schedule, times: ReferenceTimes, freed_by: str = "IB") -> list[Fraction]:
+def peak_activations(schedule: Schedule, times: Times, freed_by: str = "IB") -> list[Fraction]:
     """Per device, the most activations alive at once, in whole device-stages (a chunk counts 1/v).
 
     An activation lives from its F's start to the end of its I (or B); with freed_by="WB"
@@ -58,7 +59,7 @@ def peak_activations(schedule: Schedule, times: ReferenceTimes, freed_by: str = 
     return peaks
 
 
-def versions_held(schedule: Schedule, times: ReferenceTimes, device: int, version_of, updates: list[int]) -> int:
+def versions_held(schedule: Schedule, times: Times, device: int, version_of, updates: list[int]) -> int:
     """Most weight versions ``device`` must keep at once, from the timing.
 
     Kept: the version of every in-flight microbatch (F started, B not ended), plus every

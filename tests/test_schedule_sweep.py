@@ -5,10 +5,13 @@ import pytest
 
 from pipescope.simulator.check import check
 from pipescope.simulator.costs import UniformCosts
+from pipescope.simulator.ir import Role
+from pipescope.simulator.network import FifoLinks
 from pipescope.simulator.schedules import GENERATORS, build
 from pipescope.simulator.simulate import simulate
 
-COSTS = UniformCosts(forward=1.0, backward_input=1.2, backward_weight=0.8, p2p=0.1)  # unequal: no lucky ties
+COSTS = UniformCosts(forward=1.0, backward_input=1.2, backward_weight=0.8)  # unequal: no lucky ties
+P2P = FifoLinks.fixed_delay(100_000_000)
 
 
 @pytest.mark.parametrize("name", list(GENERATORS))
@@ -18,7 +21,8 @@ def test_family_checks_and_simulates_for_every_p_and_m(name: str) -> None:
         for m in range(p, 4 * p + 1):
             schedule = build(name, p, m, chunks=2 if name == "interleaved" else 1)
             check(schedule)
-            result = simulate(schedule, COSTS)
-            assert min(result.times.op_end) > 0, (p, m)
-            assert len(result.compiled.actions) == schedule.num_compute_ops(), (p, m)
+            result = simulate(schedule, COSTS, P2P)
+            compute = result.records.mask(Role.COMPUTE)
+            assert result.records.end[compute].min() > 0, (p, m)
+            assert compute.sum() == schedule.num_compute_ops(), (p, m)
             assert 0.0 <= result.bubble_rate < 1.0, (p, m)

@@ -18,6 +18,7 @@ from pipescope.calibration.torch_schedules import (
     build_torch_schedule,
     canonical_name,
     dry_run_compute_steps,
+    dry_run_steps,
     expand_overlaps,
     golden_name,
     torch_action_to_actions,
@@ -25,9 +26,10 @@ from pipescope.calibration.torch_schedules import (
     torch_pipeline_order,
     torch_schedule,
 )
-from pipescope.simulator.check import ScheduleError, check, lockstep
+from pipescope.simulator.check import check
 from pipescope.simulator.csvio import from_csv_text, read_csv, to_csv_text
-from pipescope.simulator.ir import Action, Schedule, producers
+from pipescope.simulator.ir import Action, ActionKind, Schedule, ScheduleError, producers
+from pipescope.simulator.lowering import add_send_recv
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 MULTI_STAGE_CSV = [("Interleaved1F1B", 2), ("LoopedBFS", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)]
@@ -107,9 +109,10 @@ def test_replay_keeps_torch_order(torch_sched: ModuleType, name: str, chunks: in
 @pytest.mark.parametrize(("stages", "microbatches"), SIZES)
 def test_well_formed_torch_schedules_pass_the_checker(torch_sched: ModuleType, name: str, chunks: int, stages: int,
                                                       microbatches: int) -> None:
-    """Every well-formed torch schedule passes check(), and check() returns the lockstep step count."""
+    """Every well-formed torch schedule passes check(), which returns the lockstep step count: the longest path of
+    device order + producers."""
     schedule = torch_schedule(name, stages, microbatches, chunks)
-    assert check(schedule) == lockstep(schedule)[0]
+    assert check(schedule) == max(_asap_steps(schedule).values()) + 1
 
 
 @pytest.mark.parametrize(("stages", "microbatches"), [(1, 4), (2, 4), (4, 8)])
@@ -117,28 +120,33 @@ def test_torch_1f1b_order_is_malformed(torch_sched: ModuleType, stages: int, mic
     """torch 2.13's Schedule1F1B order gives the last rank F1..Fm, not F0..Fm-1; the checker rejects it.
 
     The order is replayed as torch builds it, never repaired. check() names the out-of-range forward
-    ``{last}F{m}``; the lockstep replay names the missing ``{last}F0`` that ``{last}B0`` waits for. torch's
-    send/recv lowering rejects the same order for p > 1; with p == 1 torch's dry run accepts it.
+    ``{last}F{m}`` and the missing ``{last}F0`` (that ``{last}B0`` needs); our send/recv lowering, like torch's,
+    rejects the same order for p > 1, naming the stuck ``{last}F{m}``; with p == 1 torch's dry run accepts it.
     """
     last = stages - 1
     schedule = torch_schedule("1F1B", stages, microbatches)
     forwards = [a.microbatch for a in schedule.compute_actions(last) if a.kind == "F"]
     assert forwards == list(range(1, microbatches + 1))
-    with pytest.raises(ScheduleError, match=f"{last}F{microbatches} has microbatch outside 0..{microbatches - 1}"):
+    outside = f"{last}F{microbatches} has microbatch outside 0..{microbatches - 1}"
+    with pytest.raises(ScheduleError, match=outside) as err:
         check(schedule)
-    _, stuck = lockstep(schedule)
-    assert any(f"{last}B0 waits for {last}F0" in line for line in stuck)
+    assert f"stage {last} microbatch 0: missing F ({last}F0)" in err.value.problems
     order = torch_pipeline_order("1F1B", stages, microbatches)
     if stages > 1:
+        with pytest.raises(ScheduleError, match=rf"deadlock: cannot place sends/recvs: device {last} position \d+: "
+                                                rf"{last}F{microbatches} waits for"):
+            add_send_recv(schedule)
         with pytest.raises(AssertionError, match="Malformed compute schedule"):
             torch_dry_run(order, lambda s: s, stages)
+        assert dry_run_steps(schedule) == (None, "Malformed compute schedule, can't schedule sends/recvs")
     else:
         torch_dry_run(order, lambda s: s, stages)
+        assert dry_run_steps(schedule)[0] is not None
 
 
 @pytest.mark.parametrize(("name", "chunks"), WELL_FORMED)
 @pytest.mark.parametrize(("stages", "microbatches"), SIZES)
-def test_lockstep_matches_torch_dry_run(torch_sched: ModuleType, name: str, chunks: int, stages: int,
+def test_check_steps_bound_torch_dry_run(torch_sched: ModuleType, name: str, chunks: int, stages: int,
                                         microbatches: int) -> None:
     """The torch schedules replay and match torch's own unit-time dry run where torch's IR is well formed.
 
@@ -161,8 +169,8 @@ def test_lockstep_matches_torch_dry_run(torch_sched: ModuleType, name: str, chun
     order = expand_overlaps(torch_pipeline_order(name, stages, microbatches, chunks))
     timeline = torch_dry_run(order, lambda s: schedule.stage_to_device[s], schedule.num_stages)
     torch_steps = max(len(actions) for actions in timeline.values())
-    ours, stuck = lockstep(schedule)
-    assert not stuck
+    assert dry_run_steps(schedule) == (torch_steps, "")
+    ours = check(schedule)
     assert [schedule.compute_actions(d) for d in range(stages)] == _torch_compute_lists(timeline)
     ran_at = dry_run_compute_steps(timeline)
     present = frozenset(ran_at)
@@ -198,7 +206,7 @@ def test_csv_round_trip(torch_sched: ModuleType, tmp_path: os.PathLike, name: st
     schedule = read_csv(path, 8)
     assert _rows(to_csv_text(schedule)) == _rows(torch_text)
     assert schedule.stage_to_device == torch_schedule(name, 4, 8, chunks).stage_to_device
-    assert lockstep(schedule) == lockstep(torch_schedule(name, 4, 8, chunks))
+    assert check(schedule) == check(torch_schedule(name, 4, 8, chunks))
 
 
 @pytest.mark.parametrize(("name", "chunks"), MULTI_STAGE_CSV + [("DualPipeV", 2)])
@@ -236,9 +244,18 @@ def test_dual_pipe_v_compute_only_csv_loads(torch_sched: ModuleType, tmp_path: o
 
 @pytest.mark.parametrize(("name", "chunks"), GOLDENS)
 def test_goldens_match_installed_torch(torch_sched: ModuleType, name: str, chunks: int) -> None:
-    """The golden CSVs are what the installed torch builds (regenerate with ``write_golden``)."""
-    with open(os.path.join(GOLDEN, golden_name(name, 4, 8)), encoding="utf-8") as handle:
+    """The golden CSVs are what the installed torch builds (regenerate with ``tests/goldens.py``)."""
+    path = os.path.join(GOLDEN, golden_name(name, 4, 8))
+    with open(path, encoding="utf-8") as handle:
         assert handle.read() == to_csv_text(torch_schedule(name, 4, 8, chunks))
+    if name != "1F1B":  # malformed: check() rejects it (test_goldens_check_without_torch)
+        assert check(torch_schedule(name, 4, 8, chunks)) == check(read_csv(path, 8))
+
+
+def test_replayed_actions_carry_action_kinds(torch_sched: ModuleType) -> None:
+    """The replay's actions have ``ActionKind`` kinds, as parsed ones do (the IR compares kinds by identity)."""
+    schedule = torch_schedule("ZBVZeroBubble", 2, 4, 2)
+    assert all(type(a.kind) is ActionKind for d in range(2) for a in schedule.compute_actions(d))
 
 
 def test_goldens_check_without_torch() -> None:

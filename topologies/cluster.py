@@ -4,18 +4,36 @@ devices on GPUs; the path (bandwidth, latency) between two of them."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import networkx as nx
 import yaml
 
-from pipescope.simulator.costs import Link
-from pipescope.simulator.models import DEVICES
+from pipescope.simulator.network import FifoLinks, Link
+from pipescope.topologies.devices import DEVICES, DeviceSpec
 from pipescope.simulator.units import parse_bandwidth, parse_time
 
 MACHINES_DIR = os.path.join(os.path.dirname(__file__), "machines")
 PLACEMENTS = ("linear", "spread")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The ``cluster`` section: a machine (built-in name or YAML file), how many nodes, replicas and placement.
+
+    ``memory`` overrides the device memory (bytes; YAML accepts ``40GiB``).
+    """
+
+    topology: str = "dgx-h100"
+    nodes: int = 1
+    data_parallel: int = 1
+    placement: str = "linear"
+    memory: int | None = field(default=None, metadata={"unit": "size"})
+
+    def build(self, devices: int) -> Cluster:
+        """The cluster for a pipeline of ``devices`` devices per replica (ValueError naming the key if it cannot)."""
+        return Cluster(load_machine(self.topology), self.nodes, self.placement, devices * self.data_parallel)
 
 
 @dataclass(frozen=True)
@@ -109,6 +127,14 @@ class Cluster:
                                                             for d in range(devices)})
         self.graph = machine_graph(machine, used)
         self.link = lru_cache(maxsize=None)(self._link)
+
+    @property
+    def device_spec(self) -> DeviceSpec:
+        return DEVICES[self.machine.device]
+
+    def network(self) -> FifoLinks:
+        """FIFO links with each device pair's routed path (its slowest edge, its summed latency)."""
+        return FifoLinks.over(self.link)
 
     def gpu_of(self, device: int) -> int:
         """linear: device d on GPU d (fills a node first); spread: round-robin over nodes."""

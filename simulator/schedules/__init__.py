@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Callable
 
+from pipescope.simulator.csvio import read_csv
 from pipescope.simulator.ir import Schedule
 from pipescope.simulator.schedules.basic import gpipe, one_f_one_b
 from pipescope.simulator.schedules.interleaved import interleaved
@@ -21,6 +22,7 @@ class Generator:
     build: Callable[..., Schedule]
     description: str
     min_chunks: int = 1
+    options: frozenset[str] = frozenset()  # keyword options beyond (p, m, chunks, recompute), e.g. iterations
 
 
 GENERATORS: dict[str, Generator] = {}
@@ -36,10 +38,11 @@ register(Generator("1f1b", one_f_one_b,
                    "PipeDream-Flush (= Megatron/torch 1F1B, alias 'flush'): warm-up forwards, 1F1B pairs, flush"))
 register(Generator("pipedream", pipedream,
                    "PipeDream: asynchronous 1F1B with weight stashing, no flush (p-r weight versions on device r); "
-                   "options iterations=3, vertical_sync=False (then p versions on every device)"))
+                   "options iterations=3, vertical_sync=False (then p versions on every device)",
+                   options=frozenset({"iterations", "vertical_sync"})))
 register(Generator("2bw", two_bw,
                    "PipeDream-2BW: 1F1B without a flush, m >= p gradients coalesced per update, 2 weight versions; "
-                   "option iterations=3"))
+                   "option iterations=3", options=frozenset({"iterations"})))
 register(Generator("interleaved", interleaved,
                    "Interleaved 1F1B (Megatron/torch): chunks >= 2 looped stages per device, m >= p "
                    "(cut into m // p rounds; Megatron's order when p divides m)", min_chunks=2))
@@ -62,3 +65,65 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1, recompute:
           **options: object) -> Schedule:
     """Build the named schedule for ``stages`` devices and ``microbatches`` per iteration."""
     return generator(name).build(stages, microbatches, chunks=chunks, recompute=recompute, **options)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The ``schedule`` section. ``stages`` and ``microbatches`` stay None unless given, so a CSV schedule can be
+    checked against them; generators use ``p`` and ``m`` (defaults 4 and 8)."""
+
+    name: str = "1f1b"
+    stages: int | None = None
+    microbatches: int | None = None
+    chunks: int = 1
+    recompute: bool = False
+    vocab: str = "naive"
+    vertical_sync: bool = False
+
+    @property
+    def p(self) -> int:
+        return self.stages if self.stages is not None else 4
+
+    @property
+    def m(self) -> int:
+        return self.microbatches if self.microbatches is not None else 8
+
+
+def build_schedule(config: ScheduleConfig, iterations: int | None = None) -> Schedule:
+    """The schedule a generator name or ``csv:<path>`` names (``torch:<Name>`` is ``pipescope.run``'s, it needs
+    torch). ValueError naming the key on a bad name, option or size; OSError if a CSV cannot be read."""
+    if config.name.startswith("csv:"):
+        return _csv_schedule(config)
+    try:
+        gen = generator(config.name)
+    except KeyError:
+        names = ", ".join(list(GENERATORS) + list(ALIASES) + ["torch:<Name>", "csv:<path>"])
+        raise ValueError(f"schedule.name: got {config.name!r}, expected one of {names}") from None
+    options: dict[str, object] = {}
+    if config.vertical_sync:
+        if "vertical_sync" not in gen.options:
+            raise ValueError(f"schedule.vertical_sync: got true, but only pipedream has it, not {gen.name}")
+        options["vertical_sync"] = True
+    if iterations is not None:
+        if "iterations" not in gen.options:
+            raise ValueError(f"iterations: got {iterations}, but {gen.name} has a flush and simulates one iteration; "
+                             f"iterations applies to schedules without a flush")
+        options["iterations"] = iterations
+    return gen.build(config.p, config.m, chunks=config.chunks, recompute=config.recompute, **options)
+
+
+def _csv_schedule(config: ScheduleConfig) -> Schedule:
+    """A CSV schedule: its size comes from the file; stages or chunks given as well must agree with it, microbatches
+    given are the count the checker holds the file to, and recompute applies to it."""
+    path = config.name[4:]
+    try:
+        schedule = read_csv(path, config.microbatches)
+    except OSError as err:
+        raise ValueError(f"schedule.name: csv file {path!r} cannot be read ({err.strerror})") from None
+    except ValueError as err:
+        raise ValueError(f"schedule.name: csv file {path!r}: {err}") from None
+    if config.stages is not None and config.stages != schedule.num_devices:
+        raise ValueError(f"schedule.stages: got {config.stages}, but {path!r} has {schedule.num_devices} devices")
+    if config.chunks != 1 and config.chunks != schedule.chunks:
+        raise ValueError(f"schedule.chunks: got {config.chunks}, but {path!r} has {schedule.chunks} per device")
+    return replace(schedule, recompute=config.recompute)

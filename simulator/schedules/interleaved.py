@@ -11,7 +11,7 @@ With m a multiple of p this is exactly Megatron's order, and with torch's rule i
 
 from __future__ import annotations
 
-from pipescope.simulator.ir import Action, Schedule, looped_placement
+from pipescope.simulator.ir import ActionKind, Action, Schedule, looped_placement
 from pipescope.simulator.schedules.common import check_sizes
 
 
@@ -39,8 +39,8 @@ def warmup_count(r: int, p: int, m: int, v: int) -> int:
 
 def device_order(r: int, p: int, m: int, v: int) -> list[Action]:
     """Device r's ops: warm-up forwards, then (F, B) pairs, then the remaining backwards."""
-    fwd = [Action(c * p + r, "F", mb) for c, mb in chunk_order(p, m, v, backward=False)]
-    bwd = [Action(c * p + r, "B", mb) for c, mb in chunk_order(p, m, v, backward=True)]
+    fwd = [Action(c * p + r, ActionKind.F, mb) for c, mb in chunk_order(p, m, v, backward=False)]
+    bwd = [Action(c * p + r, ActionKind.B, mb) for c, mb in chunk_order(p, m, v, backward=True)]
     warmup = warmup_count(r, p, m, v)
     order = fwd[:warmup]
     for k in range(len(fwd) - warmup):

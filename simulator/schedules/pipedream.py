@@ -6,7 +6,7 @@ pipeline fills once and drains once per run (SCHEDULES.md sections 2 and 3).
 
 from __future__ import annotations
 
-from pipescope.simulator.ir import Action, Schedule, looped_placement
+from pipescope.simulator.ir import Action, Schedule, WeightUpdate, looped_placement
 from pipescope.simulator.schedules.basic import one_f_one_b_order
 from pipescope.simulator.schedules.common import check_chunks, check_iterations, check_sizes
 
@@ -46,7 +46,7 @@ def pipedream(p: int, m: int, chunks: int = 1, recompute: bool = False, iteratio
     check_chunks("pipedream", chunks, (1,))
     check_iterations("pipedream", iterations)
     return Schedule("pipedream", p, m, looped_placement(p, 1), _continuous_1f1b(p, iterations * m),
-                    weight_update="async-stash", iterations=iterations, recompute=recompute,
+                    weight_update=WeightUpdate.ASYNC_STASH, iterations=iterations, recompute=recompute,
                     weight_versions=pipedream_versions(p, vertical_sync))
 
 
@@ -61,4 +61,5 @@ def two_bw(p: int, m: int, chunks: int = 1, recompute: bool = False,
     check_chunks("2bw", chunks, (1,))
     check_iterations("2bw", iterations)
     return Schedule("2bw", p, m, looped_placement(p, 1), _continuous_1f1b(p, iterations * m),
-                    weight_update="2bw", iterations=iterations, recompute=recompute, weight_versions=(2,) * p)
+                    weight_update=WeightUpdate.TWO_BW, iterations=iterations, recompute=recompute,
+                    weight_versions=(2,) * p)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipescope.simulator.ir import Action, Schedule, v_placement
+from pipescope.simulator.ir import ActionKind, Action, Schedule, v_placement
 from pipescope.simulator.schedules.common import check_sizes, v_chunks
 
 PERIOD = 6  # unit slots per microbatch per device: F and I of both chunks, plus two W's
 # Block entries, in order: F of chunk 0, F of chunk 1, I of chunk 1, I of chunk 0.
-BLOCK_KINDS = (("F", 0), ("F", 1), ("I", 1), ("I", 0))
-MEMORY_DELTA = {"F": 1, "I": 0, "W": -1}
+BLOCK_KINDS = ((ActionKind.F, 0), (ActionKind.F, 1), (ActionKind.I, 1), (ActionKind.I, 0))
+MEMORY_DELTA = {ActionKind.F: 1, ActionKind.I: 0, ActionKind.W: -1}
 
 Pattern = Callable[[int, int], tuple[int, int, int, int]]
 
@@ -64,8 +64,8 @@ def place_weight_grads(slots: dict[int, Action]) -> dict[int, Action]:
             waiting = [stage for stage in sorted(pending, reverse=True) if pending[stage]]
             if waiting:
                 placed[slot] = pending[waiting[0]].pop(0)
-        elif action.kind == "I":
-            pending.setdefault(action.stage, []).append(Action(action.stage, "W", action.microbatch))
+        elif action.kind is ActionKind.I:
+            pending.setdefault(action.stage, []).append(Action(action.stage, ActionKind.W, action.microbatch))
         slot += 1
     return placed
 
@@ -75,12 +75,12 @@ def prerequisites(action: Action, p: int) -> list[Action]:
     and the same op of the previous microbatch (each op kind keeps microbatch order)."""
     stage, kind, mb = action.stage, action.kind, action.microbatch
     before = [Action(stage, kind, mb - 1)] if mb > 0 else []
-    if kind == "F" and stage > 0:
-        before.append(Action(stage - 1, "F", mb))
-    elif kind == "I":
-        before.append(Action(stage + 1, "I", mb) if stage < 2 * p - 1 else Action(stage, "F", mb))
-    elif kind == "W":
-        before.append(Action(stage, "I", mb))
+    if kind is ActionKind.F and stage > 0:
+        before.append(Action(stage - 1, ActionKind.F, mb))
+    elif kind is ActionKind.I:
+        before.append(Action(stage + 1, ActionKind.I, mb) if stage < 2 * p - 1 else Action(stage, ActionKind.F, mb))
+    elif kind is ActionKind.W:
+        before.append(Action(stage, ActionKind.I, mb))
     return before
 
 
@@ -115,7 +115,7 @@ def compact_edges(table: list[dict[int, Action]], p: int, m: int) -> None:
     length = max(slot for slot, _ in where.values()) + 1
     levels = [memory_levels(slots, length) for slots in table]
     cap = max(max(level) for level in levels)
-    steady_from, steady_to = where[Action(0, "I", 0)], where[Action(0, "F", m - 1)]
+    steady_from, steady_to = where[Action(0, ActionKind.I, 0)], where[Action(0, ActionKind.F, m - 1)]
     for action in sorted(where, key=where.__getitem__):
         now, d = where[action]
         if steady_from <= (now, d) <= steady_to:
@@ -134,7 +134,7 @@ def device_orders(p: int, m: int, pattern: Pattern) -> list[list[Action]]:
     compact_edges(table, p, m)
     orders = []
     for slots in table:
-        placed = place_weight_grads({s: a for s, a in slots.items() if a.kind != "W"})
+        placed = place_weight_grads({s: a for s, a in slots.items() if a.kind is not ActionKind.W})
         orders.append([placed[s] for s in sorted(placed)])
     return orders
 

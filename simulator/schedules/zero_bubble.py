@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pipescope.simulator.ir import Action, Schedule, looped_placement, v_placement
+from pipescope.simulator.ir import ActionKind, Action, Schedule, looped_placement, v_placement
 from pipescope.simulator.schedules.common import check_sizes, v_chunks
 
 
@@ -20,11 +20,11 @@ class OrderBuilder:
         self.ops: list[Action] = []
         self.count: Counter[tuple[int, str]] = Counter()
 
-    def left(self, stage: int, kind: str) -> int:
+    def left(self, stage: int, kind: ActionKind) -> int:
         """How many ``kind`` ops of ``stage`` are still to be added."""
         return self.m - self.count[(stage, kind)]
 
-    def add(self, stage: int, *kinds: str) -> None:
+    def add(self, stage: int, *kinds: ActionKind) -> None:
         """Append the next microbatch of each kind, skipping kinds that are used up."""
         for kind in kinds:
             if self.left(stage, kind) > 0:
@@ -33,10 +33,10 @@ class OrderBuilder:
 
     def drain(self, stage: int) -> None:
         """The cool-down: [I, W] while I's are left, then the W's still deferred."""
-        while self.left(stage, "I"):
-            self.add(stage, "I", "W")
-        while self.left(stage, "W"):
-            self.add(stage, "W")
+        while self.left(stage, ActionKind.I):
+            self.add(stage, ActionKind.I, ActionKind.W)
+        while self.left(stage, ActionKind.W):
+            self.add(stage, ActionKind.W)
 
 
 def zb_h1_order(r: int, p: int, m: int) -> list[Action]:
@@ -46,13 +46,13 @@ def zb_h1_order(r: int, p: int, m: int) -> list[Action]:
     """
     out = OrderBuilder(m)
     for _ in range(p - r):
-        out.add(r, "F")
-    out.add(r, "I")
+        out.add(r, ActionKind.F)
+    out.add(r, ActionKind.I)
     for _ in range(r):
-        out.add(r, "F", "I")
-    out.add(r, "W")
-    while out.left(r, "F"):
-        out.add(r, "F", "I", "W")
+        out.add(r, ActionKind.F, ActionKind.I)
+    out.add(r, ActionKind.W)
+    while out.left(r, ActionKind.F):
+        out.add(r, ActionKind.F, ActionKind.I, ActionKind.W)
     out.drain(r)
     return out.ops
 
@@ -68,12 +68,12 @@ def zb_h2_order(r: int, p: int, m: int) -> list[Action]:
     """
     out = OrderBuilder(m)
     for _ in range(2 * (p - r) - 1):
-        out.add(r, "F")
+        out.add(r, ActionKind.F)
     for _ in range(2 * r):
-        if out.left(r, "F"):
-            out.add(r, "I", "F")
-    while out.left(r, "F"):
-        out.add(r, "I", "W", "F")
+        if out.left(r, ActionKind.F):
+            out.add(r, ActionKind.I, ActionKind.F)
+    while out.left(r, ActionKind.F):
+        out.add(r, ActionKind.I, ActionKind.W, ActionKind.F)
     out.drain(r)
     return out.ops
 
@@ -89,24 +89,24 @@ def zb_v_order(r: int, p: int, m: int) -> list[Action]:
     c0, c1 = r, 2 * p - 1 - r
     out = OrderBuilder(n)
     for _ in range(2 * (p - r) - 1):
-        out.add(c0, "F")
+        out.add(c0, ActionKind.F)
     for _ in range(r):
-        out.add(c1, "F")
-        out.add(c0, "F")
+        out.add(c1, ActionKind.F)
+        out.add(c0, ActionKind.F)
     for _ in range(p - r):
-        out.add(c1, "F", "I", "W")
-    while out.left(c1, "F"):
-        out.add(c0, "F", "I", "W")
-        out.add(c1, "F", "I", "W")
+        out.add(c1, ActionKind.F, ActionKind.I, ActionKind.W)
+    while out.left(c1, ActionKind.F):
+        out.add(c0, ActionKind.F, ActionKind.I, ActionKind.W)
+        out.add(c1, ActionKind.F, ActionKind.I, ActionKind.W)
     for _ in range(r):
-        out.add(c0, "I")
-        out.add(c1, "I")
-    while out.left(c0, "I"):
-        out.add(c0, "I", "W")
-    while out.left(c1, "W"):
-        out.add(c1, "W")
-    while out.left(c0, "W"):
-        out.add(c0, "W")
+        out.add(c0, ActionKind.I)
+        out.add(c1, ActionKind.I)
+    while out.left(c0, ActionKind.I):
+        out.add(c0, ActionKind.I, ActionKind.W)
+    while out.left(c1, ActionKind.W):
+        out.add(c1, ActionKind.W)
+    while out.left(c0, ActionKind.W):
+        out.add(c0, ActionKind.W)
     return [a for a in out.ops if a.microbatch < m]
 
 

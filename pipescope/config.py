@@ -1,25 +1,37 @@
-"""Experiment configuration: frozen dataclasses loaded from YAML plus ``--set dotted.key=value``.
+"""The experiment config: one frozen dataclass per component, owned by that component, loaded from YAML plus
+``--set dotted.key=value`` overrides.
 
-Every error is a ConfigError whose message names the dotted key, the value and what was expected.
+Every error is a ConfigError naming the dotted key, the value and what was expected (``key``, ``value`` and
+``expected`` are also attributes); the CLI turns it into exit code 2.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import re
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
+from pipescope.simulator.costs import AnalyticCostsConfig, CostKind, UniformCostsConfig
+from pipescope.simulator.models import PRECISIONS, ModelConfig
+from pipescope.simulator.profiled import ProfiledCostsConfig
+from pipescope.simulator.schedules import ScheduleConfig
 from pipescope.simulator.units import parse_size, parse_time
+from pipescope.topologies.cluster import PLACEMENTS, ClusterConfig
 
 
 class ConfigError(ValueError):
     """Bad configuration: the message is one line naming key, value and expectation."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key if key is not None else message.split(":", 1)[0]
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -35,74 +47,23 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _time(default: float) -> Any:
-    return field(default=default, metadata={"unit": "time"})
-
-
-def _size(default: int | None) -> Any:
-    return field(default=default, metadata={"unit": "size"})
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    """``stages`` and ``microbatches`` stay None unless given, so a CSV schedule can be checked against them;
-    generators use ``p`` and ``m`` (defaults 4 and 8)."""
-
-    name: str = "1f1b"
-    stages: int | None = None
-    microbatches: int | None = None
-    chunks: int = 1
-    recompute: bool = False
-    vocab: str = "naive"
-    vertical_sync: bool = False
-
-    @property
-    def p(self) -> int:
-        return self.stages if self.stages is not None else 4
-
-    @property
-    def m(self) -> int:
-        return self.microbatches if self.microbatches is not None else 8
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    preset: str = "gpt-1.3b"
-    layers: int | None = None
-    hidden: int | None = None
-    heads: int | None = None
-    seq: int | None = None
-    vocab: int | None = None
-    microbatch_size: int = 1
-    precision: str = "bf16"
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    topology: str = "dgx-h100"
-    nodes: int = 1
-    data_parallel: int = 1
-    placement: str = "linear"
-    memory: int | None = _size(None)
-
-
-@dataclass(frozen=True)
-class CostsConfig:
-    kind: str = "analytic"
-    efficiency: float = 0.5
-    forward: float = _time(1.0)
-    backward_input: float = _time(1.0)
-    backward_weight: float = _time(1.0)
-    p2p: float = _time(0.0)
-    profile: str | None = None
+CostsConfig = AnalyticCostsConfig | UniformCostsConfig | ProfiledCostsConfig
+COSTS_CONFIGS: dict[str, type] = {CostKind.ANALYTIC: AnalyticCostsConfig, CostKind.UNIFORM: UniformCostsConfig,
+                                  CostKind.PROFILE: ProfiledCostsConfig}
 
 
 @dataclass(frozen=True)
 class Config:
+    """A whole experiment: each section is the config of the component it configures.
+
+    Build one in Python (``Config(schedule=ScheduleConfig("zb-v", stages=8))``) or from YAML and ``--set`` overrides
+    with ``load_config``. docs/cli.md lists every key.
+    """
+
     schedule: ScheduleConfig = ScheduleConfig()
     model: ModelConfig = ModelConfig()
     cluster: ClusterConfig = ClusterConfig()
-    costs: CostsConfig = CostsConfig()
+    costs: CostsConfig = AnalyticCostsConfig()
     iterations: int | None = None
 
 
@@ -113,9 +74,8 @@ TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "
 MAX_TIME_S = 1e6  # a per-op time beyond 11 days is a typo, and would overflow the integer-ns clock's floats
 CHOICES = {
     "schedule.vocab": ("naive",),
-    "model.precision": ("bf16", "fp16", "fp32"),
-    "cluster.placement": ("linear", "spread"),
-    "costs.kind": ("analytic", "uniform", "profile"),
+    "model.precision": tuple(PRECISIONS),
+    "cluster.placement": PLACEMENTS,
 }
 
 
@@ -124,6 +84,10 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
         return parse_time(value)
     if unit == "size":
         return parse_size(value)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        if str(value) not in {m.value for m in kind}:
+            raise ValueError(f"got {value!r}, expected one of {', '.join(m.value for m in kind)}")
+        return kind(str(value))
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -163,7 +127,9 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         if name not in fields:
             raise ConfigError(f"{key}: unknown key, expected one of {', '.join(prefix + f for f in fields)}")
         kind, optional = _field_type(hints[name])
-        if dataclasses.is_dataclass(kind):
+        if name == "costs" and cls is Config:
+            values[name] = _build_costs(value, f"{key}.")
+        elif dataclasses.is_dataclass(kind):
             values[name] = _build(kind, value, f"{key}.")
         elif value is None and optional:
             values[name] = None
@@ -174,6 +140,27 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
                 raise ConfigError(f"{key}: {err}") from None
             _check_value(key, values[name])
     return cls(**values)
+
+
+def _build_costs(raw: Any, prefix: str) -> CostsConfig:
+    """The costs section: ``kind`` picks the config class. Keys of another kind are valid but not in effect (so
+    ``--set costs.kind=uniform`` on a file that sets ``efficiency`` works); keys of no kind are errors."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"costs: got {raw!r}, expected a mapping of keys")
+    kind = str(raw.get("kind", CostKind.ANALYTIC))
+    if kind not in COSTS_CONFIGS:
+        raise ConfigError(f"{prefix}kind: got {kind!r}, expected one of {', '.join(COSTS_CONFIGS)}")
+    known = {f.name for cls in COSTS_CONFIGS.values() for f in dataclasses.fields(cls)}
+    for name in raw:
+        if name not in known:
+            raise ConfigError(f"{prefix}{name}: unknown key, expected one of "
+                              f"{', '.join(prefix + f for f in sorted(known))}")
+    for other in COSTS_CONFIGS.values():  # every value must be valid, also where another kind is in effect
+        own = {f.name for f in dataclasses.fields(other)}
+        built = _build(other, {name: value for name, value in raw.items() if name in own and name != "kind"}, prefix)
+        if other is COSTS_CONFIGS[kind]:
+            chosen = built
+    return chosen
 
 
 def _check_value(key: str, value: Any) -> None:
@@ -237,7 +224,7 @@ def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None 
 def _check_combinations(config: Config) -> Config:
     """Checks that involve more than one key."""
     c = config.costs
-    if c.kind == "uniform" and c.forward + c.backward_input + c.backward_weight == 0:
+    if isinstance(c, UniformCostsConfig) and c.forward + c.backward_input + c.backward_weight == 0:
         raise ConfigError("costs.forward: got 0 with backward_input and backward_weight 0 too, "
                           "expected at least one op time > 0")
     return config

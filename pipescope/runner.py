@@ -1,0 +1,150 @@
+"""``pipescope.run``: from a Config to a SimResult. The CLI, sweeps, the planner and notebooks all call it."""
+
+from __future__ import annotations
+
+from pipescope.config import Config, ConfigError
+from pipescope.simulator.costs import (
+    AnalyticCosts,
+    AnalyticCostsConfig,
+    CostError,
+    CostModel,
+    UniformCostsConfig,
+    seconds_to_ns,
+)
+from pipescope.simulator.ir import Schedule
+from pipescope.simulator.models import ModelSpec, layer_work, output_layer_flops
+from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
+from pipescope.simulator.profiled import ProfiledCosts
+from pipescope.simulator.result import SimResult
+from pipescope.simulator.schedules import ALIASES, GENERATORS, build_schedule, generator
+from pipescope.simulator.simulate import simulate
+
+from pipescope.topologies.cluster import Cluster
+
+# Each microbatch-stage is 2-3 ops at about 12 us each (pipescope bench): 500k of them take about 15 s.
+MAX_MICROBATCH_STAGES = 500_000
+
+
+def run(config: Config) -> SimResult:
+    """Build everything ``config`` names, simulate it, and return the result (which keeps ``config``).
+
+    Raises:
+        ConfigError: a bad key, value or combination, naming the key.
+        ScheduleError: the schedule is malformed or deadlocks, naming the actions.
+    """
+    _precheck(config)
+    schedule = _schedule(config)
+    cluster = _cluster(config, schedule.num_devices)
+    model = _model(config) if not isinstance(config.costs, UniformCostsConfig) else None
+    costs = _costs(config, cluster, model)
+    if model is not None:
+        _check_layers(getattr(costs, "layers", model.layers), schedule.num_stages)
+    analytic = isinstance(config.costs, AnalyticCostsConfig)  # a profile's model need not be the preset's: no MFU
+    capacity = config.cluster.memory
+    if capacity is None and model is not None:
+        capacity = cluster.device_spec.memory_bytes
+    try:
+        return simulate(schedule, costs, _network(config, cluster, costs),
+                        samples_per_microbatch=config.model.microbatch_size,
+                        data_parallel=config.cluster.data_parallel, memory_capacity_bytes=capacity,
+                        model_flops_per_iteration=model_flops(model, config, schedule) if analytic else None,
+                        peak_flops_per_device=_peak(config, cluster) if analytic else None, config=config)
+    except CostError as err:
+        raise ConfigError(f"costs: {err}") from None
+
+
+def _model(config: Config) -> ModelSpec:
+    try:
+        return config.model.spec()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _schedule(config: Config) -> Schedule:
+    s = config.schedule
+    if s.name.startswith("torch:"):
+        return _torch_schedule(s.name[6:], s.p, s.m, s.chunks)
+    try:
+        return build_schedule(s, config.iterations)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _torch_schedule(name: str, stages: int, microbatches: int, chunks: int) -> Schedule:
+    try:
+        from pipescope.calibration.torch_schedules import torch_schedule
+    except ImportError as err:
+        raise ConfigError(f"schedule.name: torch:{name} needs torch installed ({err})") from None
+    try:
+        return torch_schedule(name, stages, microbatches, chunks)
+    except ValueError as err:
+        raise ConfigError(f"schedule.name: torch:{name}: {err}") from None
+
+
+def _cluster(config: Config, devices: int) -> Cluster:
+    try:
+        return config.cluster.build(devices)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _peak(config: Config, cluster: Cluster) -> float:
+    return cluster.device_spec.peak_flops[config.model.precision]
+
+
+def _costs(config: Config, cluster: Cluster, model: ModelSpec | None) -> CostModel:
+    c, m = config.costs, config.model
+    if isinstance(c, UniformCostsConfig):
+        return c.costs(m.precision)
+    if isinstance(c, AnalyticCostsConfig):
+        return AnalyticCosts(model, _peak(config, cluster), m.microbatch_size, m.precision, c.efficiency)
+    if not c.profile:
+        raise ConfigError("costs.profile: missing, expected a profile folder written by 'pipescope calibrate'")
+    try:
+        return ProfiledCosts.load(c.profile, m.microbatch_size, seq=m.seq, layers=m.layers, precision=m.precision)
+    except (OSError, ValueError) as err:
+        message = str(err).removeprefix("costs.profile: ")
+        raise ConfigError(f"costs.profile: {c.profile!r}: {message}") from None
+
+
+def _network(config: Config, cluster: Cluster, costs: CostModel) -> Network:
+    """Uniform costs: a fixed p2p delay; a profile with a comms fit: the fit's p2p link for every pair (it was
+    measured between two ranks); otherwise the cluster's routed links."""
+    if isinstance(config.costs, UniformCostsConfig):
+        return FifoLinks.fixed_delay(seconds_to_ns(config.costs.p2p))
+    if isinstance(costs, ProfiledCosts) and costs.comms_fit is not None:
+        def timing(src: int, dst: int, nbytes: int) -> tuple[int, int]:
+            link: Link = costs.p2p_link(nbytes) or cluster.link(src, dst)
+            return link_transfer_ns(nbytes, link), link_occupancy_ns(nbytes, link)
+        return FifoLinks(timing)
+    return cluster.network()
+
+
+def model_flops(model: ModelSpec, config: Config, schedule: Schedule) -> float:
+    """Training FLOPs of one iteration (F + I + W of every layer and the output layer), no recompute."""
+    work = layer_work(model, config.model.microbatch_size, config.model.precision)
+    per_mb = model.layers * (work.forward_flops + work.input_grad_flops + work.weight_grad_flops)
+    per_mb += sum(output_layer_flops(model, config.model.microbatch_size))
+    return per_mb * schedule.num_microbatches
+
+
+def _check_layers(layers: int, stages: int) -> None:
+    if layers < stages:
+        raise ConfigError(f"model.layers: got {layers}, expected at least one layer per stage "
+                          f"(schedule.stages x chunks = {stages})")
+
+
+def _precheck(config: Config) -> None:
+    """Cheap limits first, so an impossible size fails at once instead of after building a huge schedule."""
+    s = config.schedule
+    if s.name.startswith("csv:"):
+        return  # its size is in the file
+    known = s.name in GENERATORS or s.name in ALIASES
+    chunks = max(s.chunks, generator(s.name).min_chunks) if known else s.chunks
+    size = s.p * chunks * s.m * (config.iterations or 3)
+    if size > MAX_MICROBATCH_STAGES:
+        raise ConfigError(f"schedule: stages x chunks x microbatches x iterations = {size:,} microbatch-stages, "
+                          f"expected at most {MAX_MICROBATCH_STAGES:,} (about 15 s of simulation)")
+    _cluster(config, s.p)
+    if isinstance(config.costs, AnalyticCostsConfig) and not s.name.startswith("torch:"):
+        _check_layers(_model(config).layers, s.p * chunks)

@@ -1,0 +1,131 @@
+"""The network seam: the engine starts transfers and collectives here and is told when each one ends.
+
+The cost model answers only how long compute takes; how long data takes to move is the network's question. A
+``Network`` is handed a ``Clock`` (the engine, or the test oracle) and calls ``clock.finish_at(flow, time)`` once it
+knows when a flow ends; it may call it again for the same flow with a new time (a fair-share model re-plans every
+flow when another starts or ends), and the clock keeps only the latest. ``FifoLinks`` is the first implementation:
+one FIFO link per directed device pair. Routes over a cluster graph come from ``pipescope.topologies``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pipescope.simulator.ir import ActionKind
+
+
+@dataclass(frozen=True)
+class Link:
+    """A path between two devices: the slowest bandwidth on it (bytes/s) and its total latency."""
+
+    bandwidth: float
+    latency_ns: int
+
+
+def link_occupancy_ns(nbytes: int, link: Link) -> int:
+    """Bytes over bandwidth, rounded up: how long a transfer keeps the link from the next one."""
+    return math.ceil(nbytes * 1e9 / link.bandwidth) if nbytes > 0 else 0
+
+
+def link_transfer_ns(nbytes: int, link: Link) -> int:
+    """Latency plus bytes over bandwidth: from a transfer's start to its arrival (0 for an empty one)."""
+    return link.latency_ns + link_occupancy_ns(nbytes, link) if nbytes > 0 else 0
+
+
+class Clock(Protocol):
+    """What a network needs from whoever replays the program."""
+
+    @property
+    def now(self) -> int:
+        """The current time (ns)."""
+        ...
+
+    def finish_at(self, flow: int, time: int) -> None:
+        """Flow ``flow`` ends at ``time`` (>= now); a later call for the same flow replaces the earlier one."""
+        ...
+
+
+class Network(Protocol):
+    """Starts transfers and collectives; flows are numbered by the caller, transfers and collectives alike."""
+
+    def reset(self) -> None:
+        """Forget every link's state, before a new replay."""
+        ...
+
+    def start_transfer(self, clock: Clock, flow: int, src: int, dst: int, nbytes: int) -> int:
+        """Send ``nbytes`` from device ``src`` to ``dst`` now; returns when the bytes start to move."""
+        ...
+
+    def start_collective(self, clock: Clock, flow: int, kind: ActionKind, group: Sequence[int], nbytes: int) -> int:
+        """Run a collective over ``group`` now (every member has joined); returns its start."""
+        ...
+
+
+TransferTiming = Callable[[int, int, int], tuple[int, int]]
+"""(src, dst, nbytes) -> (ns from start to arrival, ns the link stays busy)."""
+
+# Ring algorithms: steps of nbytes/n each, the count nccl-tests' bus-bandwidth factors assume.
+RING_STEPS: dict[ActionKind, Callable[[int], int]] = {
+    ActionKind.ALL_REDUCE: lambda n: 2 * (n - 1),
+    ActionKind.ALL_GATHER: lambda n: n - 1,
+    ActionKind.REDUCE_SCATTER: lambda n: n - 1,
+    ActionKind.BROADCAST: lambda n: n - 1,
+}
+
+
+@dataclass
+class FifoLinks:
+    """One FIFO link per directed device pair.
+
+    A transfer starts once the link has serialised the earlier ones (their occupancy, bytes over bandwidth) and
+    arrives its full time (latency included) after it starts, so latencies overlap but bandwidth is shared in order.
+    With zero occupancy (``fixed_delay``) a transfer is a pure delay, as in docs/schedules.md section 0. A
+    collective runs as a ring over its group in the given order, each step as long as the slowest hop's transfer
+    of nbytes/n; it does not hold the links (the fair-share model will).
+    """
+
+    timing: TransferTiming
+    _cache: dict[tuple[int, int, int], tuple[int, int]] = field(default_factory=dict, repr=False)
+    _free_at: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def over(cls, link_of: Callable[[int, int], Link]) -> FifoLinks:
+        """Links with the bandwidth and latency ``link_of(src, dst)`` gives."""
+        def timing(src: int, dst: int, nbytes: int) -> tuple[int, int]:
+            link = link_of(src, dst)
+            return link_transfer_ns(nbytes, link), link_occupancy_ns(nbytes, link)
+        return cls(timing)
+
+    @classmethod
+    def fixed_delay(cls, delay_ns: int) -> FifoLinks:
+        """Every transfer takes ``delay_ns`` and holds nothing: the plain timing model's p2p time."""
+        return cls(lambda src, dst, nbytes: (delay_ns, 0))
+
+    def reset(self) -> None:
+        self._free_at.clear()
+
+    def times(self, src: int, dst: int, nbytes: int) -> tuple[int, int]:
+        """(duration, occupancy) of one transfer, computed once per (src, dst, nbytes)."""
+        key = (src, dst, nbytes)
+        known = self._cache.get(key)
+        if known is None:
+            known = self._cache[key] = self.timing(src, dst, nbytes)
+        return known
+
+    def start_transfer(self, clock: Clock, flow: int, src: int, dst: int, nbytes: int) -> int:
+        duration, occupancy = self.times(src, dst, nbytes)
+        now = clock.now
+        start = max(now, self._free_at.get((src, dst), 0))
+        self._free_at[(src, dst)] = start + occupancy
+        clock.finish_at(flow, start + duration)
+        return start
+
+    def start_collective(self, clock: Clock, flow: int, kind: ActionKind, group: Sequence[int], nbytes: int) -> int:
+        n = len(group)
+        step = max((self.times(a, b, math.ceil(nbytes / n))[0] for a, b in zip(group, group[1:] + group[:1])),
+                   default=0) if n > 1 else 0
+        clock.finish_at(flow, clock.now + RING_STEPS[kind](n) * step)
+        return clock.now

@@ -1,0 +1,19 @@
+"""Regenerating the golden torch schedule CSVs under tests/golden (test-only; needs torch).
+
+``cd tests && python -c "import goldens; goldens.write_golden('golden', 'GPipe', 4, 8)"``; the tests compare the
+goldens with what the installed torch builds (test_torch_replay.py) and use them without torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pipescope.calibration.torch_schedules import golden_name, torch_schedule
+from pipescope.simulator.csvio import write_csv
+
+
+def write_golden(folder: str, name: str, stages: int, microbatches: int, chunks: int = 1) -> str:
+    """Write torch's order as our compute-only CSV (torch's text form) under ``folder``; returns the path."""
+    path = os.path.join(folder, golden_name(name, stages, microbatches))
+    write_csv(torch_schedule(name, stages, microbatches, chunks), path)
+    return path

@@ -1,0 +1,30 @@
+"""The one atomic writer (simulator/files.py) every output goes through."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from pipescope.simulator.files import write_atomic
+
+
+def test_write_atomic_creates_folders_replaces_and_shares(tmp_path: Path) -> None:
+    """Parents are created, an old file is replaced, text is UTF-8, the mode is 0644 and no temp file is left."""
+    path = tmp_path / "a" / "b" / "out.txt"
+    write_atomic(path, b"old")
+    write_atomic(str(path), "naïve\n")
+    assert path.read_bytes() == "naïve\n".encode()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+    assert os.listdir(path.parent) == ["out.txt"]
+
+
+def test_write_atomic_error_names_the_target(tmp_path: Path) -> None:
+    """An OSError names the path asked for, not the temporary file."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError) as info:
+        write_atomic(blocker / "out.csv", "x")  # the parent is a file
+    assert info.value.filename == str(blocker / "out.csv")
