@@ -6,11 +6,13 @@ free transfers, which also gives the lockstep step count (results visible the ne
 
 from __future__ import annotations
 
-from pipescope.simulator.engine import Engine
+import numpy as np
+
+from pipescope.simulator.engine import Engine, gc_paused
 from pipescope.simulator.ir import COMPUTE_KINDS, Action, ActionKind, Schedule, ScheduleError
 from pipescope.simulator.lowering import lower
 from pipescope.simulator.network import FifoLinks
-from pipescope.simulator.program import compile_program, unit_durations
+from pipescope.simulator.program import KIND_CODE, KINDS, Columns, compile_program, unit_durations
 
 K = ActionKind
 
@@ -30,8 +32,9 @@ def check(schedule: Schedule) -> int:
 
 def unit_steps(schedule: Schedule) -> int:
     """The engine's makespan with every compute op one unit long and free transfers (ScheduleError on deadlock)."""
-    program = compile_program(lower(schedule), unit_durations(schedule.num_stages), [0] * schedule.num_stages)
-    times = Engine(program, FifoLinks.fixed_delay(0)).run()
+    with gc_paused():
+        program = compile_program(lower(schedule), unit_durations(schedule.num_stages), [0] * schedule.num_stages)
+        times = Engine(program, FifoLinks.fixed_delay(0)).run()
     return max(times.entry_end, default=0)
 
 
@@ -127,10 +130,42 @@ def _order_problems(where: dict[Action, list[tuple[int, int]]]) -> list[str]:
 
 
 def structure_problems(schedule: Schedule) -> list[str]:
-    """Everything wrong with the schedule's shape, one line each (empty when well formed)."""
+    """Everything wrong with the schedule's shape, one line each (empty when well formed).
+
+    A vectorised pass proves the common case (well formed) quickly; only a schedule it cannot prove runs the
+    line-by-line checks that name each problem.
+    """
+    if _well_formed(schedule):
+        return []
     problems = _placement_problems(schedule)
     if len(schedule.device_actions) != schedule.num_devices or any(
             not 0 <= d < schedule.num_devices for d in schedule.stage_to_device):
         return problems
     where = _positions(schedule)
     return problems + _coverage_problems(schedule, where) + _order_problems(where)
+
+
+def _well_formed(schedule: Schedule) -> bool:
+    """True when every compute op is on its stage's device, in range, once, every (stage, microbatch) has F and
+    either B or both I and W, and each W comes after its I. False means "look closer", not "malformed"."""
+    p, stages, total = schedule.num_devices, schedule.num_stages, schedule.total_microbatches
+    if len(schedule.device_actions) != p or any(not 0 <= d < p for d in schedule.stage_to_device):
+        return False
+    ops = [a for acts in schedule.device_actions for a in acts if a is not None and a.kind in COMPUTE_KINDS]
+    if len(ops) > 4 * stages * total or len(ops) < 2 * stages * total or stages * total > 50_000_000:
+        return False
+    device = np.repeat(np.arange(p), [sum(1 for a in acts if a is not None and a.kind in COMPUTE_KINDS)
+                                      for acts in schedule.device_actions])
+    cols = Columns.of(ops, device)
+    stage, mb = cols.stage, cols.microbatch
+    if stage.min() < 0 or stage.max() >= stages or mb.min() < 0 or mb.max() >= total:
+        return False
+    if (np.asarray(schedule.stage_to_device)[stage] != device).any():
+        return False
+    where = np.full((len(KINDS), stages, total), -1, dtype=np.int64)  # position of each op, -1 if absent
+    where[cols.kind, stage, mb] = np.arange(len(ops))
+    if (where >= 0).sum() != len(ops):
+        return False  # an op appears twice
+    f, i, w, b = (where[KIND_CODE[k]] >= 0 for k in (K.F, K.I, K.W, K.B))
+    backward_ok = (b & ~i & ~w) | (~b & i & w)
+    return bool(f.all() and backward_ok.all() and (where[KIND_CODE[K.W]] > where[KIND_CODE[K.I]])[i].all())

@@ -42,11 +42,8 @@ def gc_paused() -> Iterator[None]:
 
 @dataclass
 class RunTimes:
-    """What a replay measured (ns): each entry's start and end, and each flow's.
-
-    A compute entry runs from ``entry_start`` to ``entry_end``; SEND, RECV and stage actions take no stream time
-    (start = end = when the stream reached them); a collective entry spans the member's wait.
-    """
+    """What a replay measured (ns): each compute and collective entry's start and end (-1 for the others, which
+    take no stream time), and each flow's (a transfer, or a collective from its last member's join)."""
 
     entry_start: list[int]
     entry_end: list[int]
@@ -67,18 +64,13 @@ class Engine:
         self.waiter: list[simpy.Event | None] = [None] * signals
         self.joined = [0] * program.num_flows
         self.times = RunTimes([-1] * n, [-1] * n, [-1] * program.num_flows, [-1] * program.num_flows)
-        self.cursor = [0] * len(program.device_entries)
-
-    @property
-    def now(self) -> int:
-        return self.env.now
 
     def run(self) -> RunTimes:
         """Replay to the end; ScheduleError naming the stuck actions if it cannot finish."""
-        self.network.reset()
-        for d, entries in enumerate(self.p.device_entries):
-            if entries:
-                self.env.process(self._stream(d, entries))
+        self.network.bind(self.p.flow_src, self.p.flow_dst, self.p.flow_bytes)
+        for d, steps in enumerate(self.p.device_steps):
+            if steps:
+                self.env.process(self._stream(d, steps))
         with gc_paused():
             self.env.run()
         stuck = self._stuck()
@@ -117,54 +109,54 @@ class Engine:
                 event = self.waiter[signal] = self.env.event()
         return event
 
-    def _stream(self, device: int, entries: list[int]):
-        env, p, fired, times, pending = self.env, self.p, self.fired, self.times, self.pending
-        step, waits, duration, flow_of = p.step, p.waits, p.duration, p.flow_of
-        compute, send = Step.COMPUTE, Step.SEND
-        for k, i in enumerate(entries):
-            self.cursor[device] = k
-            kind = step[i]
-            times.entry_start[i] = env.now
-            if kind is compute:
+    def _stream(self, device: int, steps: list[int]):
+        env, p, fired, times, pending, waiter = self.env, self.p, self.fired, self.times, self.pending, self.waiter
+        step, waits, duration, launches, flow_of = p.step, p.waits, p.duration, p.launches, p.flow_of
+        start_transfer = self.network.start_transfer
+        compute = Step.COMPUTE
+        for i in steps:
+            if step[i] is compute:
                 for signal in waits[i]:
                     while not fired[signal]:
                         yield self._event_for(signal)
                 times.entry_start[i] = env.now
                 pending[i] = timeout = env.timeout(duration[i])
                 yield timeout
-                self._fire(i)
-            elif kind is send:
-                f = flow_of[i]
-                times.flow_start[f] = self.network.start_transfer(self, f, p.flow_src[f], p.flow_dst[f],
-                                                                  p.flow_bytes[f])
-            elif kind is Step.COLLECTIVE:
+                fired[i], pending[i] = True, None  # _fire, inlined: this runs once per op
+                if waiter[i] is not None:
+                    waiter[i].succeed()
+            else:
+                times.entry_start[i] = env.now
                 yield from self._collective(flow_of[i])
-            times.entry_end[i] = env.now
-        self.cursor[device] = len(entries)
+            now = times.entry_end[i] = env.now
+            for f in launches[i]:  # the SENDs after it: torch's isend, the stream goes on
+                times.flow_start[f] = start_transfer(self, now, f)
 
     def _collective(self, flow: int):
         """Join; the last member to arrive starts it; every member waits for its end."""
         self.joined[flow] += 1
         collective = self.p.flow_collective[flow]
         if self.joined[flow] == len(collective.group):
-            self.times.flow_start[flow] = self.network.start_collective(self, flow, collective.kind,
-                                                                        collective.group, collective.nbytes)
+            self.times.flow_start[flow] = self.network.start_collective(self, self.env.now, flow, collective.kind,
+                                                                        collective.group)
         signal = self.n + flow
         while not self.fired[signal]:
             yield self._event_for(signal)
 
     def _stuck(self) -> list[str]:
-        lines = []
-        for device, entries in enumerate(self.p.device_entries):
-            k = self.cursor[device]
-            if k < len(entries):
-                i = entries[k]
-                waiting = [self._signal_name(s) for s in self.p.waits[i] if not self.fired[s]]
-                if self.p.step[i] is Step.COLLECTIVE:
-                    waiting = [f"{len(self.p.flow_collective[self.p.flow_of[i]].group)} members "
-                               f"({self.joined[self.p.flow_of[i]]} joined)"]
-                position = sum(1 for j in entries[:k] if self.p.actions[j].kind in COMPUTE_KINDS)
-                lines.append(f"device {device} op {position}: {self.p.actions[i]} waits for {', '.join(waiting)}")
+        """Each unfinished device's first op that did not end, and what it waits for."""
+        lines, p = [], self.p
+        for device, steps in enumerate(p.device_steps):
+            k = next((k for k, i in enumerate(steps) if self.times.entry_end[i] < 0), None)
+            if k is None:
+                continue
+            i = steps[k]
+            waiting = [self._signal_name(s) for s in p.waits[i] if not self.fired[s]]
+            if p.step[i] is Step.COLLECTIVE:
+                f = p.flow_of[i]
+                waiting = [f"{len(p.flow_collective[f].group)} members ({self.joined[f]} joined)"]
+            position = sum(1 for j in steps[:k] if p.actions[j].kind in COMPUTE_KINDS)
+            lines.append(f"device {device} op {position}: {p.actions[i]} waits for {', '.join(waiting)}")
         return lines
 
     def _signal_name(self, signal: int) -> str:

@@ -10,7 +10,8 @@ Standard library only: the simulator never imports torch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from pipescope.simulator.ir import ScheduleError
 from pipescope.simulator.ir import COMM_KINDS, COMPUTE_KINDS, ActionKind, Action, Schedule, producers
@@ -90,36 +91,53 @@ def add_send_recv(schedule: Schedule) -> Schedule:
             names its next action, its position (idle steps not counted) and what it waits for.
     """
     lists = _lowering_input(schedule)
-    home = schedule.stage_to_device
+    home, num_stages = schedule.stage_to_device, schedule.num_stages
+    # Both rules depend on (stage, kind) only, the microbatch passes through: resolve them once per pair.
+    rules = _per_stage_kind(lambda a: ([(n.stage, n.kind) for n in _placement_needs(a, num_stages)],
+                                       comm_pair(a, home) if a.kind in COMPUTE_KINDS else None), lists)
     out: list[list[Action]] = [[] for _ in lists]
-    placed: list[set[Action]] = [set() for _ in lists]
+    placed: list[set[tuple]] = [set() for _ in lists]
     cursor = [0] * len(lists)
     active = [d for d, acts in enumerate(lists) if acts]
     while active:
         progress = False
         for d in active:
             action = lists[d][cursor[d]]
+            stage, kind, mb = action[0], action[1], action[2]
+            here = placed[d]
             # torch consults the placing rank's own list here (the runtime's view), not the stage's home
-            needs = _placement_needs(action, schedule.num_stages)
-            if needs and not any(n in placed[d] for n in needs):
-                continue
+            wanted, pair = rules[stage, kind]
+            for st, kd in wanted:  # a for-else, not any(): this loop runs once per action placed
+                if (st, kd, mb) in here:
+                    break
+            else:
+                if wanted:
+                    continue
             progress = True
             cursor[d] += 1
             out[d].append(action)
-            placed[d].add(action)
-            pair = comm_pair(action, home) if action.kind in COMPUTE_KINDS else None
+            here.add(action)  # only compute ops and RECVs are ever needed: SENDs are not recorded
             if pair is not None:
-                send, recv = pair
+                send, recv = _NEW(Action, (pair[0].stage, pair[0].kind, mb)), _NEW(Action, (pair[1].stage,
+                                                                                          pair[1].kind, mb))
                 out[d].append(send)
-                placed[d].add(send)
                 out[home[recv.stage]].append(recv)
                 placed[home[recv.stage]].add(recv)
         active = [d for d in active if cursor[d] < len(lists[d])]
         if not progress:
             raise ScheduleError(["deadlock: cannot place sends/recvs: " + _waits_line(
-                d, cursor[d], lists[d][cursor[d]], _placement_needs(lists[d][cursor[d]], schedule.num_stages))
+                d, cursor[d], lists[d][cursor[d]], _placement_needs(lists[d][cursor[d]], num_stages))
                 for d in active])
     return dataclasses.replace(schedule, device_actions=tuple(tuple(acts) for acts in out))
+
+
+_NEW = tuple.__new__  # builds an Action in C; the NamedTuple's own __new__ is Python code, hot in this loop
+
+
+def _per_stage_kind(rule: Callable[[Action], Any], lists: list[list[Action]]) -> dict[tuple[int, ActionKind], Any]:
+    """``rule`` of a microbatch-0 stand-in for every (stage, kind) in the lists."""
+    pairs = {(a.stage, a.kind) for acts in lists for a in acts}
+    return {(stage, kind): rule(Action(stage, kind, 0)) for stage, kind in pairs}
 
 
 def lower(schedule: Schedule) -> Schedule:

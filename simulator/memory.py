@@ -15,10 +15,9 @@ import numpy as np
 
 from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import ActionKind, Role, Schedule
-from pipescope.simulator.program import RECEIVED_FROM, SENT_BY
-from pipescope.simulator.timeline import Timeline
-
 from pipescope.simulator.models import PRECISIONS
+from pipescope.simulator.program import KIND_CODE, RECEIVED_FROM, SENT_BY
+from pipescope.simulator.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ class OpArrays:
     """Per compute op: device, kind, times, and its stage's byte counts (all numpy arrays)."""
 
     device: np.ndarray
-    kind: np.ndarray  # ActionKind values as a numpy string array
+    kind: np.ndarray  # codes into simulator.timeline.KINDS
     start: np.ndarray
     end: np.ndarray
     activation: np.ndarray  # M_B
@@ -82,8 +81,8 @@ def op_memory_events(ops: OpArrays, recompute: bool, chunks: int) -> MemoryEvent
     """
     unit = 1.0 / chunks
     kept = ops.stage_input if recompute else ops.activation
-    forward, weight, input_grad = ops.kind == K.F, ops.kind == K.W, ops.kind == K.I
-    backward = input_grad | (ops.kind == K.B)
+    forward, weight, input_grad = ops.kind == KIND_CODE[K.F], ops.kind == KIND_CODE[K.W], ops.kind == KIND_CODE[K.I]
+    backward = input_grad | (ops.kind == KIND_CODE[K.B])
     rebuilt = ops.activation if recompute else np.zeros_like(ops.activation)
     residue = np.where(input_grad, ops.weight_grad, 0)
     parts = [
@@ -136,26 +135,25 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
     params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
     static = [static_memory(int(params[d]), schedule.versions(d), precision).total
               for d in range(schedule.num_devices)]
-    stage, compute = records.stage(), records.mask(Role.COMPUTE)
-    kinds = np.array([str(a.kind) for a in records.actions])
+    stage, compute = records.stage, records.mask(Role.COMPUTE)
     at = stage[compute]
     ops = OpArrays(
-        device=records.device[compute], kind=kinds[compute], start=records.start[compute], end=records.end[compute],
+        device=records.device[compute], kind=records.kind[compute], start=records.start[compute],
+        end=records.end[compute],
         activation=np.array([c.activation_bytes for c in stage_costs], dtype=np.int64)[at],
         weight_grad=np.array([c.weight_grad_bytes for c in stage_costs], dtype=np.int64)[at],
         stage_input=np.array([c.input_bytes for c in stage_costs], dtype=np.int64)[at],
     )
-    parts = [op_memory_events(ops, schedule.recompute, schedule.chunks), _buffer_events(records, stage, kinds)]
+    parts = [op_memory_events(ops, schedule.recompute, schedule.chunks), _buffer_events(records)]
     return device_timelines(concat(parts), static), static
 
 
-def _buffer_events(records: Timeline, stage: np.ndarray, kinds: np.ndarray) -> MemoryEvents:
+def _buffer_events(records: Timeline) -> MemoryEvents:
     """p2p buffers: the sender's copy from its producer's end until the transfer arrives; the receiver's from the
     transfer's start until its consumer starts (a transfer nobody consumes is freed on arrival)."""
-    microbatch = records.microbatch()
+    stage, microbatch = records.stage, records.microbatch
     key = (stage * (int(microbatch.max(initial=0)) + 2) + microbatch + 1) * 2  # (stage, mb, direction) as one int
-    forward = np.isin(kinds, [K.F.value])
-    backward = np.isin(kinds, [K.I.value, K.B.value])
+    forward, backward = records.is_kind(K.F), records.is_kind(K.I, K.B)
     op_key = np.concatenate([key[forward], key[backward] + 1])
     op_row = np.concatenate([np.flatnonzero(forward), np.flatnonzero(backward)])
     order = np.argsort(op_key, kind="stable")
@@ -168,10 +166,9 @@ def _buffer_events(records: Timeline, stage: np.ndarray, kinds: np.ndarray) -> M
         found = op_key[at] == wanted if len(op_key) else np.zeros(len(rows), dtype=bool)
         return np.where(found, op_row[at] if len(op_key) else -1, -1)
 
-    sends = np.flatnonzero(np.isin(kinds, [k.value for k in SENT_BY]))
-    recvs = np.flatnonzero(np.isin(kinds, [k.value for k in RECEIVED_FROM]))
-    producer = row_of(sends, (kinds[sends] == K.SEND_B.value).astype(np.int64))
-    consumer = row_of(recvs, (kinds[recvs] == K.RECV_B.value).astype(np.int64))
+    sends, recvs = np.flatnonzero(records.is_kind(*SENT_BY)), np.flatnonzero(records.is_kind(*RECEIVED_FROM))
+    producer = row_of(sends, records.is_kind(K.SEND_B)[sends].astype(np.int64))
+    consumer = row_of(recvs, records.is_kind(K.RECV_B)[recvs].astype(np.int64))
     produced = np.where(producer >= 0, records.end[producer], records.start[sends])
     consumed = np.maximum(records.end[recvs], np.where(consumer >= 0, records.start[consumer], 0))
     return concat([_held(records.device[sends], produced, records.end[sends], records.nbytes[sends]),

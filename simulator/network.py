@@ -38,11 +38,6 @@ def link_transfer_ns(nbytes: int, link: Link) -> int:
 class Clock(Protocol):
     """What a network needs from whoever replays the program."""
 
-    @property
-    def now(self) -> int:
-        """The current time (ns)."""
-        ...
-
     def finish_at(self, flow: int, time: int) -> None:
         """Flow ``flow`` ends at ``time`` (>= now); a later call for the same flow replaces the earlier one."""
         ...
@@ -51,16 +46,17 @@ class Clock(Protocol):
 class Network(Protocol):
     """Starts transfers and collectives; flows are numbered by the caller, transfers and collectives alike."""
 
-    def reset(self) -> None:
-        """Forget every link's state, before a new replay."""
+    def bind(self, src: Sequence[int], dst: Sequence[int], nbytes: Sequence[int]) -> None:
+        """Before a replay: the flows it will start (transfers: sender, receiver, bytes; collectives: -1, -1, bytes).
+        Forgets every link's state from an earlier replay."""
         ...
 
-    def start_transfer(self, clock: Clock, flow: int, src: int, dst: int, nbytes: int) -> int:
-        """Send ``nbytes`` from device ``src`` to ``dst`` now; returns when the bytes start to move."""
+    def start_transfer(self, clock: Clock, now: int, flow: int) -> int:
+        """Start transfer ``flow`` at ``now``; returns when its bytes start to move."""
         ...
 
-    def start_collective(self, clock: Clock, flow: int, kind: ActionKind, group: Sequence[int], nbytes: int) -> int:
-        """Run a collective over ``group`` now (every member has joined); returns its start."""
+    def start_collective(self, clock: Clock, now: int, flow: int, kind: ActionKind, group: Sequence[int]) -> int:
+        """Run collective ``flow`` over ``group`` at ``now`` (every member has joined); returns its start."""
         ...
 
 
@@ -90,6 +86,10 @@ class FifoLinks:
     timing: TransferTiming
     _cache: dict[tuple[int, int, int], tuple[int, int]] = field(default_factory=dict, repr=False)
     _free_at: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
+    _link: list[tuple[int, int]] = field(default_factory=list, repr=False)  # per flow, from bind()
+    _bytes: list[int] = field(default_factory=list, repr=False)
+    _duration: list[int] = field(default_factory=list, repr=False)
+    _occupancy: list[int] = field(default_factory=list, repr=False)
 
     @classmethod
     def over(cls, link_of: Callable[[int, int], Link]) -> FifoLinks:
@@ -104,8 +104,12 @@ class FifoLinks:
         """Every transfer takes ``delay_ns`` and holds nothing: the plain timing model's p2p time."""
         return cls(lambda src, dst, nbytes: (delay_ns, 0))
 
-    def reset(self) -> None:
+    def bind(self, src: Sequence[int], dst: Sequence[int], nbytes: Sequence[int]) -> None:
         self._free_at.clear()
+        self._link = list(zip(src, dst))
+        self._bytes = list(nbytes)
+        timed = [self.times(a, b, n) if a >= 0 else (0, 0) for a, b, n in zip(src, dst, nbytes)]
+        self._duration, self._occupancy = [t[0] for t in timed], [t[1] for t in timed]
 
     def times(self, src: int, dst: int, nbytes: int) -> tuple[int, int]:
         """(duration, occupancy) of one transfer, computed once per (src, dst, nbytes)."""
@@ -115,17 +119,16 @@ class FifoLinks:
             known = self._cache[key] = self.timing(src, dst, nbytes)
         return known
 
-    def start_transfer(self, clock: Clock, flow: int, src: int, dst: int, nbytes: int) -> int:
-        duration, occupancy = self.times(src, dst, nbytes)
-        now = clock.now
-        start = max(now, self._free_at.get((src, dst), 0))
-        self._free_at[(src, dst)] = start + occupancy
-        clock.finish_at(flow, start + duration)
+    def start_transfer(self, clock: Clock, now: int, flow: int) -> int:
+        link, free_at = self._link[flow], self._free_at
+        start = max(now, free_at.get(link, 0))
+        free_at[link] = start + self._occupancy[flow]
+        clock.finish_at(flow, start + self._duration[flow])
         return start
 
-    def start_collective(self, clock: Clock, flow: int, kind: ActionKind, group: Sequence[int], nbytes: int) -> int:
-        n = len(group)
+    def start_collective(self, clock: Clock, now: int, flow: int, kind: ActionKind, group: Sequence[int]) -> int:
+        n, nbytes = len(group), self._bytes[flow]
         step = max((self.times(a, b, math.ceil(nbytes / n))[0] for a, b in zip(group, group[1:] + group[:1])),
                    default=0) if n > 1 else 0
-        clock.finish_at(flow, clock.now + RING_STEPS[kind](n) * step)
-        return clock.now
+        clock.finish_at(flow, now + RING_STEPS[kind](n) * step)
+        return now

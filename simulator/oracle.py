@@ -8,7 +8,6 @@ Test and benchmark code: the simulator itself never calls it.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 
 from pipescope.simulator.engine import RunTimes
 from pipescope.simulator.ir import ScheduleError
@@ -21,88 +20,68 @@ class Oracle:
 
     def __init__(self, program: Program, network: Network):
         self.p, self.network = program, network
-        n, flows = program.num_entries, program.num_flows
-        self.fired = [False] * (n + flows)
-        self.version = [0] * flows
-        self.joined = [0] * flows
-        self.times = RunTimes([-1] * n, [-1] * n, [-1] * flows, [-1] * flows)
-        self.cursor = [0] * len(program.device_entries)
-        self.busy = [False] * len(program.device_entries)
-        self.waiting: dict[int, list[int]] = {}
-        self.heap: list[tuple[int, int, int, Callable[[int, int], None], int]] = []
-        self.now = self.seq = 0
+        self.heap: list[tuple[int, int]] = []  # (time, signal): op ends are signals < n, flow ends n + flow
+        self.due = [-1] * program.num_flows  # a flow's latest planned end: earlier heap entries are stale
 
     def finish_at(self, flow: int, time: int) -> None:
-        self.version[flow] += 1
-        self._at(time, self._flow_ended, flow * (1 << 20) + self.version[flow] % (1 << 20))
+        self.due[flow] = time
+        heapq.heappush(self.heap, (time, self.p.num_entries + flow))
 
     def run(self) -> RunTimes:
-        self.network.reset()
-        for d in range(len(self.p.device_entries)):
-            self._advance(d)
-        while self.heap:
-            self.now, _, _, callback, arg = heapq.heappop(self.heap)
-            callback(arg, self.now)
-        stuck = [f"device {d} entry {c}: {self.p.actions[self.p.device_entries[d][c]]}"
-                 for d, c in enumerate(self.cursor) if c < len(self.p.device_entries[d])]
+        p, network, heap, due = self.p, self.network, self.heap, self.due
+        n, steps, step, waits, duration, device = p.num_entries, p.device_steps, p.step, p.waits, p.duration, p.device
+        times = RunTimes([-1] * n, [-1] * n, [-1] * p.num_flows, [-1] * p.num_flows)
+        fired, joined = [False] * (n + p.num_flows), [0] * p.num_flows
+        cursor, busy, waiting = [0] * len(steps), [False] * len(steps), {}
+        network.bind(p.flow_src, p.flow_dst, p.flow_bytes)
+
+        def done(d: int, i: int, now: int) -> None:
+            times.entry_end[i] = now
+            cursor[d] += 1
+            for f in p.launches[i]:
+                times.flow_start[f] = network.start_transfer(self, now, f)
+            advance(d, now)
+
+        def advance(d: int, now: int) -> None:
+            if busy[d] or cursor[d] >= len(steps[d]):
+                return
+            i = steps[d][cursor[d]]
+            if step[i] is Step.COLLECTIVE:
+                f = p.flow_of[i]
+                if times.entry_start[i] < 0:
+                    times.entry_start[i] = now
+                    joined[f] += 1
+                    c = p.flow_collective[f]
+                    if joined[f] == len(c.group):
+                        times.flow_start[f] = network.start_collective(self, now, f, c.kind, c.group)
+                if not fired[n + f]:
+                    waiting.setdefault(n + f, []).append(d)
+                    return
+                done(d, i, now)
+                return
+            for signal in waits[i]:
+                if not fired[signal]:
+                    waiting.setdefault(signal, []).append(d)
+                    return
+            times.entry_start[i] = now
+            busy[d] = True
+            heapq.heappush(heap, (now + duration[i], i))
+
+        for d in range(len(steps)):
+            advance(d, 0)
+        while heap:
+            now, signal = heapq.heappop(heap)
+            if signal >= n:
+                if fired[signal] or due[signal - n] != now:
+                    continue  # re-planned: a later entry stands for this flow
+                times.flow_end[signal - n] = now
+            fired[signal] = True
+            if signal < n:
+                busy[device[signal]] = False
+                done(device[signal], signal, now)
+            for d in waiting.pop(signal, ()):
+                advance(d, now)
+        stuck = [f"device {d} step {c}: {p.actions[steps[d][c]]}" for d, c in enumerate(cursor) if c < len(steps[d])]
         if stuck:
             raise ScheduleError(["deadlock: " + line for line in stuck])
-        return self.times
-
-    def _at(self, time: int, callback: Callable[[int, int], None], arg: int) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (time, self.seq, 0, callback, arg))
-
-    def _fire(self, signal: int) -> None:
-        self.fired[signal] = True
-        for d in self.waiting.pop(signal, ()):
-            self._advance(d)
-
-    def _flow_ended(self, arg: int, now: int) -> None:
-        flow, version = divmod(arg, 1 << 20)
-        if version == self.version[flow] % (1 << 20):
-            self.times.flow_end[flow] = now
-            self._fire(self.p.num_entries + flow)
-
-    def _op_ended(self, i: int, now: int) -> None:
-        self.times.entry_end[i] = now
-        d = self.p.device[i]
-        self.busy[d], self.cursor[d] = False, self.cursor[d] + 1
-        self._fire(i)
-        self._advance(d)
-
-    def _advance(self, d: int) -> None:
-        """Run device ``d``'s entries until one must wait (a missing input, an op in progress, a collective)."""
-        p, entries = self.p, self.p.device_entries[d]
-        while not self.busy[d] and self.cursor[d] < len(entries):
-            i = entries[self.cursor[d]]
-            blocked = self._blocked_on(i)
-            if blocked is not None:
-                self.waiting.setdefault(blocked, []).append(d)
-                return
-            if self.times.entry_start[i] < 0:
-                self.times.entry_start[i] = self.now
-            step, f = p.step[i], p.flow_of[i]
-            if step is Step.COMPUTE:
-                self.busy[d] = True
-                self._at(self.now + p.duration[i], self._op_ended, i)
-                return
-            if step is Step.SEND:
-                self.times.flow_start[f] = self.network.start_transfer(self, f, p.flow_src[f], p.flow_dst[f],
-                                                                       p.flow_bytes[f])
-            self.times.entry_end[i] = self.now
-            self.cursor[d] += 1
-
-    def _blocked_on(self, i: int) -> int | None:
-        """The first signal entry ``i`` still waits for (joining its collective first), or None."""
-        p = self.p
-        if p.step[i] is Step.COLLECTIVE:
-            f = p.flow_of[i]
-            if self.times.entry_start[i] < 0:
-                self.times.entry_start[i] = self.now
-                self.joined[f] += 1
-                c = p.flow_collective[f]
-                if self.joined[f] == len(c.group):
-                    self.times.flow_start[f] = self.network.start_collective(self, f, c.kind, c.group, c.nbytes)
-            return None if self.fired[p.num_entries + f] else p.num_entries + f
-        return next((s for s in p.waits[i] if not self.fired[s]), None)
+        return times

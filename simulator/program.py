@@ -4,6 +4,9 @@ Every non-idle action of every device is an entry. Compute entries carry their d
 for; SEND entries start a transfer (a flow), RECV entries name the flow their consumer waits for, collective entries
 join a flow shared by their group. Signals ``0..n-1`` are entry completions, ``n + f`` the end of flow ``f``. What an
 action waits for comes from ``simulator.lowering.program_inputs``, the one dependency rule.
+
+Only compute ops and collectives take stream time, so a device's stream walks just those (``device_steps``): the
+SENDs after one are launched when it ends (``launches``), and RECVs and torch's per-stage actions need no visit.
 """
 
 from __future__ import annotations
@@ -11,10 +14,22 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from operator import itemgetter
 
-from pipescope.simulator.ir import ScheduleError
+import numpy as np
+
 from pipescope.simulator.costs import StageCost
-from pipescope.simulator.ir import COMPUTE_KINDS, ROLE, Action, ActionKind, Collective, ProgramAction, Role, Schedule
+from pipescope.simulator.ir import (
+    COMPUTE_KINDS,
+    ROLE,
+    Action,
+    ActionKind,
+    Collective,
+    ProgramAction,
+    Role,
+    Schedule,
+    ScheduleError,
+)
 from pipescope.simulator.lowering import program_inputs
 
 K = ActionKind
@@ -32,6 +47,10 @@ class Step(IntEnum):
 
 STEP = {Role.COMPUTE: Step.COMPUTE, Role.SEND: Step.SEND, Role.RECV: Step.RECV, Role.STAGE: Step.STAGE,
         Role.COLLECTIVE: Step.COLLECTIVE}
+KINDS = tuple(ActionKind)
+KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
+STEPS = tuple(Step)
+_STEP_CODE = np.array([STEP[ROLE[kind]] for kind in KINDS], dtype=np.int8)  # kind code -> Step
 # The compute kind that produces a SEND's data and the one that consumes a RECV's (I or B for the backward).
 SENT_BY = {K.SEND_F: (K.F,), K.SEND_B: (K.I, K.B)}
 RECEIVED_FROM = {K.RECV_F: (-1, K.SEND_F), K.RECV_B: (1, K.SEND_B)}
@@ -39,15 +58,20 @@ RECEIVED_FROM = {K.RECV_F: (-1, K.SEND_F), K.RECV_B: (1, K.SEND_B)}
 
 @dataclass
 class Program:
-    """Flat arrays of one lowered schedule (entries device-major, in list order)."""
+    """Flat arrays of one lowered schedule (entries device-major, in list order).
+
+    Lists for the replay loops (indexing a list is what they do per event), numpy columns for everything vectorised.
+    """
 
     actions: list[ProgramAction]
     device: list[int]
     step: list[Step]
-    device_entries: list[list[int]]
+    device_steps: list[list[int]]  # per device, its compute and collective entries in order
+    launches: list[tuple[int, ...]]  # per entry: the flows its SENDs start when it ends
     duration: list[int]
     waits: list[list[int]]
     flow_of: list[int]  # per entry: its flow for SEND, RECV and collectives, else -1
+    columns: Columns
     flow_src: list[int] = field(default_factory=list)  # transfers: sender; collectives: -1
     flow_dst: list[int] = field(default_factory=list)  # transfers: receiver; collectives: -1
     flow_bytes: list[int] = field(default_factory=list)
@@ -61,6 +85,31 @@ class Program:
     @property
     def num_flows(self) -> int:
         return len(self.flow_src)
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Per entry, as numpy arrays: stage, kind code (into ``KINDS``), microbatch, device and step code."""
+
+    stage: np.ndarray
+    kind: np.ndarray
+    microbatch: np.ndarray
+    device: np.ndarray
+    step: np.ndarray
+
+    @classmethod
+    def of(cls, actions: list[ProgramAction], device: np.ndarray) -> Columns:
+        """Read the columns off the actions (C-level loops: ``map`` over ``itemgetter``)."""
+        n = len(actions)
+        kind = np.fromiter(map(KIND_CODE.__getitem__, map(itemgetter(1), actions)), dtype=np.int64, count=n)
+        stage = np.fromiter(map(itemgetter(0), actions), dtype=np.int64, count=n)
+        microbatch = np.fromiter(map(itemgetter(2), actions), dtype=np.int64, count=n)
+        if n and (abs(microbatch).max() > MAX_INDEX or abs(stage).max() > MAX_INDEX):
+            raise ScheduleError([f"a stage or microbatch index beyond {MAX_INDEX}; expected a pipeline's sizes"])
+        return cls(stage, kind, microbatch, device, _STEP_CODE[kind])
+
+
+MAX_INDEX = 1 << 30  # keeps (stage, kind, microbatch) keys inside int64
 
 
 def op_durations(stage_costs: Sequence[StageCost], recompute: bool) -> dict[tuple[int, ActionKind], int]:
@@ -82,7 +131,8 @@ def unit_durations(num_stages: int) -> dict[tuple[int, ActionKind], int]:
 
 def compile_program(program: Schedule, durations: Mapping[tuple[int, ActionKind], int],
                     stage_bytes: Sequence[int]) -> Program:
-    """Resolve every entry's duration, inputs and flow once, before replaying.
+    """Resolve every entry's duration, inputs and flow once, before replaying (vectorised: one numpy pass per
+    concern, so compiling costs little next to the replay).
 
     Args:
         program: a lowered schedule (``simulator.lowering.lower``).
@@ -94,84 +144,162 @@ def compile_program(program: Schedule, durations: Mapping[tuple[int, ActionKind]
             placed before its RECV (it could never run).
     """
     lists = [[a for a in acts if a is not None] for acts in program.device_actions]
-    out = Program([a for acts in lists for a in acts], [d for d, acts in enumerate(lists) for _ in acts], [], [], [],
-                  [], [])
-    first = 0
-    for acts in lists:
-        out.device_entries.append(list(range(first, first + len(acts))))
-        first += len(acts)
-    index = _index(out.actions)
-    _add_flows(out, program, index, stage_bytes)
-    compute = frozenset(a for a in index if a.kind in COMPUTE_KINDS)
-    home, num_stages = program.stage_to_device, program.num_stages
-    out.step.extend(STEP[ROLE[a.kind]] for a in out.actions)
-    for i, action in enumerate(out.actions):
-        if out.step[i] is not Step.COMPUTE:
-            out.duration.append(0)
-            out.waits.append([])
-            continue
-        out.duration.append(durations[action.stage, action.kind])
-        out.waits.append([_signal(out, index, i, needed)
-                          for needed in program_inputs(action, home, num_stages, compute)])
+    actions = [a for acts in lists for a in acts]
+    n = len(actions)
+    device = np.repeat(np.arange(len(lists)), [len(acts) for acts in lists])
+    cols = Columns.of(actions, device)
+    out = Program(actions, device.tolist(), list(map(STEPS.__getitem__, cols.step.tolist())), [], [()] * n,
+                  [0] * n, [[]] * n, [-1] * n, cols)
+    keys = _Keys(cols)
+    flow_of = _add_flows(out, program, keys, stage_bytes)
+    _add_steps(out, lists, flow_of)
+    _add_inputs(out, program, keys, flow_of, durations)
     return out
 
 
-def _index(actions: list[ProgramAction]) -> dict[Action, int]:
-    index: dict[Action, int] = {}
-    for i, action in enumerate(actions):
-        if ROLE[action.kind] in (Role.STAGE, Role.COLLECTIVE):
-            continue  # no data flows through them; torch may repeat UNSHARD/RESHARD for a stage
-        if action in index:
-            raise ScheduleError([f"{action} appears twice; run the checker for details"])
-        index[action] = i
-    return index
+class _Keys:
+    """The (stage, kind, microbatch) of every data entry (compute, SEND, RECV) as one sorted int64 array, so that
+    "which entry is this action" is a vectorised binary search instead of a dict lookup per entry."""
+
+    def __init__(self, cols: Columns):
+        self.cols, self.span = cols, int(cols.microbatch.max(initial=0)) + 2
+        data = np.flatnonzero(cols.step < Step.STAGE)
+        keys = self.key(cols.stage[data], cols.kind[data], cols.microbatch[data])
+        order = np.argsort(keys, kind="stable")
+        self.sorted, self.entry = keys[order], data[order]
+        twice = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])
+        if len(twice):
+            raise ScheduleError([f"{_action(cols, self.entry[twice[0]])} appears twice; run the checker for details"])
+
+    def key(self, stage: np.ndarray | int, kind: np.ndarray | int, microbatch: np.ndarray) -> np.ndarray:
+        return (np.asarray(stage) * len(KINDS) + kind) * self.span + (microbatch + 1)
+
+    def find(self, stage: np.ndarray | int, kind: np.ndarray | int, microbatch: np.ndarray) -> np.ndarray:
+        """The entry of each (stage, kind, microbatch), or -1."""
+        wanted = self.key(stage, kind, microbatch)
+        if not len(self.sorted):
+            return np.full(len(wanted), -1)
+        at = np.minimum(np.searchsorted(self.sorted, wanted), len(self.sorted) - 1)
+        return np.where(self.sorted[at] == wanted, self.entry[at], -1)
 
 
-def _signal(out: Program, index: dict[Action, int], consumer: int, needed: Action) -> int:
-    """The signal entry ``consumer`` waits on for ``needed`` (a compute op, or a RECV's flow)."""
-    j = index.get(needed)
-    if j is None:
-        raise ScheduleError([f"{out.actions[consumer]} needs {needed}, which the program never runs"])
-    if out.step[j] is Step.COMPUTE:
-        return j  # on this device; if it comes later there, the engine reports the deadlock
-    if out.device[j] != out.device[consumer] or j > consumer:
-        raise ScheduleError([f"deadlock: device {out.device[consumer]}: {out.actions[consumer]} waits for {needed}, "
-                             f"which device {out.device[j]} only posts after it"])
-    return out.num_entries + out.flow_of[j]
+def _action(cols: Columns, i: int) -> Action:
+    return Action(int(cols.stage[i]), KINDS[cols.kind[i]], int(cols.microbatch[i]))
 
 
-def _add_flows(out: Program, program: Schedule, index: dict[Action, int], stage_bytes: Sequence[int]) -> None:
-    """One flow per SEND (its RECV shares it) and one per distinct collective."""
-    out.flow_of.extend([-1] * out.num_entries)
-    home = program.stage_to_device
-    collectives: dict[Collective, int] = {}
-    for i, action in enumerate(out.actions):
-        kind = action.kind
-        if kind in SENT_BY:
-            peer = action.stage + (1 if kind is K.SEND_F else -1)
-            producer = next((index[p] for p in (Action(action.stage, k, action.microbatch) for k in SENT_BY[kind])
-                             if p in index), None)
-            if producer is None or not 0 <= peer < len(home) or producer > i:
-                raise ScheduleError([f"device {out.device[i]}: {action} has no {SENT_BY[kind][0]} before it to send"])
-            out.flow_of[i] = _new_flow(out, out.device[i], home[peer], stage_bytes[action.stage], producer, None)
-        elif type(action) is Collective:
-            if action not in collectives:
-                collectives[action] = _new_flow(out, -1, -1, action.nbytes, -1, action)
-            out.flow_of[i] = collectives[action]
-    for i, action in enumerate(out.actions):
-        if action.kind in RECEIVED_FROM:
-            offset, send_kind = RECEIVED_FROM[action.kind]
-            send = index.get(Action(action.stage + offset, send_kind, action.microbatch))
-            if send is None:
-                raise ScheduleError([f"device {out.device[i]}: {action} has no matching "
-                                     f"{Action(action.stage + offset, send_kind, action.microbatch)}"])
-            out.flow_of[i] = out.flow_of[send]
+def _add_flows(out: Program, program: Schedule, keys: _Keys, stage_bytes: Sequence[int]) -> np.ndarray:
+    """One flow per SEND (its RECV shares it), then one per distinct collective. Returns the flow of each entry."""
+    cols, home = out.columns, np.asarray(program.stage_to_device)
+    flow_of = np.full(out.num_entries, -1)
+    sends = np.flatnonzero(cols.step == Step.SEND)
+    stage, mb, forward = cols.stage[sends], cols.microbatch[sends], cols.kind[sends] == KIND_CODE[K.SEND_F]
+    producer = np.where(forward, keys.find(stage, KIND_CODE[K.F], mb), keys.find(stage, KIND_CODE[K.I], mb))
+    producer = np.where(producer < 0, keys.find(stage, KIND_CODE[K.B], mb), producer)
+    peer = stage + np.where(forward, 1, -1)
+    bad = (producer < 0) | (producer > sends) | (peer < 0) | (peer >= len(home))
+    if bad.any():
+        i = sends[np.argmax(bad)]
+        raise ScheduleError([f"device {out.device[i]}: {out.actions[i]} has no {SENT_BY[out.actions[i].kind][0]} "
+                             f"before it to send"])
+    flow_of[sends] = np.arange(len(sends))
+    out.flow_src, out.flow_dst = cols.device[sends].tolist(), home[peer].tolist()
+    out.flow_bytes, out.flow_producer = np.asarray(stage_bytes, dtype=np.int64)[stage].tolist(), producer.tolist()
+    out.flow_collective = [None] * len(sends)
+    _add_collectives(out, flow_of)
+    recvs = np.flatnonzero(cols.step == Step.RECV)
+    backward = cols.kind[recvs] == KIND_CODE[K.RECV_B]
+    send_kind = np.where(backward, KIND_CODE[K.SEND_B], KIND_CODE[K.SEND_F])
+    sender = keys.find(cols.stage[recvs] + np.where(backward, 1, -1), send_kind, cols.microbatch[recvs])
+    if (sender < 0).any():
+        i = recvs[np.argmax(sender < 0)]
+        s, kind, mb = out.actions[i]
+        offset, send = RECEIVED_FROM[kind]
+        missing = Action(s + offset, send, mb)
+        raise ScheduleError([f"device {out.device[i]}: {out.actions[i]} has no matching {missing}"])
+    flow_of[recvs] = flow_of[sender]
+    out.flow_of = flow_of.tolist()
+    return flow_of
 
 
-def _new_flow(out: Program, src: int, dst: int, nbytes: int, producer: int, collective: Collective | None) -> int:
-    out.flow_src.append(src)
-    out.flow_dst.append(dst)
-    out.flow_bytes.append(nbytes)
-    out.flow_producer.append(producer)
-    out.flow_collective.append(collective)
-    return len(out.flow_src) - 1
+def _add_collectives(out: Program, flow_of: np.ndarray) -> None:
+    """One flow per distinct collective, shared by its members' entries."""
+    known: dict[Collective, int] = {}
+    for i in np.flatnonzero(out.columns.step == Step.COLLECTIVE).tolist():
+        collective = out.actions[i]
+        if collective not in known:
+            known[collective] = len(out.flow_src)
+            out.flow_src.append(-1)
+            out.flow_dst.append(-1)
+            out.flow_bytes.append(collective.nbytes)
+            out.flow_producer.append(-1)
+            out.flow_collective.append(collective)
+        flow_of[i] = known[collective]
+
+
+def _add_steps(out: Program, lists: list[list[ProgramAction]], flow_of: np.ndarray) -> None:
+    """Per device, the entries that take stream time; each SEND launched by the nearest one before it."""
+    cols = out.columns
+    blocking = (cols.step == Step.COMPUTE) | (cols.step == Step.COLLECTIVE)
+    bounds = np.cumsum([len(acts) for acts in lists])[:-1]
+    out.device_steps = [part.tolist() for part in np.split(np.flatnonzero(blocking), np.searchsorted(
+        np.flatnonzero(blocking), bounds))] if lists else []
+    sends = np.flatnonzero(cols.step == Step.SEND)
+    launcher = np.maximum.accumulate(np.where(blocking, np.arange(out.num_entries), -1))[sends]
+    bad = (launcher < 0) | (cols.device[np.maximum(launcher, 0)] != cols.device[sends])
+    if bad.any():
+        i = sends[np.argmax(bad)]
+        raise ScheduleError([f"device {out.device[i]}: {out.actions[i]} comes before anything it could send"])
+    launches = out.launches
+    for i, f in zip(launcher.tolist(), flow_of[sends].tolist()):
+        launches[i] += (f,)
+
+
+def _add_inputs(out: Program, program: Schedule, keys: _Keys, flow_of: np.ndarray,
+                durations: Mapping[tuple[int, ActionKind], int]) -> None:
+    """Duration and input signals of every compute entry.
+
+    The inputs are ``program_inputs`` (the one dependency rule), which depends on the microbatch only through it and
+    on which ops exist only through whether stage s+1 splits its backward: so it is resolved once per
+    (stage, kind, split) and applied to all that group's microbatches at once.
+    """
+    cols = out.columns
+    compute = np.flatnonzero(cols.step == Step.COMPUTE)
+    stage, kind, mb = cols.stage[compute], cols.kind[compute], cols.microbatch[compute]
+    table = np.zeros((max(program.num_stages, int(stage.max(initial=0)) + 1), len(KINDS)), dtype=np.int64)
+    for (s, k), ns in durations.items():
+        table[s, KIND_CODE[k]] = ns
+    for i, ns in zip(compute.tolist(), table[stage, kind].tolist()):
+        out.duration[i] = ns
+    backward = (kind == KIND_CODE[K.I]) | (kind == KIND_CODE[K.B])
+    split = backward & (keys.find(stage + 1, KIND_CODE[K.I], mb) >= 0)
+    group = (stage * len(KINDS) + kind) * 2 + split
+    for code in np.unique(group).tolist():
+        rows = np.flatnonzero(group == code)
+        _group_inputs(out, program, keys, flow_of, compute[rows], mb[rows], code)
+
+
+def _group_inputs(out: Program, program: Schedule, keys: _Keys, flow_of: np.ndarray, entries: np.ndarray,
+                  mb: np.ndarray, code: int) -> None:
+    """Input signals of the compute entries of one (stage, kind, split) group."""
+    stage, kind, split = code // 2 // len(KINDS), KINDS[code // 2 % len(KINDS)], bool(code % 2)
+    present = frozenset({Action(stage + 1, K.I, 0)} if split else ())
+    signals = []
+    for needed in program_inputs(Action(stage, kind, 0), program.stage_to_device, program.num_stages, present):
+        j = keys.find(needed.stage, KIND_CODE[needed.kind], mb)
+        through_recv = needed.kind in RECEIVED_FROM
+        bad = (j < 0) | (through_recv & ((out.columns.device[j] != out.columns.device[entries]) | (j > entries)))
+        if bad.any():
+            at = int(np.argmax(bad))
+            raise _input_error(out, int(entries[at]), (needed.stage, needed.kind, int(mb[at])), int(j[at]))
+        signals.append((out.num_entries + flow_of[j] if through_recv else j).tolist())
+    waits = list(map(list, zip(*signals))) if signals else [[] for _ in range(len(entries))]
+    for i, w in zip(entries.tolist(), waits):
+        out.waits[i] = w
+
+
+def _input_error(out: Program, consumer: int, needed: tuple, j: int) -> ScheduleError:
+    needed = Action(*needed)
+    if j < 0:
+        return ScheduleError([f"{out.actions[consumer]} needs {needed}, which the program never runs"])
+    return ScheduleError([f"deadlock: device {out.device[consumer]}: {out.actions[consumer]} waits for {needed}, "
+                          f"which device {out.device[j]} only posts after it"])

@@ -161,7 +161,7 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
     memory, static = ledger(schedule, records, stage_costs, precision)
     devices = [DeviceStats(d, busy[d] / 1e9, span[d] / 1e9, 1.0 - busy[d] / max_span, memory[d].peak_bytes,
                            memory[d].peak_activations, static[d]) for d in range(p)]
-    iteration, fill_drain, makespan = _iteration_times(schedule, records.microbatch()[compute], start, end)
+    iteration, fill_drain, makespan = _iteration_times(schedule, records.microbatch[compute], start, end)
     bubble = 1.0 - int(busy.sum()) / (p * max_span)
     return SimResult(schedule, records, devices, memory, iteration, fill_drain, makespan, bubble,
                      samples_per_iteration, **extra)

@@ -34,10 +34,10 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
             deadlocks are found by the lowering or the engine itself, naming each stuck action.
     """
     wall = time.perf_counter()
-    problems = structure_problems(schedule)
-    if problems:
-        raise ScheduleError(problems)
     with gc_paused():
+        problems = structure_problems(schedule)
+        if problems:
+            raise ScheduleError(problems)
         stage_costs = [costs.stage_cost(s, schedule.num_stages, schedule.chunks) for s in range(schedule.num_stages)]
         program = compile_program(lower(schedule), op_durations(stage_costs, schedule.recompute),
                                   [c.boundary_bytes for c in stage_costs])

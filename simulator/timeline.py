@@ -13,15 +13,21 @@ import numpy as np
 import pandas as pd
 
 from pipescope.simulator.engine import RunTimes
-from pipescope.simulator.ir import ROLE, ProgramAction, Role
-from pipescope.simulator.program import Program, Step
+from pipescope.simulator.ir import ROLE, ActionKind, ProgramAction, Role
+from pipescope.simulator.program import KIND_CODE, KINDS, Columns, Program, Step
 
 COLUMNS = ("device", "stream", "action", "kind", "stage", "chunk", "microbatch", "start_ns", "end_ns", "bytes")
 
 
+_ROLE_CODE = np.array([list(Role).index(ROLE[kind]) for kind in KINDS], dtype=np.int8)
+
+
 @dataclass(frozen=True)
 class Timeline:
-    """Columnar rows; ``peer`` is the other device of a transfer (-1 otherwise), ``nbytes`` what it moved."""
+    """Columnar rows; ``peer`` is the other device of a transfer (-1 otherwise), ``nbytes`` what it moved.
+
+    ``kind`` holds codes into ``KINDS``; ``stage`` and ``microbatch`` are the actions' own, as arrays.
+    """
 
     actions: list[ProgramAction]
     device: np.ndarray
@@ -30,33 +36,37 @@ class Timeline:
     peer: np.ndarray
     nbytes: np.ndarray
     num_devices: int
+    kind: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+
+    @classmethod
+    def of(cls, actions: list[ProgramAction], device: np.ndarray, start: np.ndarray, end: np.ndarray,
+           peer: np.ndarray, nbytes: np.ndarray, num_devices: int, columns: Columns | None = None) -> Timeline:
+        """A timeline of these rows; the per-action columns are read off the actions unless given."""
+        cols = columns if columns is not None else Columns.of(actions, device)
+        return cls(actions, device, start, end, peer, nbytes, num_devices, cols.kind, cols.stage, cols.microbatch)
 
     def __len__(self) -> int:
         return len(self.actions)
 
-    def roles(self) -> list[Role]:
-        return [ROLE[a.kind] for a in self.actions]
-
     def mask(self, role: Role) -> np.ndarray:
-        return np.fromiter((ROLE[a.kind] is role for a in self.actions), dtype=bool, count=len(self.actions))
+        return _ROLE_CODE[self.kind] == list(Role).index(role)
 
-    def stage(self) -> np.ndarray:
-        return np.fromiter((a.stage for a in self.actions), dtype=np.int64, count=len(self.actions))
-
-    def microbatch(self) -> np.ndarray:
-        return np.fromiter((a.microbatch for a in self.actions), dtype=np.int64, count=len(self.actions))
+    def is_kind(self, *kinds: ActionKind) -> np.ndarray:
+        return np.isin(self.kind, [KIND_CODE[k] for k in kinds])
 
     def to_frame(self) -> pd.DataFrame:
         """One row per action: device, stream, action, kind, stage, chunk, microbatch, start_ns, end_ns, bytes."""
-        stage = self.stage()
+        roles = list(Role)
         return pd.DataFrame({
             "device": self.device,
-            "stream": [_stream(role, int(peer)) for role, peer in zip(self.roles(), self.peer)],
+            "stream": [_stream(roles[r], int(peer)) for r, peer in zip(_ROLE_CODE[self.kind], self.peer)],
             "action": [str(a) for a in self.actions],
-            "kind": [str(a.kind) for a in self.actions],
-            "stage": stage,
-            "chunk": stage // max(1, self.num_devices),
-            "microbatch": self.microbatch(),
+            "kind": [KINDS[k].value for k in self.kind],
+            "stage": self.stage,
+            "chunk": self.stage // max(1, self.num_devices),
+            "microbatch": self.microbatch,
             "start_ns": self.start,
             "end_ns": self.end,
             "bytes": self.nbytes,
@@ -73,9 +83,9 @@ def _stream(role: Role, peer: int) -> str:
 
 def replay_timeline(program: Program, times: RunTimes, num_devices: int) -> Timeline:
     """The timeline of a replay: compute entries with their own times; SEND, RECV and collectives with their flow's."""
-    step = np.fromiter(program.step, dtype=np.int8, count=program.num_entries)
-    keep = np.flatnonzero(step != Step.STAGE)
-    step, flow = step[keep], np.asarray(program.flow_of, dtype=np.int64)[keep]
+    cols = program.columns
+    keep = np.flatnonzero(cols.step != Step.STAGE)
+    step, flow = cols.step[keep], np.asarray(program.flow_of, dtype=np.int64)[keep]
 
     def per_flow(values: list[int]) -> np.ndarray:  # a flow's value per row; the pad at -1 serves compute rows
         return np.append(np.asarray(values, dtype=np.int64), -1)[flow]
@@ -86,6 +96,7 @@ def replay_timeline(program: Program, times: RunTimes, num_devices: int) -> Time
     peer = np.where(step == Step.SEND, per_flow(program.flow_dst),
                     np.where(step == Step.RECV, per_flow(program.flow_src), -1))
     nbytes = np.where(compute, 0, per_flow(program.flow_bytes))
-    actions = program.actions
-    return Timeline([actions[i] for i in keep.tolist()], np.asarray(program.device, dtype=np.int64)[keep], start,
-                    end, peer, nbytes, num_devices)
+    everything = len(keep) == program.num_entries
+    actions = program.actions if everything else [program.actions[i] for i in keep.tolist()]
+    kept = Columns(cols.stage[keep], cols.kind[keep], cols.microbatch[keep], cols.device[keep], step)
+    return Timeline.of(actions, kept.device, start, end, peer, nbytes, num_devices, kept)

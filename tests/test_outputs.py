@@ -75,7 +75,7 @@ def test_timeline_parquet_and_csv(tmp_path) -> None:
         write_timeline(result, str(tmp_path / name))
         frame = pd.read_parquet(tmp_path / name) if name.endswith("parquet") else pd.read_csv(tmp_path / name)
         assert list(frame.columns) == list(result.timeline.columns)
-        assert len(frame) == 3 * 4 * 2 + 2 * 4 * 2
+        assert len(frame) == 3 * 4 * 2 + 2 * (2 * 4 * 2)  # ops, then each transfer as a send and a recv row
 
 
 def test_make_demo_command(tmp_path) -> None:
