@@ -1,4 +1,4 @@
-"""Replay torch.distributed.pipelining schedules as pipescope Schedules (SCHEDULES.md section 8).
+"""Replay torch.distributed.pipelining schedules as pipescope Schedules (docs/schedules.md section 8).
 
 torch's schedule classes compute their ``pipeline_order`` (per rank, compute actions and idle ``None`` steps) in
 their constructors from a few attributes of the stage objects they are given, so lightweight stand-in stages are
@@ -245,14 +245,6 @@ def dry_run_compute_steps(timeline: TorchOrder) -> dict[Action, int]:
             for ours in [] if action is None else torch_action_to_actions(action):
                 steps[ours] = step
     return steps
-
-
-def golden_name(name: str, stages: int, microbatches: int) -> str:
-    """File name of a golden torch schedule CSV: ``torch_<ScheduleName>_p<P>_m<M>.csv``.
-
-    Test-only (tests/goldens.py writes them); it stays here while tests/test_lowering.py imports it from here.
-    """
-    return f"torch_{canonical_name(name)}_p{stages}_m{microbatches}.csv"
 
 
 def to_torch_order(schedule: Schedule) -> TorchOrder:

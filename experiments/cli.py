@@ -1,4 +1,4 @@
-"""The ``pipescope`` command line (DESIGN.md's CLI contract)."""
+"""The ``pipescope`` command line (docs/cli.md)."""
 
 from __future__ import annotations
 

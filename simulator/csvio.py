@@ -1,5 +1,5 @@
 """torch.distributed.pipelining's schedule CSV: one row per rank, one cell per action,
-an empty cell is an idle step (SCHEDULES.md section 8)."""
+an empty cell is an idle step (docs/schedules.md section 8)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ and ``stage_to_device`` says where each one lives (looped: stage ``s`` on device
 from __future__ import annotations
 
 import re
+from collections.abc import Container
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import NamedTuple
@@ -220,7 +221,7 @@ def v_placement(num_devices: int) -> tuple[int, ...]:
     return tuple(range(num_devices)) + tuple(reversed(range(num_devices)))
 
 
-def producers(action: Action, num_stages: int, present: set[Action] | frozenset[Action]) -> list[Action]:
+def producers(action: Action, num_stages: int, present: Container[Action]) -> list[Action]:
     """The compute ops whose results ``action`` needs (docs/schedules.md section 0): the one dependency rule.
 
     F(s) needs F(s-1); I/B(s) needs its own F(s) and the backward of stage s+1 (its I if the schedule has one,

@@ -10,7 +10,7 @@ Standard library only: the simulator never imports torch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 from pipescope.simulator.ir import ScheduleError
@@ -146,7 +146,7 @@ def lower(schedule: Schedule) -> Schedule:
     return schedule if schedule.is_lowered else add_send_recv(schedule)
 
 
-def program_inputs(action: Action, home: Sequence[int], num_stages: int, present: frozenset[Action]) -> list[Action]:
+def program_inputs(action: Action, home: Sequence[int], num_stages: int, present: Container[Action]) -> list[Action]:
     """What ``action`` waits for in a lowered program: its producers (``simulator.ir.producers``, the one
     dependency rule), each one on another device replaced by the RECV of its transfer on this device."""
     here = home[action.stage]

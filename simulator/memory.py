@@ -73,7 +73,7 @@ class OpArrays:
 
 
 def op_memory_events(ops: OpArrays, recompute: bool, chunks: int) -> MemoryEvents:
-    """What compute ops stash and free (SCHEDULES.md section 0 bookkeeping).
+    """What compute ops stash and free (docs/schedules.md section 0 bookkeeping).
 
     The memory effect of each compute kind, in one place: F stashes M_B (only the stage input under recompute);
     I turns it into M_W; W frees M_W;

@@ -101,7 +101,7 @@ def layer_work(model: ModelSpec, microbatch_size: int, precision: str) -> LayerW
 
 
 def output_layer_flops(model: ModelSpec, microbatch_size: int) -> tuple[float, float, float]:
-    """(F, I, W) FLOPs of logits + softmax + cross-entropy: 6bshV in all (SCHEDULES.md section 7)."""
+    """(F, I, W) FLOPs of logits + softmax + cross-entropy: 6bshV in all (docs/schedules.md section 7)."""
     part = 2.0 * microbatch_size * model.seq * model.hidden * model.vocab
     return part, part, part
 

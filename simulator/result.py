@@ -93,7 +93,7 @@ class SimResult:
         return self.records.to_frame()
 
     def summary(self) -> dict:
-        """The JSON object ``simulate --json`` prints (DESIGN.md's fields and a few more)."""
+        """The JSON object ``simulate --json`` prints (docs/cli.md's fields and a few more)."""
         s = self.schedule
         return {
             "schedule": s.name,

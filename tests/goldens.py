@@ -8,8 +8,19 @@ from __future__ import annotations
 
 import os
 
-from pipescope.calibration.torch_schedules import golden_name, torch_schedule
+from pipescope.calibration.torch_schedules import canonical_name, torch_schedule
 from pipescope.simulator.csvio import write_csv
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def golden_name(name: str, stages: int, microbatches: int) -> str:
+    """File name of a golden torch schedule CSV: ``torch_<ScheduleName>_p<P>_m<M>.csv``."""
+    return f"torch_{canonical_name(name)}_p{stages}_m{microbatches}.csv"
+
+
+def golden_path(name: str, stages: int, microbatches: int) -> str:
+    return os.path.join(GOLDEN, golden_name(name, stages, microbatches))
 
 
 def write_golden(folder: str, name: str, stages: int, microbatches: int, chunks: int = 1) -> str:

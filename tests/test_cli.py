@@ -12,16 +12,10 @@ UNIFORM = ["--set", "costs.kind=uniform", "--set", "costs.forward=1", "--set", "
            "--set", "costs.backward_weight=1", "--set", "costs.p2p=0"]
 
 
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def test_simulate_json_has_every_design_field(capsys) -> None:
-    """simulate --json prints one object with DESIGN.md's fields; bubble_rate matches the closed form."""
-    code, out, _ = run_cli(["simulate", "--json", "--schedule", "gpipe", "--stages", "4", "--microbatches", "8",
-                            *UNIFORM], capsys)
+def test_simulate_json_has_every_design_field(cli) -> None:
+    """simulate --json prints one object with docs/cli.md's fields; bubble_rate matches the closed form."""
+    code, out, _ = cli(["simulate", "--json", "--schedule", "gpipe", "--stages", "4", "--microbatches", "8",
+                            *UNIFORM])
     assert code == 0
     data = json.loads(out)
     for key in ("schedule", "stages", "devices", "microbatches", "iteration_time_s", "bubble_rate",
@@ -34,29 +28,29 @@ def test_simulate_json_has_every_design_field(capsys) -> None:
     assert set(data["per_device"][0]) >= {"device", "busy_s", "span_s", "idle_fraction", "peak_memory_bytes"}
 
 
-def test_config_file_and_set_override(tmp_path, capsys) -> None:
+def test_config_file_and_set_override(tmp_path, cli) -> None:
     """--set overrides the YAML file, and short flags override --set."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text("schedule:\n  name: gpipe\n  stages: 2\n  microbatches: 2\ncosts:\n  kind: uniform\n")
-    code, out, _ = run_cli(["simulate", "--json", "--config", str(cfg), "--set", "schedule.stages=3",
-                            "--microbatches", "5", "--set", "costs.forward=18.5ms"], capsys)
+    code, out, _ = cli(["simulate", "--json", "--config", str(cfg), "--set", "schedule.stages=3",
+                            "--microbatches", "5", "--set", "costs.forward=18.5ms"])
     data = json.loads(out)
     assert code == 0 and data["stages"] == 3 and data["microbatches"] == 5
     assert data["per_device"][0]["busy_s"] == pytest.approx(5 * (0.0185 + 2.0))
 
 
-def test_analytic_run_reports_memory_and_mfu(capsys) -> None:
+def test_analytic_run_reports_memory_and_mfu(cli) -> None:
     """The default analytic run reports a positive MFU below 1 and per-device memory."""
-    code, out, _ = run_cli(["simulate", "--json"], capsys)
+    code, out, _ = cli(["simulate", "--json"])
     data = json.loads(out)
     assert code == 0 and 0 < data["mfu"] < 1
     assert data["peak_memory_bytes"] == max(d["peak_memory_bytes"] for d in data["per_device"])
     assert data["oom"] == []
 
 
-def test_oom_is_reported_with_device_and_bytes(capsys) -> None:
+def test_oom_is_reported_with_device_and_bytes(cli) -> None:
     """A 1 GiB device cannot hold GPT 1.3B's stages: OOM names device and bytes."""
-    code, out, _ = run_cli(["simulate", "--set", "cluster.memory=1GiB"], capsys)
+    code, out, _ = cli(["simulate", "--set", "cluster.memory=1GiB"])
     assert code == 0
     assert "OOM: device 0 needs" in out and "of 1.00 GiB" in out
 
@@ -90,31 +84,31 @@ def test_oom_is_reported_with_device_and_bytes(capsys) -> None:
     (["--set", "model.precision=fp8"], "model.precision: got 'fp8', expected one of bf16, fp16, fp32"),
     (["--schedule", "zb-h2", "--stages", "4", "--microbatches", "2"], "schedule.microbatches"),
 ])
-def test_bad_input_is_one_line_exit_2(args: list[str], expected: str, capsys) -> None:
+def test_bad_input_is_one_line_exit_2(args: list[str], expected: str, cli) -> None:
     """Each bad input exits 2 with a single line naming the key and the value."""
-    code, out, err = run_cli(["simulate", *args], capsys)
+    code, out, err = cli(["simulate", *args])
     assert code == 2
     assert out == ""
     assert err.count("\n") == 1 and err.startswith("pipescope: error: ")
     assert expected in err
 
 
-def test_check_command(tmp_path, capsys) -> None:
+def test_check_command(tmp_path, cli) -> None:
     """pipescope check accepts a good CSV (exit 0) and names the problem of a bad one (exit 1)."""
     good, bad = tmp_path / "good.csv", tmp_path / "bad.csv"
     good.write_text("0F0,0B0\n1F0,1B0\n")
     bad.write_text("0F0,0B0\n1F0\n")
-    code, out, _ = run_cli(["check", str(good)], capsys)
+    code, out, _ = cli(["check", str(good)])
     assert code == 0 and "ok: 2 devices" in out and "4 unit-time steps (6 with send/recv" in out
-    code, _, err = run_cli(["check", str(bad)], capsys)
+    code, _, err = cli(["check", str(bad)])
     assert code == 1 and "stage 1 microbatch 0: missing B (or I and W)" in err
-    code, _, err = run_cli(["check", str(tmp_path / "absent.csv")], capsys)
+    code, _, err = cli(["check", str(tmp_path / "absent.csv")])
     assert code == 2 and "does not exist" in err
 
 
-def test_schedules_lists_generators(capsys) -> None:
+def test_schedules_lists_generators(cli) -> None:
     """pipescope schedules names every generator with a description."""
-    code, out, _ = run_cli(["schedules"], capsys)
+    code, out, _ = cli(["schedules"])
     assert code == 0
     assert out.startswith("gpipe") or "gpipe " in out
     assert "1f1b" in out and "aliases: flush" in out and "torch:<Name>" in out
@@ -128,11 +122,11 @@ def test_console_script_argparse_error_is_one_line() -> None:
     assert proc.stderr.count("\n") == 1 and "invalid choice: 'frobnicate'" in proc.stderr
 
 
-def test_csv_output_is_torch_compute_only(tmp_path, capsys) -> None:
+def test_csv_output_is_torch_compute_only(tmp_path, cli) -> None:
     """simulate --csv writes the schedule it ran; check accepts it."""
     path = tmp_path / "s.csv"
-    code, _, _ = run_cli(["simulate", "--schedule", "1f1b", "--stages", "3", "--microbatches", "4", "--csv",
-                          str(path), *UNIFORM], capsys)
+    code, _, _ = cli(["simulate", "--schedule", "1f1b", "--stages", "3", "--microbatches", "4", "--csv",
+                          str(path), *UNIFORM])
     assert code == 0
     assert path.read_text().splitlines()[2] == "2F0,2B0,2F1,2B1,2F2,2B2,2F3,2B3"
     assert main(["check", str(path)]) == 0
@@ -146,19 +140,19 @@ def test_csv_output_is_torch_compute_only(tmp_path, capsys) -> None:
     ("device: [unclosed\n", "is not a readable YAML file"),
     ("device: h100\n", "expected device, gpus_per_node"),
 ])
-def test_bad_topology_file(text: str, expected: str, tmp_path, capsys) -> None:
+def test_bad_topology_file(text: str, expected: str, tmp_path, cli) -> None:
     """A broken topology YAML is one line naming the file and the problem, exit 2."""
     path = tmp_path / "machine.yaml"
     path.write_text(text)
-    code, _, err = run_cli(["simulate", "--set", f"cluster.topology={path}"], capsys)
+    code, _, err = cli(["simulate", "--set", f"cluster.topology={path}"])
     assert code == 2 and err.count("\n") == 1 and expected in err
 
 
-def test_simulate_reports_a_deadlocking_csv(tmp_path, capsys) -> None:
+def test_simulate_reports_a_deadlocking_csv(tmp_path, cli) -> None:
     """simulate on a deadlocking CSV exits 1 naming each stuck op and what it waits for."""
     path = tmp_path / "dead.csv"
     path.write_text("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n")
-    code, out, err = run_cli(["simulate", "--schedule", f"csv:{path}", "--set", "costs.kind=uniform"], capsys)
+    code, out, err = cli(["simulate", "--schedule", f"csv:{path}", "--set", "costs.kind=uniform"])
     assert code == 1 and out == ""
     assert "deadlock: cannot place sends/recvs: device 0 position 1: 0B0 waits for 0RECV_B0 or 1I0 or 1B0" in err
     assert "device 1 position 0: 1F1 waits for 1RECV_F1 or 0F1" in err

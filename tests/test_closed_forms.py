@@ -1,4 +1,4 @@
-"""GPipe and PipeDream-Flush under uniform costs against their closed forms (SCHEDULES.md sections 0, 1, 4)."""
+"""GPipe and PipeDream-Flush under uniform costs against their closed forms (docs/schedules.md sections 0, 1, 4)."""
 
 import pytest
 

@@ -7,8 +7,8 @@ import pytest
 from pipescope.simulator.csvio import from_csv_text, read_csv, to_csv_text, write_csv
 from pipescope.simulator.ir import Action, ActionKind, parse_action, parse_cell
 from pipescope.simulator.schedules import build
+from goldens import GOLDEN
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
 K = ActionKind
 

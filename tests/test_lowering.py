@@ -1,4 +1,5 @@
-"""Send/recv lowering (simulator/lowering.py, SCHEDULES.md section 8), torch's dry-run step counts, and collectives.
+"""Send/recv lowering (simulator/lowering.py, docs/schedules.md section 8), torch's dry-run step counts and
+collectives.
 
 ``add_send_recv`` is compared with torch's own ``_add_send_recv`` action for action, for every well-formed torch
 schedule and for our own generators. torch's unit-time dry-run step counts come from torch itself
@@ -10,7 +11,6 @@ without torch.
 from __future__ import annotations
 
 import dataclasses
-import os
 from types import ModuleType
 from typing import Any
 
@@ -21,7 +21,6 @@ from pipescope.calibration.torch_schedules import (
     build_torch_schedule,
     dry_run_steps,
     expand_overlaps,
-    golden_name,
     to_torch_order,
     torch_dry_run,
     torch_pipeline_order,
@@ -35,16 +34,11 @@ from pipescope.simulator.lowering import add_send_recv, comm_pair, lower
 from pipescope.simulator.network import RING_STEPS, FifoLinks
 from pipescope.simulator.schedules import build
 from pipescope.simulator.simulate import simulate
+from goldens import golden_path
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 OURS = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("v-half", 2)]
 SIZES = [(2, 4), (3, 6), (4, 8)]
 
-
-@pytest.fixture(scope="module")
-def torch_sched() -> ModuleType:
-    """torch's schedules module; tests that use it (and ``dry_run_steps``) skip when torch is not installed."""
-    return pytest.importorskip("torch.distributed.pipelining.schedules")
 
 
 def _schedule(rows: list[list[str]], placement: tuple[int, ...], microbatches: int = 1) -> Schedule:
@@ -140,7 +134,7 @@ def test_crafted_program_runs_without_torch() -> None:
 
 def test_malformed_order_cannot_be_lowered() -> None:
     """torch 2.13's 1F1B (golden): the last rank's 3F8 has no sender, so lowering stops, naming every stuck op."""
-    schedule = read_csv(os.path.join(GOLDEN, golden_name("1F1B", 4, 8)), 8)
+    schedule = read_csv(golden_path("1F1B", 4, 8), 8)
     with pytest.raises(ScheduleError, match="deadlock: cannot place sends/recvs: device 3 position 14: 3F8 waits for "
                                             "3RECV_F8 or 2F8") as err:
         add_send_recv(schedule)
@@ -149,7 +143,7 @@ def test_malformed_order_cannot_be_lowered() -> None:
 
 def test_malformed_order_torch_refuses_too(torch_sched: ModuleType) -> None:
     """torch's own lowering refuses the same golden: dry_run_steps gives no count and torch's reason."""
-    schedule = read_csv(os.path.join(GOLDEN, golden_name("1F1B", 4, 8)), 8)
+    schedule = read_csv(golden_path("1F1B", 4, 8), 8)
     steps, reason = dry_run_steps(schedule)
     assert steps is None
     assert "Malformed compute schedule" in reason
@@ -174,7 +168,7 @@ def test_lowered_input_dry_runs_as_is(torch_sched: ModuleType) -> None:
 @pytest.mark.parametrize(("name", "steps"), [("GPipe", 56), ("ZBVZeroBubble", 133)])
 def test_goldens_dry_run_steps(torch_sched: ModuleType, name: str, steps: int) -> None:
     """torch's dry-run counts of the golden CSVs (hand-checked for torch 2.13; see the parity tests)."""
-    schedule = read_csv(os.path.join(GOLDEN, golden_name(name, 4, 8)), 8)
+    schedule = read_csv(golden_path(name, 4, 8), 8)
     assert dry_run_steps(schedule) == (steps, "")
     assert steps >= check(schedule)
 

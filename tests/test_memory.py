@@ -1,4 +1,4 @@
-"""The memory ledger: weight versions, optimizer state, activation stashes, against SCHEDULES.md's formulas."""
+"""The memory ledger: weight versions, optimizer state, activation stashes, against docs/schedules.md's formulas."""
 
 import pytest
 
@@ -39,7 +39,7 @@ def test_2bw_holds_exactly_two_versions() -> None:
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_2bw_activation_formula(recompute: bool) -> None:
-    """SCHEDULES.md section 3 on the ledger's first device, GPT 1.3B, d = 4 stages of 6 layers.
+    """docs/schedules.md section 3 on the ledger's first device, GPT 1.3B, d = 4 stages of 6 layers.
 
     Without recompute d * |A_total(b)| / d = |A_total(b)|; with recompute |A_total(b)| / d + d * |A_input(b)|.
     The paper's extra d * |A_input(b)| without recompute is inside M_B here (a layer's stash includes its

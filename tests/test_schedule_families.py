@@ -286,7 +286,7 @@ def test_v_min_peak_activations_are_p_plus_4_over_3(p):
 
 @pytest.mark.parametrize("p", [3, 4, 6, 8, 9, 12])
 def test_v_half_and_v_min_bubbles_against_1f1b(p):
-    """F = I = W: 1F1B idles (p-1)(F+B); V-Half at most 0.6 of that (SCHEDULES.md: about half),
+    """F = I = W: 1F1B idles (p-1)(F+B); V-Half at most 0.6 of that (docs/schedules.md: about half),
     V-Min at most 2/3 (about two thirds), ZB-V none; V-Half never above V-Min."""
     m = 4 * p
     bubble = {name: cost(timed(build(name, p, m))) - m * 3600 for name in ("1f1b", "v-half", "v-min", "zb-v")}

@@ -1,4 +1,4 @@
-"""Replay of torch.distributed.pipelining schedules (calibration/torch_schedules.py, SCHEDULES.md section 8).
+"""Replay of torch.distributed.pipelining schedules (calibration/torch_schedules.py, docs/schedules.md section 8).
 
 Exact match with torch's dry-run step counts (comms lowered): tests/test_lowering.py.
 """
@@ -20,7 +20,6 @@ from pipescope.calibration.torch_schedules import (
     dry_run_compute_steps,
     dry_run_steps,
     expand_overlaps,
-    golden_name,
     torch_action_to_actions,
     torch_dry_run,
     torch_pipeline_order,
@@ -30,17 +29,12 @@ from pipescope.simulator.check import check
 from pipescope.simulator.csvio import from_csv_text, read_csv, to_csv_text
 from pipescope.simulator.ir import Action, ActionKind, Schedule, ScheduleError, producers
 from pipescope.simulator.lowering import add_send_recv
+from goldens import golden_name, golden_path
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 MULTI_STAGE_CSV = [("Interleaved1F1B", 2), ("LoopedBFS", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)]
 SIZES = [(1, 4), (2, 4), (3, 6), (4, 8)]
 GOLDENS = [("GPipe", 1), ("1F1B", 1), ("ZBVZeroBubble", 2)]
 
-
-@pytest.fixture(scope="module")
-def torch_sched() -> ModuleType:
-    """torch's schedules module; tests that use it skip when torch is not installed."""
-    return pytest.importorskip("torch.distributed.pipelining.schedules")
 
 
 def _rows(text: str) -> list[list[str]]:
@@ -245,7 +239,7 @@ def test_dual_pipe_v_compute_only_csv_loads(torch_sched: ModuleType, tmp_path: o
 @pytest.mark.parametrize(("name", "chunks"), GOLDENS)
 def test_goldens_match_installed_torch(torch_sched: ModuleType, name: str, chunks: int) -> None:
     """The golden CSVs are what the installed torch builds (regenerate with ``tests/goldens.py``)."""
-    path = os.path.join(GOLDEN, golden_name(name, 4, 8))
+    path = golden_path(name, 4, 8)
     with open(path, encoding="utf-8") as handle:
         assert handle.read() == to_csv_text(torch_schedule(name, 4, 8, chunks))
     if name != "1F1B":  # malformed: check() rejects it (test_goldens_check_without_torch)
@@ -261,7 +255,7 @@ def test_replayed_actions_carry_action_kinds(torch_sched: ModuleType) -> None:
 def test_goldens_check_without_torch() -> None:
     """From the goldens alone: torch's 1F1B is rejected naming the bad forward, GPipe and ZBV pass."""
     def golden(name: str) -> Schedule:
-        return read_csv(os.path.join(GOLDEN, golden_name(name, 4, 8)), 8)
+        return read_csv(golden_path(name, 4, 8), 8)
 
     with pytest.raises(ScheduleError, match="3F8 has microbatch outside 0..7"):
         check(golden("1F1B"))

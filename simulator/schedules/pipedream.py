@@ -1,7 +1,7 @@
 """Schedules without a flush: PipeDream (weight stashing) and PipeDream-2BW.
 
 Both run the 1F1B order over ``iterations * m`` consecutive microbatches, so the
-pipeline fills once and drains once per run (SCHEDULES.md sections 2 and 3).
+pipeline fills once and drains once per run (docs/schedules.md sections 2 and 3).
 """
 
 from __future__ import annotations

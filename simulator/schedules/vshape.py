@@ -2,7 +2,7 @@
 
 Same V placement as ZB-V (device r holds stages r and 2p-1-r). Every microbatch
 repeats one "building block" shifted by 6 unit slots per microbatch; the block's
-slot offsets (SCHEDULES.md section 6, from sail-sg's ``stable_pattern_v_half`` /
+slot offsets (docs/schedules.md section 6, from sail-sg's ``stable_pattern_v_half`` /
 ``stable_pattern_v_min``) fix how long each activation lives, hence the peak
 memory: (p+2)//2 device-stages of activations for V-Half, (p+4)//3 for V-Min.
 As in sail-sg's ``zbv_greedy``: W's take the first free slot after their I; the
@@ -14,9 +14,9 @@ slots. (sail-sg's second, W-less re-pack of the cool-down is left out.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
-from pipescope.simulator.ir import ActionKind, Action, Schedule, v_placement
+from pipescope.simulator.ir import Action, ActionKind, Schedule, producers, v_placement
 from pipescope.simulator.schedules.common import check_sizes, v_chunks
 
 PERIOD = 6  # unit slots per microbatch per device: F and I of both chunks, plus two W's
@@ -70,18 +70,11 @@ def place_weight_grads(slots: dict[int, Action]) -> dict[int, Action]:
     return placed
 
 
-def prerequisites(action: Action, p: int) -> list[Action]:
-    """Ops that must hold an earlier slot: the producer (SCHEDULES.md section 0, V stages 0..2p-1)
-    and the same op of the previous microbatch (each op kind keeps microbatch order)."""
-    stage, kind, mb = action.stage, action.kind, action.microbatch
-    before = [Action(stage, kind, mb - 1)] if mb > 0 else []
-    if kind is ActionKind.F and stage > 0:
-        before.append(Action(stage - 1, ActionKind.F, mb))
-    elif kind is ActionKind.I:
-        before.append(Action(stage + 1, ActionKind.I, mb) if stage < 2 * p - 1 else Action(stage, ActionKind.F, mb))
-    elif kind is ActionKind.W:
-        before.append(Action(stage, ActionKind.I, mb))
-    return before
+def prerequisites(action: Action, p: int, present: Container[Action]) -> list[Action]:
+    """Ops that must hold an earlier slot: the producers (``simulator.ir.producers``, the one dependency rule, over
+    the V's stages 0..2p-1) and the same op of the previous microbatch (each op kind keeps microbatch order)."""
+    before = [Action(action.stage, action.kind, action.microbatch - 1)] if action.microbatch > 0 else []
+    return before + producers(action, 2 * p, present)
 
 
 def memory_levels(slots: dict[int, Action], length: int) -> list[int]:
@@ -120,7 +113,7 @@ def compact_edges(table: list[dict[int, Action]], p: int, m: int) -> None:
         now, d = where[action]
         if steady_from <= (now, d) <= steady_to:
             continue
-        low = max((where[a][0] + 1 for a in prerequisites(action, p)), default=0)
+        low = max((where[a][0] + 1 for a in prerequisites(action, p, where)), default=0)
         slot = earliest_slot(table[d], levels[d], low, now, MEMORY_DELTA[action.kind], cap)
         if slot < now:
             table[d][slot] = table[d].pop(now)

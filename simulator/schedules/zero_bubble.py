@@ -61,7 +61,7 @@ def zb_h2_order(r: int, p: int, m: int) -> list[Action]:
     """Device r: F x (2(p-r)-1), [I, F] x 2r, [I, W, F] while F's last, [I, W], leftover W's.
 
     The extra warm-up forwards fill the wait for the first I. Device r defers 2r W's
-    (SCHEDULES.md's recipe says r): the drain needs device r to end with its last I
+    (docs/schedules.md's recipe says r): the drain needs device r to end with its last I
     followed by 2r+1 W's, and with only r deferred the first devices idle in the drain
     and the bubble stays ZB-H1's. In-flight activations 2(p-r)-1 plus 2r deferred W's
     keep every device within the paper's (2p-1) M_B. With m < 2p-1 the phases are cut short.
