@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from pipescope.simulator.ir import ActionKind
 
 
@@ -108,8 +110,17 @@ class FifoLinks:
         self._free_at.clear()
         self._link = list(zip(src, dst))
         self._bytes = list(nbytes)
-        timed = [self.times(a, b, n) if a >= 0 else (0, 0) for a, b, n in zip(src, dst, nbytes)]
-        self._duration, self._occupancy = [t[0] for t in timed], [t[1] for t in timed]
+        # Time each distinct (src, dst, bytes) once: a pipeline has few, however many flows it starts.
+        flows = np.array([src, dst, nbytes], dtype=np.int64).reshape(3, -1)
+        order = np.lexsort(flows[::-1])
+        new_group = np.ones(len(order), dtype=bool)
+        new_group[1:] = (np.diff(flows[:, order], axis=1) != 0).any(axis=0)
+        group = np.empty(len(order), dtype=np.int64)
+        group[order] = np.cumsum(new_group) - 1
+        distinct = flows[:, order[new_group]].T.tolist()
+        timed = np.array([self.times(a, b, n) if a >= 0 else (0, 0) for a, b, n in distinct],
+                         dtype=np.int64).reshape(-1, 2)
+        self._duration, self._occupancy = timed[group, 0].tolist(), timed[group, 1].tolist()
 
     def times(self, src: int, dst: int, nbytes: int) -> tuple[int, int]:
         """(duration, occupancy) of one transfer, computed once per (src, dst, nbytes)."""

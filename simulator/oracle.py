@@ -33,23 +33,25 @@ class Oracle:
         times = RunTimes([-1] * n, [-1] * n, [-1] * p.num_flows, [-1] * p.num_flows)
         fired, joined = [False] * (n + p.num_flows), [0] * p.num_flows
         cursor, busy, waiting = [0] * len(steps), [False] * len(steps), {}
+        collective, launches, flow_of, start_transfer = Step.COLLECTIVE, p.launches, p.flow_of, network.start_transfer
+        entry_start, push = times.entry_start, heapq.heappush
         network.bind(p.flow_src, p.flow_dst, p.flow_bytes)
 
         def done(d: int, i: int, now: int) -> None:
             times.entry_end[i] = now
             cursor[d] += 1
-            for f in p.launches[i]:
-                times.flow_start[f] = network.start_transfer(self, now, f)
+            for f in launches[i]:
+                times.flow_start[f] = start_transfer(self, now, f)
             advance(d, now)
 
         def advance(d: int, now: int) -> None:
             if busy[d] or cursor[d] >= len(steps[d]):
                 return
             i = steps[d][cursor[d]]
-            if step[i] is Step.COLLECTIVE:
-                f = p.flow_of[i]
-                if times.entry_start[i] < 0:
-                    times.entry_start[i] = now
+            if step[i] is collective:
+                f = flow_of[i]
+                if entry_start[i] < 0:
+                    entry_start[i] = now
                     joined[f] += 1
                     c = p.flow_collective[f]
                     if joined[f] == len(c.group):
@@ -63,9 +65,9 @@ class Oracle:
                 if not fired[signal]:
                     waiting.setdefault(signal, []).append(d)
                     return
-            times.entry_start[i] = now
+            entry_start[i] = now
             busy[d] = True
-            heapq.heappush(heap, (now + duration[i], i))
+            push(heap, (now + duration[i], i))
 
         for d in range(len(steps)):
             advance(d, 0)
