@@ -89,5 +89,6 @@ def run_bench(repeat: int = 5, quick: bool = False, as_json: bool = False) -> in
               f"{r['engine_ops_per_s']:>9.0f} {r['check_s']:>6.3f}s {r['compile_s']:>7.3f}s {r['result_s']:>6.3f}s "
               f"{r['simulate_s']:>8.3f}s")
     print(f"medians of {repeat} runs; 'simulate' is the whole simulate() call (structure check, lowering, compile, "
-          f"engine, result); 'check' is the full checker with its lockstep replay, as `pipescope check` runs it")
+          f"engine, result); 'compile' includes lowering; 'check' is the structure check plus the engine's "
+          f"unit-time replay, as `pipescope check` runs it")
     return 0
