@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import simpy
 
-from pipescope.simulator.ir import ScheduleError
-from pipescope.simulator.ir import COMPUTE_KINDS
+from pipescope.simulator.ir import COMPUTE_KINDS, ScheduleError
 from pipescope.simulator.network import Network
 from pipescope.simulator.program import Program, Step
 

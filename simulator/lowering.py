@@ -13,8 +13,7 @@ import dataclasses
 from collections.abc import Callable, Container, Sequence
 from typing import Any
 
-from pipescope.simulator.ir import ScheduleError
-from pipescope.simulator.ir import COMM_KINDS, COMPUTE_KINDS, ActionKind, Action, Schedule, producers
+from pipescope.simulator.ir import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, Schedule, ScheduleError, producers
 
 K = ActionKind
 # Per compute kind: (peer stage offset, SEND kind, RECV kind); W sends nothing.

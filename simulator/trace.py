@@ -10,7 +10,8 @@ from pipescope.simulator.files import write_atomic
 from pipescope.simulator.result import SimResult
 
 KIND_NAMES = {"F": "forward", "I": "input-grad", "W": "weight-grad", "B": "backward",
-              "SEND_F": "send activation", "SEND_B": "send gradient"}
+              "SEND_F": "send activation", "SEND_B": "send gradient",
+              "RECV_F": "receive activation", "RECV_B": "receive gradient"}
 
 
 def _lanes(result: SimResult) -> dict[tuple[int, str], int]:

@@ -1,15 +1,12 @@
-"""The engine on its own: deadlocks it meets are reported with the stuck ops, links are FIFO per direction."""
-
+"""The engine over FIFO links: transfer times from the path, queueing on a busy link, overlapping latency, pure
+delays under uniform costs (deadlocks: tests/test_check.py)."""
 
 from pipescope.simulator.costs import AnalyticCosts, UniformCosts
-from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.models import preset
 from pipescope.simulator.network import FifoLinks, Link
-from pipescope.topologies.devices import DEVICES
 from pipescope.simulator.schedules import build
 from pipescope.simulator.simulate import simulate
-
-K = ActionKind
+from pipescope.topologies.devices import DEVICES
 
 
 def test_link_bandwidth_and_latency_set_transfer_time() -> None:
