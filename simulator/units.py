@@ -24,16 +24,22 @@ BANDWIDTH_UNITS = {"": 1.0, "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "
                    "Gbps": 1e9 / 8, "GiB/s": 2.0**30}
 
 
-def _parse(value: object, units: dict, what: str, example: str) -> float:
+def _number_and_unit(value: object, what: str, example: str, pattern: re.Pattern, number: type) -> tuple:
+    """(the number as ``number``, the unit text) of a bare number or a string such as ``'18.5ms'``."""
     if isinstance(value, bool):
         raise ValueError(f"got {value!r}, expected a {what}")
     if isinstance(value, (int, float)):
-        number, unit = float(value), ""
-    else:
-        match = _NUMBER.match(str(value))
-        if match is None:
-            raise ValueError(f"got {value!r}, expected a {what} such as {example}")
-        number, unit = float(match.group(1)), match.group(2)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"got {value!r}, expected a finite {what}")
+        return number(value), ""
+    match = pattern.match(str(value))
+    if match is None:
+        raise ValueError(f"got {value!r}, expected a {what} such as {example}")
+    return number(match.group(1)), match.group(2)
+
+
+def _parse(value: object, units: dict, what: str, example: str) -> float:
+    number, unit = _number_and_unit(value, what, example, _NUMBER, float)
     if not math.isfinite(number):
         raise ValueError(f"got {value!r}, expected a finite {what}")
     if unit not in units:
@@ -60,17 +66,7 @@ def parse_size(value: object) -> int:
         ValueError: one line naming the value and what was expected (a non-negative size with a known unit,
             a whole number of bytes). Callers prefix the key or flag.
     """
-    if isinstance(value, bool):
-        raise ValueError(f"got {value!r}, expected a size")
-    if isinstance(value, (int, float)):
-        if not math.isfinite(value):
-            raise ValueError(f"got {value!r}, expected a finite size")
-        number, unit = Fraction(value), ""
-    else:
-        match = _SIGNED_NUMBER.match(str(value))
-        if match is None:
-            raise ValueError(f"got {value!r}, expected a size such as '16GiB' or '512MB'")
-        number, unit = Fraction(match.group(1)), match.group(2)
+    number, unit = _number_and_unit(value, "size", "'16GiB' or '512MB'", _SIGNED_NUMBER, Fraction)
     if unit.lower() not in _SIZE_UNITS_FOLDED:
         known = ", ".join(u for u in SIZE_UNITS if u)
         raise ValueError(f"got {value!r}: unknown unit {unit!r}, expected one of {known} (any case)")
