@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import simpy
 
-from pipescope.simulator.ir import COMPUTE_KINDS, ScheduleError
+from pipescope.simulator.ir import COMPUTE_KINDS, Role, ScheduleError
 from pipescope.simulator.network import Network
-from pipescope.simulator.program import Program, Step
+from pipescope.simulator.program import Program
 
 
 @contextmanager
@@ -110,11 +110,11 @@ class Engine:
 
     def _stream(self, device: int, steps: list[int]):
         env, p, fired, times, pending, waiter = self.env, self.p, self.fired, self.times, self.pending, self.waiter
-        step, waits, duration, launches, flow_of = p.step, p.waits, p.duration, p.launches, p.flow_of
+        role, waits, duration, launches, flow_of = p.role, p.waits, p.duration, p.launches, p.flow_of
         start_transfer = self.network.start_transfer
-        compute = Step.COMPUTE
+        compute = Role.COMPUTE
         for i in steps:
-            if step[i] is compute:
+            if role[i] is compute:
                 for signal in waits[i]:
                     while not fired[signal]:
                         yield self._event_for(signal)
@@ -151,7 +151,7 @@ class Engine:
                 continue
             i = steps[k]
             waiting = [self._signal_name(s) for s in p.waits[i] if not self.fired[s]]
-            if p.step[i] is Step.COLLECTIVE:
+            if p.role[i] is Role.COLLECTIVE:
                 f = p.flow_of[i]
                 waiting = [f"{len(p.flow_collective[f].group)} members ({self.joined[f]} joined)"]
             position = sum(1 for j in steps[:k] if p.actions[j].kind in COMPUTE_KINDS)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Container
 from dataclasses import dataclass, field
-from enum import Enum, StrEnum
+from enum import IntEnum, StrEnum
 from typing import NamedTuple
 
 
@@ -41,14 +41,15 @@ class ActionKind(StrEnum):
     BROADCAST = "BROADCAST"
 
 
-class Role(Enum):
-    """How the engine treats an action kind."""
+class Role(IntEnum):
+    """How the engine treats an action kind. An int so numpy columns can hold it and the replay loops compare it
+    cheaply; the roles data flows through (compute, send, recv) come before the others."""
 
-    COMPUTE = "compute"  # takes time on the device's compute stream
-    SEND = "send"  # starts a transfer to the peer stage's device
-    RECV = "recv"  # posts the matching receive; the consuming op waits for the arrival
-    STAGE = "stage"  # torch's per-stage bookkeeping: kept in place, no work
-    COLLECTIVE = "collective"  # every member joins; each resumes when the network says it ended
+    COMPUTE = 0  # takes time on the device's compute stream
+    SEND = 1  # starts a transfer to the peer stage's device
+    RECV = 2  # posts the matching receive; the consuming op waits for the arrival
+    STAGE = 3  # torch's per-stage bookkeeping: kept in place, no work
+    COLLECTIVE = 4  # every member joins; each resumes when the network says it ended
 
 
 ROLE: dict[ActionKind, Role] = {

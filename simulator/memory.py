@@ -16,7 +16,7 @@ import numpy as np
 from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import ActionKind, Role, Schedule
 from pipescope.simulator.models import PRECISIONS
-from pipescope.simulator.program import KIND_CODE, RECEIVED_FROM, SENT_BY
+from pipescope.simulator.program import KIND_CODE, RECEIVED_FROM, SENT_BY, ActionIndex
 from pipescope.simulator.timeline import Timeline
 
 
@@ -152,23 +152,12 @@ def _buffer_events(records: Timeline) -> MemoryEvents:
     """p2p buffers: the sender's copy from its producer's end until the transfer arrives; the receiver's from the
     transfer's start until its consumer starts (a transfer nobody consumes is freed on arrival)."""
     stage, microbatch = records.stage, records.microbatch
-    key = (stage * (int(microbatch.max(initial=0)) + 2) + microbatch + 1) * 2  # (stage, mb, direction) as one int
-    forward, backward = records.is_kind(K.F), records.is_kind(K.I, K.B)
-    op_key = np.concatenate([key[forward], key[backward] + 1])
-    op_row = np.concatenate([np.flatnonzero(forward), np.flatnonzero(backward)])
-    order = np.argsort(op_key, kind="stable")
-    op_key, op_row = op_key[order], op_row[order]
-
-    def row_of(rows: np.ndarray, direction: np.ndarray) -> np.ndarray:
-        """The compute row with the same stage, microbatch and direction, or -1."""
-        wanted = key[rows] + direction
-        at = np.minimum(np.searchsorted(op_key, wanted), max(len(op_key) - 1, 0))
-        found = op_key[at] == wanted if len(op_key) else np.zeros(len(rows), dtype=bool)
-        return np.where(found, op_row[at] if len(op_key) else -1, -1)
-
+    compute = np.flatnonzero(records.mask(Role.COMPUTE))
+    ops = ActionIndex(stage[compute], records.kind[compute], microbatch[compute], compute,
+                      int(microbatch.max(initial=0)) + 2)
     sends, recvs = np.flatnonzero(records.is_kind(*SENT_BY)), np.flatnonzero(records.is_kind(*RECEIVED_FROM))
-    producer = row_of(sends, records.is_kind(K.SEND_B)[sends].astype(np.int64))
-    consumer = row_of(recvs, records.is_kind(K.RECV_B)[recvs].astype(np.int64))
+    producer = ops.compute_op(stage[sends], microbatch[sends], records.is_kind(K.SEND_B)[sends])
+    consumer = ops.compute_op(stage[recvs], microbatch[recvs], records.is_kind(K.RECV_B)[recvs])
     produced = np.where(producer >= 0, records.end[producer], records.start[sends])
     consumed = np.maximum(records.end[recvs], np.where(consumer >= 0, records.start[consumer], 0))
     return concat([_held(records.device[sends], produced, records.end[sends], records.nbytes[sends]),

@@ -10,9 +10,9 @@ from __future__ import annotations
 import heapq
 
 from pipescope.simulator.engine import RunTimes
-from pipescope.simulator.ir import ScheduleError
+from pipescope.simulator.ir import Role, ScheduleError
 from pipescope.simulator.network import Network
-from pipescope.simulator.program import Program, Step
+from pipescope.simulator.program import Program
 
 
 class Oracle:
@@ -29,11 +29,11 @@ class Oracle:
 
     def run(self) -> RunTimes:
         p, network, heap, due = self.p, self.network, self.heap, self.due
-        n, steps, step, waits, duration, device = p.num_entries, p.device_steps, p.step, p.waits, p.duration, p.device
+        n, steps, role, waits, duration, device = p.num_entries, p.device_steps, p.role, p.waits, p.duration, p.device
         times = RunTimes([-1] * n, [-1] * n, [-1] * p.num_flows, [-1] * p.num_flows)
         fired, joined = [False] * (n + p.num_flows), [0] * p.num_flows
         cursor, busy, waiting = [0] * len(steps), [False] * len(steps), {}
-        collective, launches, flow_of, start_transfer = Step.COLLECTIVE, p.launches, p.flow_of, network.start_transfer
+        collective, launches, flow_of, start_transfer = Role.COLLECTIVE, p.launches, p.flow_of, network.start_transfer
         entry_start, push = times.entry_start, heapq.heappush
         network.bind(p.flow_src, p.flow_dst, p.flow_bytes)
 
@@ -48,7 +48,7 @@ class Oracle:
             if busy[d] or cursor[d] >= len(steps[d]):
                 return
             i = steps[d][cursor[d]]
-            if step[i] is collective:
+            if role[i] is collective:
                 f = flow_of[i]
                 if entry_start[i] < 0:
                     entry_start[i] = now

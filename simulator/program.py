@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
 from operator import itemgetter
 
 import numpy as np
@@ -35,22 +34,10 @@ from pipescope.simulator.lowering import program_inputs
 K = ActionKind
 
 
-class Step(IntEnum):
-    """What the engine does at an entry (``Role`` as a small int: the replay loop compares it per entry)."""
-
-    COMPUTE = 0
-    SEND = 1
-    RECV = 2  # nothing to do: its consumer waits for the flow
-    STAGE = 3  # torch's per-stage actions: nothing to do
-    COLLECTIVE = 4
-
-
-STEP = {Role.COMPUTE: Step.COMPUTE, Role.SEND: Step.SEND, Role.RECV: Step.RECV, Role.STAGE: Step.STAGE,
-        Role.COLLECTIVE: Step.COLLECTIVE}
 KINDS = tuple(ActionKind)
 KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
-STEPS = tuple(Step)
-_STEP_CODE = np.array([STEP[ROLE[kind]] for kind in KINDS], dtype=np.int8)  # kind code -> Step
+ROLES = tuple(Role)
+ROLE_CODE = np.array([ROLE[kind] for kind in KINDS], dtype=np.int8)  # kind code -> Role
 # The compute kind that produces a SEND's data and the one that consumes a RECV's (I or B for the backward).
 SENT_BY = {K.SEND_F: (K.F,), K.SEND_B: (K.I, K.B)}
 RECEIVED_FROM = {K.RECV_F: (-1, K.SEND_F), K.RECV_B: (1, K.SEND_B)}
@@ -65,7 +52,7 @@ class Program:
 
     actions: list[ProgramAction]
     device: list[int]
-    step: list[Step]
+    role: list[Role]
     device_steps: list[list[int]]  # per device, its compute and collective entries in order
     launches: list[tuple[int, ...]]  # per entry: the flows its SENDs start when it ends
     duration: list[int]
@@ -89,13 +76,13 @@ class Program:
 
 @dataclass(frozen=True)
 class Columns:
-    """Per entry, as numpy arrays: stage, kind code (into ``KINDS``), microbatch, device and step code."""
+    """Per entry, as numpy arrays: stage, kind code (into ``KINDS``), microbatch, device and role."""
 
     stage: np.ndarray
     kind: np.ndarray
     microbatch: np.ndarray
     device: np.ndarray
-    step: np.ndarray
+    role: np.ndarray
 
     @classmethod
     def of(cls, actions: list[ProgramAction], device: np.ndarray) -> Columns:
@@ -106,7 +93,7 @@ class Columns:
         microbatch = np.fromiter(map(itemgetter(2), actions), dtype=np.int64, count=n)
         if n and (abs(microbatch).max() > MAX_INDEX or abs(stage).max() > MAX_INDEX):
             raise ScheduleError([f"a stage or microbatch index beyond {MAX_INDEX}; expected a pipeline's sizes"])
-        return cls(stage, kind, microbatch, device, _STEP_CODE[kind])
+        return cls(stage, kind, microbatch, device, ROLE_CODE[kind])
 
 
 MAX_INDEX = 1 << 30  # keeps (stage, kind, microbatch) keys inside int64
@@ -148,53 +135,74 @@ def compile_program(program: Schedule, durations: Mapping[tuple[int, ActionKind]
     n = len(actions)
     device = np.repeat(np.arange(len(lists)), [len(acts) for acts in lists])
     cols = Columns.of(actions, device)
-    out = Program(actions, device.tolist(), list(map(STEPS.__getitem__, cols.step.tolist())), [], [()] * n,
+    out = Program(actions, device.tolist(), list(map(ROLES.__getitem__, cols.role.tolist())), [], [()] * n,
                   [0] * n, [[]] * n, [-1] * n, cols)
-    keys = _Keys(cols)
+    keys = _index(cols)
     flow_of = _add_flows(out, program, keys, stage_bytes)
     _add_steps(out, lists, flow_of)
     _add_inputs(out, program, keys, flow_of, durations)
     return out
 
 
-class _Keys:
-    """The (stage, kind, microbatch) of every data entry (compute, SEND, RECV) as one sorted int64 array, so that
-    "which entry is this action" is a vectorised binary search instead of a dict lookup per entry."""
+class ActionIndex:
+    """Rows by (stage, kind code, microbatch), as one sorted int64 key array: "which row is this action" becomes a
+    vectorised binary search instead of a dict lookup per row. The compile step and the memory ledger both use it.
 
-    def __init__(self, cols: Columns):
-        self.cols, self.span = cols, int(cols.microbatch.max(initial=0)) + 2
-        data = np.flatnonzero(cols.step < Step.STAGE)
-        keys = self.key(cols.stage[data], cols.kind[data], cols.microbatch[data])
+    ``span`` must exceed every microbatch that will be looked up (pass the largest in the program, plus 2).
+    """
+
+    def __init__(self, stage: np.ndarray, kind: np.ndarray, microbatch: np.ndarray, rows: np.ndarray, span: int):
+        self.span = span
+        keys = self.key(stage, kind, microbatch)
         order = np.argsort(keys, kind="stable")
-        self.sorted, self.entry = keys[order], data[order]
-        twice = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])
-        if len(twice):
-            raise ScheduleError([f"{_action(cols, self.entry[twice[0]])} appears twice; run the checker for details"])
+        self.sorted, self.rows = keys[order], rows[order]
 
     def key(self, stage: np.ndarray | int, kind: np.ndarray | int, microbatch: np.ndarray) -> np.ndarray:
         return (np.asarray(stage) * len(KINDS) + kind) * self.span + (microbatch + 1)
 
+    def duplicate(self) -> int | None:
+        """A row whose action is also another row's, or None."""
+        twice = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])
+        return int(self.rows[twice[0]]) if len(twice) else None
+
     def find(self, stage: np.ndarray | int, kind: np.ndarray | int, microbatch: np.ndarray) -> np.ndarray:
-        """The entry of each (stage, kind, microbatch), or -1."""
+        """The row of each (stage, kind, microbatch), or -1."""
         wanted = self.key(stage, kind, microbatch)
         if not len(self.sorted):
             return np.full(len(wanted), -1)
         at = np.minimum(np.searchsorted(self.sorted, wanted), len(self.sorted) - 1)
-        return np.where(self.sorted[at] == wanted, self.entry[at], -1)
+        return np.where(self.sorted[at] == wanted, self.rows[at], -1)
+
+    def compute_op(self, stage: np.ndarray, microbatch: np.ndarray, backward: np.ndarray) -> np.ndarray:
+        """Per row, the F of (stage, microbatch), or where ``backward`` its I, else its B: the op a SEND carries the
+        output of, and the op a RECV feeds (``SENT_BY``). -1 where there is none."""
+        found = np.where(backward, self.find(stage, KIND_CODE[K.I], microbatch),
+                         self.find(stage, KIND_CODE[K.F], microbatch))
+        return np.where(backward & (found < 0), self.find(stage, KIND_CODE[K.B], microbatch), found)
+
+
+def _index(cols: Columns) -> ActionIndex:
+    """The index of every data entry (compute, SEND, RECV); ScheduleError if an action appears twice."""
+    data = np.flatnonzero(cols.role < Role.STAGE)
+    index = ActionIndex(cols.stage[data], cols.kind[data], cols.microbatch[data], data,
+                        int(cols.microbatch.max(initial=0)) + 2)
+    twice = index.duplicate()
+    if twice is not None:
+        raise ScheduleError([f"{_action(cols, twice)} appears twice; run the checker for details"])
+    return index
 
 
 def _action(cols: Columns, i: int) -> Action:
     return Action(int(cols.stage[i]), KINDS[cols.kind[i]], int(cols.microbatch[i]))
 
 
-def _add_flows(out: Program, program: Schedule, keys: _Keys, stage_bytes: Sequence[int]) -> np.ndarray:
+def _add_flows(out: Program, program: Schedule, keys: ActionIndex, stage_bytes: Sequence[int]) -> np.ndarray:
     """One flow per SEND (its RECV shares it), then one per distinct collective. Returns the flow of each entry."""
     cols, home = out.columns, np.asarray(program.stage_to_device)
     flow_of = np.full(out.num_entries, -1)
-    sends = np.flatnonzero(cols.step == Step.SEND)
+    sends = np.flatnonzero(cols.role == Role.SEND)
     stage, mb, forward = cols.stage[sends], cols.microbatch[sends], cols.kind[sends] == KIND_CODE[K.SEND_F]
-    producer = np.where(forward, keys.find(stage, KIND_CODE[K.F], mb), keys.find(stage, KIND_CODE[K.I], mb))
-    producer = np.where(producer < 0, keys.find(stage, KIND_CODE[K.B], mb), producer)
+    producer = keys.compute_op(stage, mb, ~forward)
     peer = stage + np.where(forward, 1, -1)
     bad = (producer < 0) | (producer > sends) | (peer < 0) | (peer >= len(home))
     if bad.any():
@@ -206,7 +214,7 @@ def _add_flows(out: Program, program: Schedule, keys: _Keys, stage_bytes: Sequen
     out.flow_bytes, out.flow_producer = np.asarray(stage_bytes, dtype=np.int64)[stage].tolist(), producer.tolist()
     out.flow_collective = [None] * len(sends)
     _add_collectives(out, flow_of)
-    recvs = np.flatnonzero(cols.step == Step.RECV)
+    recvs = np.flatnonzero(cols.role == Role.RECV)
     backward = cols.kind[recvs] == KIND_CODE[K.RECV_B]
     send_kind = np.where(backward, KIND_CODE[K.SEND_B], KIND_CODE[K.SEND_F])
     sender = keys.find(cols.stage[recvs] + np.where(backward, 1, -1), send_kind, cols.microbatch[recvs])
@@ -224,7 +232,7 @@ def _add_flows(out: Program, program: Schedule, keys: _Keys, stage_bytes: Sequen
 def _add_collectives(out: Program, flow_of: np.ndarray) -> None:
     """One flow per distinct collective, shared by its members' entries."""
     known: dict[Collective, int] = {}
-    for i in np.flatnonzero(out.columns.step == Step.COLLECTIVE).tolist():
+    for i in np.flatnonzero(out.columns.role == Role.COLLECTIVE).tolist():
         collective = out.actions[i]
         if collective not in known:
             known[collective] = len(out.flow_src)
@@ -239,11 +247,10 @@ def _add_collectives(out: Program, flow_of: np.ndarray) -> None:
 def _add_steps(out: Program, lists: list[list[ProgramAction]], flow_of: np.ndarray) -> None:
     """Per device, the entries that take stream time; each SEND launched by the nearest one before it."""
     cols = out.columns
-    blocking = (cols.step == Step.COMPUTE) | (cols.step == Step.COLLECTIVE)
-    bounds = np.cumsum([len(acts) for acts in lists])[:-1]
-    out.device_steps = [part.tolist() for part in np.split(np.flatnonzero(blocking), np.searchsorted(
-        np.flatnonzero(blocking), bounds))] if lists else []
-    sends = np.flatnonzero(cols.step == Step.SEND)
+    blocking = (cols.role == Role.COMPUTE) | (cols.role == Role.COLLECTIVE)
+    steps, bounds = np.flatnonzero(blocking), np.cumsum([len(acts) for acts in lists])[:-1]
+    out.device_steps = [part.tolist() for part in np.split(steps, np.searchsorted(steps, bounds))] if lists else []
+    sends = np.flatnonzero(cols.role == Role.SEND)
     launcher = np.maximum.accumulate(np.where(blocking, np.arange(out.num_entries), -1))[sends]
     bad = (launcher < 0) | (cols.device[np.maximum(launcher, 0)] != cols.device[sends])
     if bad.any():
@@ -254,7 +261,7 @@ def _add_steps(out: Program, lists: list[list[ProgramAction]], flow_of: np.ndarr
         launches[i] += (f,)
 
 
-def _add_inputs(out: Program, program: Schedule, keys: _Keys, flow_of: np.ndarray,
+def _add_inputs(out: Program, program: Schedule, keys: ActionIndex, flow_of: np.ndarray,
                 durations: Mapping[tuple[int, ActionKind], int]) -> None:
     """Duration and input signals of every compute entry.
 
@@ -263,7 +270,7 @@ def _add_inputs(out: Program, program: Schedule, keys: _Keys, flow_of: np.ndarra
     (stage, kind, split) and applied to all that group's microbatches at once.
     """
     cols = out.columns
-    compute = np.flatnonzero(cols.step == Step.COMPUTE)
+    compute = np.flatnonzero(cols.role == Role.COMPUTE)
     stage, kind, mb = cols.stage[compute], cols.kind[compute], cols.microbatch[compute]
     table = np.zeros((max(program.num_stages, int(stage.max(initial=0)) + 1), len(KINDS)), dtype=np.int64)
     for (s, k), ns in durations.items():
@@ -278,7 +285,7 @@ def _add_inputs(out: Program, program: Schedule, keys: _Keys, flow_of: np.ndarra
         _group_inputs(out, program, keys, flow_of, compute[rows], mb[rows], code)
 
 
-def _group_inputs(out: Program, program: Schedule, keys: _Keys, flow_of: np.ndarray, entries: np.ndarray,
+def _group_inputs(out: Program, program: Schedule, keys: ActionIndex, flow_of: np.ndarray, entries: np.ndarray,
                   mb: np.ndarray, code: int) -> None:
     """Input signals of the compute entries of one (stage, kind, split) group."""
     stage, kind, split = code // 2 // len(KINDS), KINDS[code // 2 % len(KINDS)], bool(code % 2)

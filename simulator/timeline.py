@@ -13,13 +13,10 @@ import numpy as np
 import pandas as pd
 
 from pipescope.simulator.engine import RunTimes
-from pipescope.simulator.ir import ROLE, ActionKind, ProgramAction, Role
-from pipescope.simulator.program import KIND_CODE, KINDS, Columns, Program, Step
+from pipescope.simulator.ir import ActionKind, ProgramAction, Role
+from pipescope.simulator.program import KIND_CODE, KINDS, ROLE_CODE, ROLES, Columns, Program
 
 COLUMNS = ("device", "stream", "action", "kind", "stage", "chunk", "microbatch", "start_ns", "end_ns", "bytes")
-
-
-_ROLE_CODE = np.array([list(Role).index(ROLE[kind]) for kind in KINDS], dtype=np.int8)
 
 
 @dataclass(frozen=True)
@@ -51,17 +48,16 @@ class Timeline:
         return len(self.actions)
 
     def mask(self, role: Role) -> np.ndarray:
-        return _ROLE_CODE[self.kind] == list(Role).index(role)
+        return ROLE_CODE[self.kind] == role
 
     def is_kind(self, *kinds: ActionKind) -> np.ndarray:
         return np.isin(self.kind, [KIND_CODE[k] for k in kinds])
 
     def to_frame(self) -> pd.DataFrame:
         """One row per action: device, stream, action, kind, stage, chunk, microbatch, start_ns, end_ns, bytes."""
-        roles = list(Role)
         return pd.DataFrame({
             "device": self.device,
-            "stream": [_stream(roles[r], int(peer)) for r, peer in zip(_ROLE_CODE[self.kind], self.peer)],
+            "stream": [_stream(ROLES[r], int(peer)) for r, peer in zip(ROLE_CODE[self.kind], self.peer)],
             "action": [str(a) for a in self.actions],
             "kind": [KINDS[k].value for k in self.kind],
             "stage": self.stage,
@@ -78,25 +74,25 @@ def _stream(role: Role, peer: int) -> str:
         return f"send->{peer}"
     if role is Role.RECV:
         return f"recv<-{peer}"
-    return role.value
+    return role.name.lower()
 
 
 def replay_timeline(program: Program, times: RunTimes, num_devices: int) -> Timeline:
     """The timeline of a replay: compute entries with their own times; SEND, RECV and collectives with their flow's."""
     cols = program.columns
-    keep = np.flatnonzero(cols.step != Step.STAGE)
-    step, flow = cols.step[keep], np.asarray(program.flow_of, dtype=np.int64)[keep]
+    keep = np.flatnonzero(cols.role != Role.STAGE)
+    role, flow = cols.role[keep], np.asarray(program.flow_of, dtype=np.int64)[keep]
 
     def per_flow(values: list[int]) -> np.ndarray:  # a flow's value per row; the pad at -1 serves compute rows
         return np.append(np.asarray(values, dtype=np.int64), -1)[flow]
 
-    compute = step == Step.COMPUTE
+    compute = role == Role.COMPUTE
     start = np.where(compute, np.asarray(times.entry_start, dtype=np.int64)[keep], per_flow(times.flow_start))
     end = np.where(compute, np.asarray(times.entry_end, dtype=np.int64)[keep], per_flow(times.flow_end))
-    peer = np.where(step == Step.SEND, per_flow(program.flow_dst),
-                    np.where(step == Step.RECV, per_flow(program.flow_src), -1))
+    peer = np.where(role == Role.SEND, per_flow(program.flow_dst),
+                    np.where(role == Role.RECV, per_flow(program.flow_src), -1))
     nbytes = np.where(compute, 0, per_flow(program.flow_bytes))
     everything = len(keep) == program.num_entries
     actions = program.actions if everything else [program.actions[i] for i in keep.tolist()]
-    kept = Columns(cols.stage[keep], cols.kind[keep], cols.microbatch[keep], cols.device[keep], step)
+    kept = Columns(cols.stage[keep], cols.kind[keep], cols.microbatch[keep], cols.device[keep], role)
     return Timeline.of(actions, kept.device, start, end, peer, nbytes, num_devices, kept)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -64,8 +65,11 @@ def test_library_errors_name_the_key_without_cli_terms() -> None:
 def test_wheel_installs_only_the_pipescope_package(tmp_path: Path) -> None:
     """The built wheel holds one top-level package, pipescope (its subpackages are the repo's folders), plus the
     data files; no generic top-level name such as simulator or experiments."""
+    source = tmp_path / "src"  # setuptools builds inside the project folder: build a copy, not the work tree
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
+                                                                  "demo-out"))
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+                           "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = tmp_path.glob("pipescope-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
