@@ -155,12 +155,11 @@ def _build_costs(raw: Any, prefix: str) -> CostsConfig:
         if name not in known:
             raise ConfigError(f"{prefix}{name}: unknown key, expected one of "
                               f"{', '.join(prefix + f for f in sorted(known))}")
-    for other in COSTS_CONFIGS.values():  # every value must be valid, also where another kind is in effect
-        own = {f.name for f in dataclasses.fields(other)}
-        built = _build(other, {name: value for name, value in raw.items() if name in own and name != "kind"}, prefix)
-        if other is COSTS_CONFIGS[kind]:
-            chosen = built
-    return chosen
+    built = {}  # every value must be valid, also where another kind is in effect
+    for name, cls in COSTS_CONFIGS.items():
+        own = {f.name for f in dataclasses.fields(cls)} - {"kind"}
+        built[name] = _build(cls, {key: value for key, value in raw.items() if key in own}, prefix)
+    return built[kind]
 
 
 def _check_value(key: str, value: Any) -> None:

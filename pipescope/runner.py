@@ -32,10 +32,13 @@ def run(config: Config) -> SimResult:
         ConfigError: a bad key, value or combination, naming the key.
         ScheduleError: the schedule is malformed or deadlocks, naming the actions.
     """
-    _precheck(config)
-    schedule = _schedule(config)
-    cluster = _cluster(config, schedule.num_devices)
+    cluster = _precheck(config)
     model = _model(config) if not isinstance(config.costs, UniformCostsConfig) else None
+    if model is not None and isinstance(config.costs, AnalyticCostsConfig) and _generated(config):
+        _check_layers(model.layers, config.schedule.p * _chunks(config))  # before building a schedule that big
+    schedule = _schedule(config)
+    if cluster is None:  # a CSV schedule: its size was in the file
+        cluster = _cluster(config, schedule.num_devices)
     costs = _costs(config, cluster, model)
     if model is not None:
         _check_layers(getattr(costs, "layers", model.layers), schedule.num_stages)
@@ -134,17 +137,29 @@ def _check_layers(layers: int, stages: int) -> None:
                           f"(schedule.stages x chunks = {stages})")
 
 
-def _precheck(config: Config) -> None:
-    """Cheap limits first, so an impossible size fails at once instead of after building a huge schedule."""
+def _generated(config: Config) -> bool:
+    """The schedule comes from one of our generators (not a CSV file, not torch)."""
+    return not config.schedule.name.startswith(("csv:", "torch:"))
+
+
+def _chunks(config: Config) -> int:
+    """Stages per device the schedule will have (the V generators always hold 2)."""
+    s = config.schedule
+    known = s.name in GENERATORS or s.name in ALIASES
+    return max(s.chunks, generator(s.name).min_chunks) if known else s.chunks
+
+
+def _precheck(config: Config) -> Cluster | None:
+    """Cheap limits first, so an impossible size fails at once instead of after building a huge schedule.
+
+    Returns:
+        The cluster, built once here, unless the schedule is a CSV file (its size is in the file).
+    """
     s = config.schedule
     if s.name.startswith("csv:"):
-        return  # its size is in the file
-    known = s.name in GENERATORS or s.name in ALIASES
-    chunks = max(s.chunks, generator(s.name).min_chunks) if known else s.chunks
-    size = s.p * chunks * s.m * (config.iterations or 3)
+        return None
+    size = s.p * _chunks(config) * s.m * (config.iterations or 3)
     if size > MAX_MICROBATCH_STAGES:
         raise ConfigError(f"schedule: stages x chunks x microbatches x iterations = {size:,} microbatch-stages, "
                           f"expected at most {MAX_MICROBATCH_STAGES:,} (about 15 s of simulation)")
-    _cluster(config, s.p)
-    if isinstance(config.costs, AnalyticCostsConfig) and not s.name.startswith("torch:"):
-        _check_layers(_model(config).layers, s.p * chunks)
+    return _cluster(config, s.p)

@@ -151,11 +151,11 @@ def _well_formed(schedule: Schedule) -> bool:
     p, stages, total = schedule.num_devices, schedule.num_stages, schedule.total_microbatches
     if len(schedule.device_actions) != p or any(not 0 <= d < p for d in schedule.stage_to_device):
         return False
-    ops = [a for acts in schedule.device_actions for a in acts if a is not None and a.kind in COMPUTE_KINDS]
+    per_device = [[a for a in acts if a is not None and a.kind in COMPUTE_KINDS] for acts in schedule.device_actions]
+    ops = [a for acts in per_device for a in acts]
     if len(ops) > 4 * stages * total or len(ops) < 2 * stages * total or stages * total > 50_000_000:
         return False
-    device = np.repeat(np.arange(p), [sum(1 for a in acts if a is not None and a.kind in COMPUTE_KINDS)
-                                      for acts in schedule.device_actions])
+    device = np.repeat(np.arange(p), [len(acts) for acts in per_device])
     cols = Columns.of(ops, device)
     stage, mb = cols.stage, cols.microbatch
     if stage.min() < 0 or stage.max() >= stages or mb.min() < 0 or mb.max() >= total:
