@@ -267,9 +267,10 @@ def dry_run_steps(schedule: Schedule) -> tuple[int | None, str]:
     order = to_torch_order(schedule)
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # torch prints its partial timeline before raising
-            if not schedule.is_lowered:
-                order = torch_schedules._add_send_recv(order, lambda s: home[s], schedule.num_stages)
-            timeline = torch_schedules._simulate_comms_compute(order, lambda s: home[s], schedule.num_stages)
+            if schedule.is_lowered:
+                timeline = torch_schedules._simulate_comms_compute(order, lambda s: home[s], schedule.num_stages)
+            else:
+                timeline = torch_dry_run(order, lambda s: home[s], schedule.num_stages)
     except (AssertionError, ValueError) as err:
         return None, str(err).splitlines()[0] if str(err) else type(err).__name__
     return max((len(actions) for actions in timeline.values()), default=0), ""
