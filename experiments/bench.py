@@ -14,13 +14,11 @@ import time
 from pipescope.simulator.check import check
 from pipescope.simulator.costs import UniformCosts
 from pipescope.simulator.engine import Engine, gc_paused
-from pipescope.simulator.lowering import lower
 from pipescope.simulator.network import FifoLinks
 from pipescope.simulator.oracle import Oracle
-from pipescope.simulator.program import Program, compile_program, op_durations
 from pipescope.simulator.result import build_result
 from pipescope.simulator.schedules import build
-from pipescope.simulator.simulate import simulate
+from pipescope.simulator.simulate import prepare, simulate
 from pipescope.simulator.timeline import replay_timeline
 
 CASES = ((8, 64), (64, 512))
@@ -47,22 +45,16 @@ def _median_time(fn, repeat: int) -> float:
     return statistics.median(samples)
 
 
-def _compile(schedule) -> Program:
-    stage_costs = [COSTS.stage_cost(st, schedule.num_stages, 1) for st in range(schedule.num_stages)]
-    return compile_program(lower(schedule), op_durations(stage_costs, False), [0] * schedule.num_stages)
-
-
 def bench_case(p: int, m: int, repeat: int) -> dict:
     """Medians of: checker, lowering + compile, engine run, result building, and the heapq floor."""
     schedule = build("1f1b", p, m)
-    program = _compile(schedule)
+    program, stage_costs = prepare(schedule, COSTS)
     engine_times = Engine(program, network()).run()
     if Oracle(program, network()).run() != engine_times:
         raise AssertionError(f"engine and heapq floor disagree for p={p} m={m}")
-    stage_costs = [COSTS.stage_cost(st, schedule.num_stages, 1) for st in range(schedule.num_stages)]
     times = {
         "check_s": _median_time(lambda: check(schedule), repeat),
-        "compile_s": _median_time(lambda: _paused(_compile, schedule), repeat),
+        "compile_s": _median_time(lambda: _paused(prepare, schedule, COSTS), repeat),
         "engine_run_s": _median_time(lambda: Engine(program, network()).run(), repeat),
         "floor_s": _median_time(lambda: _paused(lambda: Oracle(program, network()).run()), repeat),
         "result_s": _median_time(lambda: _paused(lambda: build_result(

@@ -6,12 +6,12 @@ import time
 from typing import Any
 
 from pipescope.simulator.check import structure_problems
-from pipescope.simulator.costs import CostModel
+from pipescope.simulator.costs import CostModel, StageCost
 from pipescope.simulator.engine import Engine, gc_paused
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
 from pipescope.simulator.lowering import lower
 from pipescope.simulator.network import FifoLinks, Network
-from pipescope.simulator.program import compile_program, op_durations
+from pipescope.simulator.program import Program, compile_program, op_durations
 from pipescope.simulator.result import SimResult, build_result
 from pipescope.simulator.timeline import replay_timeline
 
@@ -38,15 +38,21 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         problems = structure_problems(schedule)
         if problems:
             raise ScheduleError(problems)
-        stage_costs = [costs.stage_cost(s, schedule.num_stages, schedule.chunks) for s in range(schedule.num_stages)]
-        program = compile_program(lower(schedule), op_durations(stage_costs, schedule.recompute),
-                                  [c.boundary_bytes for c in stage_costs])
+        program, stage_costs = prepare(schedule, costs)
         times = Engine(program, network or FifoLinks.fixed_delay(0)).run()
         samples = schedule.num_microbatches * samples_per_microbatch * data_parallel
         result = build_result(schedule, replay_timeline(program, times, schedule.num_devices), stage_costs,
                               costs.precision, samples, warnings=costs.notes() + _run_notes(schedule), **extra)
     result.sim_wall_s = time.perf_counter() - wall
     return result
+
+
+def prepare(schedule: Schedule, costs: CostModel) -> tuple[Program, list[StageCost]]:
+    """The lowered, compiled program of ``schedule`` under ``costs``, and the per-stage costs it used."""
+    stage_costs = [costs.stage_cost(s, schedule.num_stages, schedule.chunks) for s in range(schedule.num_stages)]
+    program = compile_program(lower(schedule), op_durations(stage_costs, schedule.recompute),
+                              [c.boundary_bytes for c in stage_costs])
+    return program, stage_costs
 
 
 def _run_notes(schedule: Schedule) -> list[str]:
