@@ -30,6 +30,7 @@ SCHEDULE_CHUNKS: dict[str, int | None] = {
     "DualPipeV": 2,
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULE_CHUNKS)
+DEFAULT_LOOPED_CHUNKS = 2  # stages per rank of the looped and V schedules when none is given
 # Those whose pipeline_order is well formed in torch 2.13, with stages per rank (1F1B's gives the last rank
 # forwards 1..m); the tests hold the replay, the lowering and the dry-run counts to these.
 WELL_FORMED: tuple[tuple[str, int], ...] = (("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2),
@@ -79,6 +80,12 @@ def canonical_name(name: str) -> str:
         if known.lower() == bare.lower():
             return known
     raise ValueError(f"schedule name(={name!r}) is not a torch schedule; expected one of {', '.join(SCHEDULE_NAMES)}")
+
+
+def default_chunks(name: str) -> int:
+    """Stages per rank of torch schedule ``name`` when none is given: the one it supports, else 2."""
+    needed = SCHEDULE_CHUNKS[canonical_name(name)]
+    return needed if needed is not None else DEFAULT_LOOPED_CHUNKS
 
 
 def _check_shape(name: str, stages: int, microbatches: int, chunks: int) -> None:
@@ -188,7 +195,7 @@ def schedule_from_torch_order(order: TorchOrder, microbatches: int, name: str) -
     )
 
 
-def torch_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
+def torch_schedule(name: str, stages: int, microbatches: int, chunks: int | None = None) -> Schedule:
     """The named torch.distributed.pipelining schedule as our Schedule, named ``torch:<ScheduleName>``.
 
     Args:
@@ -196,7 +203,7 @@ def torch_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -
             ``ZBVZeroBubble`` or ``DualPipeV``, case-insensitive, with or without the ``Schedule`` prefix.
         stages: pipeline ranks ``p``.
         microbatches: microbatches per step ``m``.
-        chunks: stages per rank ``v`` (ZBVZeroBubble and DualPipeV need exactly 2).
+        chunks: stages per rank ``v`` (ZBVZeroBubble and DualPipeV need exactly 2); None: ``default_chunks``.
 
     Returns:
         The order exactly as torch builds it; run ``simulator.check.check`` on it before simulating.
@@ -205,7 +212,7 @@ def torch_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -
         ValueError: unknown name, bad sizes, or a size torch itself rejects.
     """
     known = canonical_name(name)
-    order = torch_pipeline_order(known, stages, microbatches, chunks)
+    order = torch_pipeline_order(known, stages, microbatches, chunks or default_chunks(known))
     return schedule_from_torch_order(order, microbatches, f"torch:{known}")
 
 

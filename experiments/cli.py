@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -22,9 +23,14 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"pipescope: error: {message} (see '{self.prog} --help')\n")
 
 
+EXIT_INVALID_SCHEDULE = 1  # malformed or deadlocking: the problems are listed
+EXIT_USAGE = 2  # a bad flag, key, value or file
+EXIT_OOM = 3  # simulated fine, but a device's peak memory exceeds its capacity (unless --allow-oom)
+
+
 def usage_error(message: str) -> int:
     print(f"pipescope: error: {message}", file=sys.stderr)
-    return 2
+    return EXIT_USAGE
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -61,11 +67,16 @@ OUTPUT_SUFFIXES = {
 
 
 def _check_output_names(args: argparse.Namespace) -> None:
-    """Reject an unsupported file type before spending time on the simulation."""
+    """Reject an unsupported file type, or one whose writer is not installed, before simulating.
+
+    Suffixes are matched in any case, as the writers do (``t.PARQUET`` is Parquet)."""
     for flag, suffixes in OUTPUT_SUFFIXES.items():
         path = getattr(args, flag)
         if path and not path.lower().endswith(suffixes):
             raise ConfigError(f"--{flag}: got {path!r}, expected a file name ending in {' or '.join(suffixes)}")
+    if args.timeline and args.timeline.lower().endswith(".parquet") and importlib.util.find_spec("pyarrow") is None:
+        raise ConfigError(f"--timeline: {args.timeline!r} is Parquet, which needs pyarrow: "
+                          f"pip install 'pipescope[sweep]' (or write a .csv)")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -85,7 +96,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                             ("timeline", args.timeline)):
             if path:
                 print(f"wrote {label}: {path}")
-    return 0
+    return _oom_exit(result, args.allow_oom)
+
+
+def _oom_exit(result: SimResult, allow_oom: bool) -> int:
+    """EXIT_OOM with one line naming the worst device, unless the user asked to go on."""
+    ooms = result.oom()
+    if allow_oom or not ooms:
+        return 0
+    worst = max(ooms, key=lambda o: o["peak_memory_bytes"])
+    print(f"pipescope: OOM on {len(ooms)} of {len(result.devices)} devices: device {worst['device']} needs "
+          f"{worst['peak_memory_bytes']:,} bytes, has {worst['capacity_bytes']:,} "
+          f"(exit {EXIT_OOM}; --allow-oom exits 0)", file=sys.stderr)
+    return EXIT_OOM
 
 
 def _write_outputs(result: SimResult, args: argparse.Namespace) -> None:
@@ -130,14 +153,14 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{args.file}: invalid schedule", file=sys.stderr)
         for line in err.problems:
             print(f"  {line}", file=sys.stderr)
-        return 1
+        return EXIT_INVALID_SCHEDULE
     torch_steps, stalled = _torch_dry_run(schedule)
     print(f"{args.file}: ok: {schedule.num_devices} devices, {schedule.num_stages} stages, "
           f"{schedule.total_microbatches} microbatches, {schedule.num_compute_ops()} ops, {steps} unit-time steps "
           f"({torch_steps})")
     if stalled:
         print(f"{args.file}: torch's dry run refuses it: {stalled}", file=sys.stderr)
-        return 1
+        return EXIT_INVALID_SCHEDULE
     return 0
 
 
@@ -171,6 +194,8 @@ def build_parser() -> Parser:
     p.add_argument("--gantt", metavar="FILE", help="write a Gantt chart (.png, .svg or .pdf)")
     p.add_argument("--csv", metavar="FILE", help="write the schedule run as torch's compute-only CSV")
     p.add_argument("--timeline", metavar="FILE", help="write the op timeline (.parquet or .csv)")
+    p.add_argument("--allow-oom", action="store_true", help=f"exit 0 when a device runs out of memory (default: "
+                   f"report it and exit {EXIT_OOM})")
     p.set_defaults(func=cmd_simulate)
     p = sub.add_parser("schedules", help="list the schedules pipescope can simulate")
     p.set_defaults(func=cmd_schedules)
@@ -206,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ScheduleError) as err:
         if isinstance(err, ScheduleError):
             print(f"pipescope: invalid schedule: {err}", file=sys.stderr)
-            return 1
+            return EXIT_INVALID_SCHEDULE
         return usage_error(str(err))
     except KeyboardInterrupt:
         return 130

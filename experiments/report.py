@@ -15,7 +15,8 @@ def _headline(result: SimResult) -> str:
     uniform = costs is CostKind.UNIFORM
     model = "uniform costs" if uniform else f"{m.preset} mb={m.microbatch_size} {m.precision} ({costs})"
     return (f"{s.name}: p={s.num_devices} m={s.num_microbatches} v={s.chunks}"
-            f"{' recompute' if s.recompute else ''}  {model}  on {c.topology} x{c.nodes}")
+            f"{' recompute' if s.recompute else ''}  weight update {s.weight_update}  {model}  "
+            f"on {c.topology} x{c.nodes}")
 
 
 def _totals(result: SimResult) -> list[str]:
@@ -37,11 +38,13 @@ def _totals(result: SimResult) -> list[str]:
 
 
 def _device_rows(result: SimResult) -> list[str]:
-    header = f"{'device':>6}  {'busy':>12}  {'span':>12}  {'idle':>6}  {'peak memory':>12}  {'peak act':>8}"
+    header = (f"{'device':>6}  {'busy':>12}  {'span':>12}  {'idle':>6}  {'peak memory':>12}  {'peak act':>8}  "
+              f"{'versions':>8}")
     rows = [header]
     for d in result.devices:
         rows.append(f"{d.device:>6}  {format_time(d.busy_s):>12}  {format_time(d.span_s):>12}  "
-                    f"{d.idle_fraction:>6.1%}  {format_bytes(d.peak_memory_bytes):>12}  {d.peak_activations:>8.3g}")
+                    f"{d.idle_fraction:>6.1%}  {format_bytes(d.peak_memory_bytes):>12}  {d.peak_activations:>8.3g}  "
+                    f"{result.schedule.versions(d.device):>8}")
     return rows
 
 

@@ -11,7 +11,7 @@ from pipescope.simulator.result import SimResult
 def write_timeline(result: SimResult, path: str) -> None:
     """Parquet when the name ends in .parquet (needs pyarrow), else CSV; atomic either way."""
     buffer = io.BytesIO()
-    if path.endswith(".parquet"):
+    if path.lower().endswith(".parquet"):
         result.timeline.to_parquet(buffer, index=False)
     else:
         result.timeline.to_csv(buffer, index=False)

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
+import math
 import re
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import yaml
-
-from pipescope.simulator.costs import AnalyticCostsConfig, CostKind, UniformCostsConfig
+from pipescope.simulator.costs import MAX_OP_SECONDS, AnalyticCostsConfig, CostKind, UniformCostsConfig
 from pipescope.simulator.models import PRECISIONS, ModelConfig
 from pipescope.simulator.profiled import ProfiledCostsConfig
+from pipescope.simulator.safe_yaml import YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig
-from pipescope.simulator.units import parse_size, parse_time
+from pipescope.simulator.units import parse_size, parse_time, short_repr
 from pipescope.topologies.cluster import PLACEMENTS, ClusterConfig
 
 
@@ -32,19 +32,6 @@ class ConfigError(ValueError):
     def __init__(self, message: str, key: str | None = None):
         super().__init__(message)
         self.key = key if key is not None else message.split(":", 1)[0]
-
-
-class StrictLoader(yaml.SafeLoader):
-    """safe_load's loader, but a key given twice in one mapping is an error, not a silent overwrite."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
 
 
 CostsConfig = AnalyticCostsConfig | UniformCostsConfig | ProfiledCostsConfig
@@ -67,11 +54,16 @@ class Config:
     iterations: int | None = None
 
 
-POSITIVE = {"schedule.stages", "schedule.microbatches", "schedule.chunks", "model.microbatch_size",
-            "cluster.nodes", "cluster.data_parallel", "iterations", "model.layers", "model.hidden", "model.heads",
-            "model.seq", "model.vocab", "cluster.memory"}
+# Inclusive (low, high) of every integer key; docs/cli.md "Limits". The highs keep every product the simulator
+# forms (bytes, FLOPs, int64 nanoseconds) finite and refuse sizes no machine has before anything is built.
+RANGES: dict[str, tuple[int, int]] = {
+    "schedule.stages": (1, 100_000), "schedule.microbatches": (1, 500_000), "schedule.chunks": (1, 1_000),
+    "iterations": (1, 1_000),
+    "model.layers": (1, 100_000), "model.hidden": (1, 1 << 20), "model.heads": (1, 1 << 20),
+    "model.seq": (1, 1 << 24), "model.vocab": (1, 1 << 24), "model.microbatch_size": (1, 1 << 20),
+    "cluster.nodes": (1, 100_000), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1, 1 << 50),
+}
 TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p"}
-MAX_TIME_S = 1e6  # a per-op time beyond 11 days is a typo, and would overflow the integer-ns clock's floats
 CHOICES = {
     "schedule.vocab": ("naive",),
     "model.precision": tuple(PRECISIONS),
@@ -86,25 +78,27 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
         return parse_size(value)
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         if str(value) not in {m.value for m in kind}:
-            raise ValueError(f"got {value!r}, expected one of {', '.join(m.value for m in kind)}")
+            raise ValueError(f"got {short_repr(value)}, expected one of {', '.join(m.value for m in kind)}")
         return kind(str(value))
     if kind is bool:
         if isinstance(value, bool):
             return value
         if str(value).lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
             return str(value).lower() in ("true", "yes", "1", "on")
-        raise ValueError(f"got {value!r}, expected true or false")
+        raise ValueError(f"got {short_repr(value)}, expected true or false")
     if kind is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)) or not re.fullmatch(r"-?[0-9]+", str(value)):
-            raise ValueError(f"got {value!r}, expected an integer")
-        return int(value)
+        text = str(value) if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
+        if not re.fullmatch(r"[-+]?[0-9]{1,18}", text.strip()):  # plain decimal; 18 digits stay inside int64
+            raise ValueError(f"got {short_repr(value)}, expected a plain decimal integer")
+        return int(text)
     if kind is float:
-        if isinstance(value, bool):
-            raise ValueError(f"got {value!r}, expected a number")
         try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"got {value!r}, expected a number") from None
+            number = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError, OverflowError):
+            number = math.nan
+        if not math.isfinite(number):
+            raise ValueError(f"got {short_repr(value)}, expected a finite number")
+        return number
     return str(value)
 
 
@@ -163,24 +157,27 @@ def _build_costs(raw: Any, prefix: str) -> CostsConfig:
 
 
 def _check_value(key: str, value: Any) -> None:
-    if key in POSITIVE and value < 1:
-        raise ConfigError(f"{key}: got {value!r}, expected an integer >= 1")
+    if key in RANGES and not RANGES[key][0] <= value <= RANGES[key][1]:
+        low, high = RANGES[key]
+        raise ConfigError(f"{key}: got {short_repr(value)}, expected an integer from {low:,} to {high:,}")
     if key in CHOICES and value not in CHOICES[key]:
-        raise ConfigError(f"{key}: got {value!r}, expected one of {', '.join(CHOICES[key])}")
+        raise ConfigError(f"{key}: got {short_repr(value)}, expected one of {', '.join(CHOICES[key])}")
     if key == "costs.efficiency" and not 0 < value <= 1:
-        raise ConfigError(f"{key}: got {value!r}, expected a number in (0, 1]")
-    if key in TIME_KEYS and value > MAX_TIME_S:
-        raise ConfigError(f"{key}: got {value!r} s, expected at most {MAX_TIME_S:g} s")
+        raise ConfigError(f"{key}: got {short_repr(value)}, expected a number in (0, 1]")
+    if key in TIME_KEYS and not (value == 0 or 1e-9 <= value <= MAX_OP_SECONDS):
+        raise ConfigError(f"{key}: got {short_repr(value)} s, expected 0 or 1 ns (the clock's resolution) to "
+                          f"{MAX_OP_SECONDS:g} s")
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
-    """``schedule.stages=8`` -> (['schedule', 'stages'], 8); values are read as YAML scalars."""
+    """``schedule.stages=8`` -> (['schedule', 'stages'], 8); values are read as YAML scalars (plain decimal numbers:
+    ``010`` is 10), and a value YAML refuses (``*x``, ``@x``) is kept as the string it is."""
     key, sep, text = item.partition("=")
     if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
         raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. schedule.stages=8")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+        value = parse_yaml(text) if text.strip() else ""
+    except YamlError:
         value = text
     return key.strip().split("."), value
 
@@ -195,19 +192,41 @@ def _merge(tree: dict, path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def read_yaml(path: str) -> dict:
-    """A config file as a mapping; ConfigError if missing, unreadable or not a mapping."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config: {path!r} does not exist or is not a file")
+def config_path(name: str) -> Path:
+    """A config file by path, or a shipped example by name (``demo`` is experiments/configs/demo.yaml).
+
+    Raises:
+        ConfigError: neither exists; the message says where both were looked for.
+    """
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = _shipped_configs()
+    stem = path.name.removesuffix(".yaml")
+    if str(path.parent) == "." and stem in shipped:
+        return shipped[stem]
+    raise ConfigError(f"--config: {name!r} is not a file (looked for {path.resolve()}) nor a shipped config, "
+                      f"expected a YAML file or one of {', '.join(sorted(shipped))}")
+
+
+def _shipped_configs() -> dict[str, Path]:
+    from pipescope import experiments  # the installed or source package: its configs/ is package data
+
+    folder = Path(experiments.__file__).parent / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def read_yaml(name: str) -> dict:
+    """A config file (see ``config_path``) as a mapping; ConfigError if missing, refused or not a mapping."""
+    path = config_path(name)
     try:
-        with open(path, encoding="utf-8") as handle:
-            raw = yaml.load(handle, Loader=StrictLoader)
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
-        raise ConfigError(f"--config: {path!r} is not readable YAML ({str(err).splitlines()[0]})") from None
+        raw = read_yaml_file(str(path))
+    except YamlError as err:
+        raise ConfigError(f"--config: {err}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"--config: {path!r} holds {type(raw).__name__}, expected a mapping of sections")
+        raise ConfigError(f"--config: {str(path)!r} holds {type(raw).__name__}, expected a mapping of sections")
     return raw
 
 

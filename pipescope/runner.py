@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+
 from pipescope.config import Config, ConfigError
 from pipescope.simulator.costs import (
     AnalyticCosts,
@@ -14,9 +17,10 @@ from pipescope.simulator.costs import (
 from pipescope.simulator.ir import Schedule
 from pipescope.simulator.models import ModelSpec, layer_work, output_layer_flops
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
-from pipescope.simulator.profiled import ProfiledCosts
+from pipescope.simulator.profiled import ProfiledCosts, ProfiledCostsConfig
 from pipescope.simulator.result import SimResult
 from pipescope.simulator.schedules import ALIASES, GENERATORS, build_schedule, generator
+from pipescope.simulator.schedules.pipedream import DEFAULT_ITERATIONS
 from pipescope.simulator.simulate import simulate
 
 from pipescope.topologies.cluster import Cluster
@@ -32,6 +36,7 @@ def run(config: Config) -> SimResult:
         ConfigError: a bad key, value or combination, naming the key.
         ScheduleError: the schedule is malformed or deadlocks, naming the actions.
     """
+    config = _with_precision(config)
     cluster = _precheck(config)
     model = _model(config) if not isinstance(config.costs, UniformCostsConfig) else None
     if model is not None and isinstance(config.costs, AnalyticCostsConfig) and _generated(config):
@@ -56,6 +61,25 @@ def run(config: Config) -> SimResult:
         raise ConfigError(f"costs: {err}") from None
 
 
+def _with_precision(config: Config) -> Config:
+    """``model.precision`` resolved: the GPU's own when unset, refused when the GPU has no fast path for it.
+
+    A profile's precision is the one it was measured in (ProfiledCosts warns on a mismatch), so it is left alone.
+    """
+    m = config.model
+    if isinstance(config.costs, ProfiledCostsConfig):
+        return config
+    try:
+        device = config.cluster.device()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    precision = m.precision or device.default_precision
+    if precision not in device.peak_flops:
+        raise ConfigError(f"model.precision: got {precision!r}, expected one of {', '.join(device.peak_flops)} on "
+                          f"{device.name} (it has no {precision} tensor cores)")
+    return dataclasses.replace(config, model=dataclasses.replace(m, precision=precision))
+
+
 def _model(config: Config) -> ModelSpec:
     try:
         return config.model.spec()
@@ -66,7 +90,7 @@ def _model(config: Config) -> ModelSpec:
 def _schedule(config: Config) -> Schedule:
     s = config.schedule
     if s.name.startswith("torch:"):
-        return _torch_schedule(s.name[6:], s.p, s.m, s.chunks)
+        return _torch_schedule(s.name[6:], s.p, s.m, _chunks(config))
     try:
         return build_schedule(s, config.iterations)
     except ValueError as err:
@@ -74,10 +98,10 @@ def _schedule(config: Config) -> Schedule:
 
 
 def _torch_schedule(name: str, stages: int, microbatches: int, chunks: int) -> Schedule:
-    try:
-        from pipescope.calibration.torch_schedules import torch_schedule
-    except ImportError as err:
-        raise ConfigError(f"schedule.name: torch:{name} needs torch installed ({err})") from None
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError(f"schedule.name: torch:{name} needs torch: pip install 'pipescope[calibration]'")
+    from pipescope.calibration.torch_schedules import torch_schedule
+
     try:
         return torch_schedule(name, stages, microbatches, chunks)
     except ValueError as err:
@@ -143,10 +167,18 @@ def _generated(config: Config) -> bool:
 
 
 def _chunks(config: Config) -> int:
-    """Stages per device the schedule will have (the V generators always hold 2)."""
+    """Stages per device the schedule will have: ``schedule.chunks``, else the named schedule's own."""
     s = config.schedule
+    if s.chunks is not None:
+        return s.chunks
+    if s.name.startswith("torch:"):
+        from pipescope.calibration.torch_schedules import default_chunks  # stdlib-only until a schedule is built
+        try:
+            return default_chunks(s.name)
+        except ValueError as err:
+            raise ConfigError(f"schedule.name: {err}") from None
     known = s.name in GENERATORS or s.name in ALIASES
-    return max(s.chunks, generator(s.name).min_chunks) if known else s.chunks
+    return generator(s.name).default_chunks if known else 1
 
 
 def _precheck(config: Config) -> Cluster | None:
@@ -156,10 +188,20 @@ def _precheck(config: Config) -> Cluster | None:
         The cluster, built once here, unless the schedule is a CSV file (its size is in the file).
     """
     s = config.schedule
+    if config.iterations is not None and not _generated(config):
+        raise ConfigError(f"iterations: got {config.iterations}, but {s.name.split(':')[0]}: schedules run the one "
+                          f"iteration they hold; expected no iterations key")
     if s.name.startswith("csv:"):
         return None
-    size = s.p * _chunks(config) * s.m * (config.iterations or 3)
+    size = s.p * _chunks(config) * s.m * _iterations(config)
     if size > MAX_MICROBATCH_STAGES:
         raise ConfigError(f"schedule: stages x chunks x microbatches x iterations = {size:,} microbatch-stages, "
                           f"expected at most {MAX_MICROBATCH_STAGES:,} (about 15 s of simulation)")
     return _cluster(config, s.p)
+
+
+def _iterations(config: Config) -> int:
+    """Iterations the schedule will run: those asked for, or the generator's default where it runs several."""
+    name = config.schedule.name
+    takes_iterations = (name in GENERATORS or name in ALIASES) and "iterations" in generator(name).options
+    return (config.iterations or DEFAULT_ITERATIONS) if takes_iterations else 1

@@ -122,7 +122,7 @@ class ModelConfig:
     seq: int | None = None
     vocab: int | None = None
     microbatch_size: int = 1
-    precision: str = "bf16"
+    precision: str | None = None  # None: the GPU's own (bf16, or fp16 on GPUs without bf16 such as V100)
 
     def spec(self) -> ModelSpec:
         """The model's shape; ValueError naming the key when the preset is unknown or heads do not divide hidden."""

@@ -120,7 +120,7 @@ class SimResult:
             "per_device": [{
                 "device": d.device, "busy_s": d.busy_s, "span_s": d.span_s, "idle_fraction": d.idle_fraction,
                 "peak_memory_bytes": d.peak_memory_bytes, "peak_activations": d.peak_activations,
-                "static_memory_bytes": d.static_memory_bytes,
+                "static_memory_bytes": d.static_memory_bytes, "weight_versions": s.versions(d.device),
             } for d in self.devices],
         }
 

@@ -64,4 +64,4 @@ def chrome_trace(result: SimResult) -> dict:
 def write_trace(result: SimResult, path: str) -> None:
     """Write the trace atomically; gzip-compressed when the name ends in ``.gz``."""
     data = json.dumps(chrome_trace(result), separators=(",", ":")).encode()
-    write_atomic(path, gzip.compress(data, compresslevel=6) if path.endswith(".gz") else data)
+    write_atomic(path, gzip.compress(data, compresslevel=6) if path.lower().endswith(".gz") else data)

@@ -24,28 +24,39 @@ BANDWIDTH_UNITS = {"": 1.0, "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "
                    "Gbps": 1e9 / 8, "GiB/s": 2.0**30}
 
 
+def short_repr(value: object) -> str:
+    """``repr(value)`` cut to a readable length, for error messages (a hostile value may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text):,} characters)"
+
+
 def _number_and_unit(value: object, what: str, example: str, pattern: re.Pattern, number: type) -> tuple:
     """(the number as ``number``, the unit text) of a bare number or a string such as ``'18.5ms'``."""
     if isinstance(value, bool):
-        raise ValueError(f"got {value!r}, expected a {what}")
+        raise ValueError(f"got {short_repr(value)}, expected a {what}")
     if isinstance(value, (int, float)):
         if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"got {value!r}, expected a finite {what}")
-        return number(value), ""
-    match = pattern.match(str(value))
-    if match is None:
-        raise ValueError(f"got {value!r}, expected a {what} such as {example}")
-    return number(match.group(1)), match.group(2)
+            raise ValueError(f"got {short_repr(value)}, expected a finite {what}")
+        text, unit = str(value), ""
+    else:
+        match = pattern.match(str(value)) if len(str(value)) <= 100 else None
+        if match is None:
+            raise ValueError(f"got {short_repr(value)}, expected a {what} such as {example}")
+        text, unit = match.groups()
+    try:
+        return number(text), unit
+    except OverflowError:
+        raise ValueError(f"got {short_repr(value)}, expected a finite {what}") from None
 
 
 def _parse(value: object, units: dict, what: str, example: str) -> float:
     number, unit = _number_and_unit(value, what, example, _NUMBER, float)
     if not math.isfinite(number):
-        raise ValueError(f"got {value!r}, expected a finite {what}")
+        raise ValueError(f"got {short_repr(value)}, expected a finite {what}")
     if unit not in units:
-        raise ValueError(f"got {value!r}: unknown unit {unit!r}, expected one of {', '.join(u for u in units if u)}")
+        raise ValueError(f"got {short_repr(value)}: unknown unit {unit!r}, expected one of {', '.join(u for u in units if u)}")
     if number < 0:
-        raise ValueError(f"got {value!r}, expected a non-negative {what}")
+        raise ValueError(f"got {short_repr(value)}, expected a non-negative {what}")
     return number * units[unit]
 
 
@@ -69,12 +80,12 @@ def parse_size(value: object) -> int:
     number, unit = _number_and_unit(value, "size", "'16GiB' or '512MB'", _SIGNED_NUMBER, Fraction)
     if unit.lower() not in _SIZE_UNITS_FOLDED:
         known = ", ".join(u for u in SIZE_UNITS if u)
-        raise ValueError(f"got {value!r}: unknown unit {unit!r}, expected one of {known} (any case)")
+        raise ValueError(f"got {short_repr(value)}: unknown unit {unit!r}, expected one of {known} (any case)")
     if number < 0:
-        raise ValueError(f"got {value!r}, expected a non-negative size")
+        raise ValueError(f"got {short_repr(value)}, expected a non-negative size")
     size = number * _SIZE_UNITS_FOLDED[unit.lower()]
     if size.denominator != 1:
-        raise ValueError(f"got {value!r}, expected a whole number of bytes")
+        raise ValueError(f"got {short_repr(value)}, expected a whole number of bytes")
     return int(size)
 
 

@@ -48,39 +48,49 @@ def test_analytic_run_reports_memory_and_mfu(cli) -> None:
     assert data["oom"] == []
 
 
-def test_oom_is_reported_with_device_and_bytes(cli) -> None:
-    """A 1 GiB device cannot hold GPT 1.3B's stages: OOM names device and bytes."""
-    code, out, _ = cli(["simulate", "--set", "cluster.memory=1GiB"])
-    assert code == 0
+def test_oom_is_reported_with_device_and_bytes_and_exits_3(cli) -> None:
+    """A 1 GiB device cannot hold GPT 1.3B's stages: OOM names device and bytes, exit 3 unless --allow-oom."""
+    code, out, err = cli(["simulate", "--set", "cluster.memory=1GiB"])
+    assert code == 3
     assert "OOM: device 0 needs" in out and "of 1.00 GiB" in out
+    assert err.count("\n") == 1 and "OOM on 4 of 4 devices: device 0 needs" in err and "1,073,741,824" in err
+    code, out, err = cli(["simulate", "--set", "cluster.memory=1GiB", "--allow-oom", "--json"])
+    assert code == 0 and err == "" and len(json.loads(out)["oom"]) == 4
 
 
 @pytest.mark.parametrize(("args", "expected"), [
     (["--schedule", "nope"], "schedule.name: got 'nope', expected one of"),
-    (["--stages", "0"], "schedule.stages: got 0, expected an integer >= 1"),
-    (["--microbatches", "0"], "schedule.microbatches: got 0, expected an integer >= 1"),
+    (["--stages", "0"], "schedule.stages: got 0, expected an integer from 1 to 100,000"),
+    (["--microbatches", "0"], "schedule.microbatches: got 0, expected an integer from 1 to 500,000"),
     (["--set", "schedule.stages"], "--set 'schedule.stages': expected dotted.key=value"),
     (["--set", "costs.forward=3fortnights"], "costs.forward: got '3fortnights': unknown unit 'fortnights'"),
-    (["--config", "/nonexistent/x.yaml"], "--config: '/nonexistent/x.yaml' does not exist"),
+    (["--config", "/nonexistent/x.yaml"], "--config: '/nonexistent/x.yaml' is not a file (looked for /nonexistent/x"),
     (["--set", "schedule.colour=red"], "schedule.colour: unknown key"),
     (["--set", "model.preset=gpt-9t"], "model.preset(='gpt-9t') is not one of"),
     (["--set", "cluster.topology=moon"], "cluster.topology(='moon') is neither a file nor one of"),
-    (["--stages", "two"], "schedule.stages: got 'two', expected an integer"),
+    (["--stages", "two"], "schedule.stages: got 'two', expected a plain decimal integer"),
     (["--stages", "32", "--set", "cluster.nodes=4"], "model.layers: got 24, expected at least one layer per stage"),
     (["--stages", "3000"], "pipeline needs 3000 GPUs but cluster.nodes(=1)"),
-    (["--microbatches", "100000000"], "microbatch-stages, expected at most 500,000"),
-    (["--schedule", "2bw", "--set", "iterations=1000000000"], "microbatch-stages, expected at most 500,000"),
+    (["--microbatches", "200000"], "microbatch-stages, expected at most 500,000"),
+    (["--microbatches", "100000000"], "schedule.microbatches: got 100000000, expected an integer from 1 to 500,000"),
+    (["--schedule", "2bw", "--microbatches", "200", "--set", "iterations=1000"],
+     "microbatch-stages, expected at most 500,000"),
+    (["--schedule", "2bw", "--microbatches", "50000"], "= 600,000 microbatch-stages"),  # 3 iterations by default
+    (["--schedule", "1f1b", "--microbatches", "125001"], "= 500,004 microbatch-stages"),  # 1F1B runs one
     (["--set", "costs.forward=.nan"], "costs.forward: got nan, expected a finite time"),
-    (["--set", "model.hidden=1000000000", "--set", "model.heads=1"], "costs: an op would take"),
+    (["--set", "model.hidden=1000000000", "--set", "model.heads=1"],
+     "model.hidden: got 1000000000, expected an integer from 1 to 1,048,576"),
+    (["--set", "model.hidden=1048576", "--set", "model.heads=1", "--set", "model.seq=16777216"],
+     "costs: an op would take"),
     (["--set", "model.hidden=7"], "model.heads: got 16, expected a divisor of model.hidden (=7)"),
-    (["--set", "costs.efficiency=true"], "costs.efficiency: got True, expected a number"),
-    (["--set", "costs.p2p=1e30"], "costs.p2p: got 1e+30 s, expected at most 1e+06 s"),
-    (["--set", "cluster.memory=0"], "cluster.memory: got 0, expected an integer >= 1"),
+    (["--set", "costs.efficiency=true"], "costs.efficiency: got True, expected a finite number"),
+    (["--set", "costs.p2p=1e30"], "costs.p2p: got 1e+30 s, expected 0 or 1 ns (the clock's resolution) to 1e+06 s"),
+    (["--set", "cluster.memory=0"], "cluster.memory: got 0, expected an integer from 1 to"),
     (["--set", "schedule=5"], "schedule: got 5, expected a mapping of keys"),
     (["--gantt", "out.xyz"], "--gantt: got 'out.xyz', expected a file name ending in .png or .svg or .pdf"),
     (["--trace", "/proc/x.json"], "cannot write '/proc/x.json'"),
     (["--schedule", "csv:/nonexistent.csv"], "schedule.name: csv file '/nonexistent.csv' cannot be read"),
-    (["--set", "cluster.nodes=0"], "cluster.nodes: got 0, expected an integer >= 1"),
+    (["--set", "cluster.nodes=0"], "cluster.nodes: got 0, expected an integer from 1 to 100,000"),
     (["--set", "model.precision=fp8"], "model.precision: got 'fp8', expected one of bf16, fp16, fp32"),
     (["--schedule", "zb-h2", "--stages", "4", "--microbatches", "2"], "schedule.microbatches"),
 ])

@@ -88,7 +88,7 @@ def test_every_family_checks_and_simulates_for_p_2_to_16(name):
     """Each family passes the checker and the oracle (no deadlock) for p 2..16, m in {p, p+1, 2p, 4p}."""
     for p in range(2, 17):
         for m in sorted({p, p + 1, 2 * p, 4 * p}):
-            schedule = build(name, p, m, chunks=2 if name == "interleaved" else 1)
+            schedule = build(name, p, m)
             check(schedule)
             assert len(timed(schedule).end) == schedule.num_compute_ops()
 
@@ -96,7 +96,7 @@ def test_every_family_checks_and_simulates_for_p_2_to_16(name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_recompute_and_weight_rule_are_recorded(name):
     """recompute passes through; each schedule names its weight-update rule and versions per device."""
-    schedule = build(name, 4, 8, chunks=2 if name == "interleaved" else 1, recompute=True)
+    schedule = build(name, 4, 8, recompute=True)
     assert schedule.recompute
     expected = {"pipedream": ("async-stash", (4, 3, 2, 1)), "2bw": ("2bw", (2, 2, 2, 2))}
     assert (schedule.weight_update, schedule.weight_versions) == expected.get(name, ("flush", (1, 1, 1, 1)))
@@ -105,7 +105,7 @@ def test_recompute_and_weight_rule_are_recorded(name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_split_families_run_i_and_w_fused_ones_run_b(name):
     """Zero-bubble and V schedules split the backward into I and W; the others run fused B."""
-    schedule = build(name, 4, 8, chunks=2 if name == "interleaved" else 1)
+    schedule = build(name, 4, 8)
     assert schedule.splits_backward == (name in SPLIT)
 
 
@@ -113,7 +113,7 @@ def test_split_families_run_i_and_w_fused_ones_run_b(name):
     ("zb-h2", 4, 3, 1, "schedule.microbatches(=3) must be >= schedule.stages(=4) for zb-h2"),
     ("2bw", 4, 3, 1, "schedule.microbatches(=3) must be >= schedule.stages(=4) for 2bw"),
     ("interleaved", 4, 8, 1, "schedule.chunks(=1) must be >= 2 for interleaved"),
-    ("zb-v", 4, 8, 3, "schedule.chunks(=3) must be 1 or 2 for zb-v"),
+    ("zb-v", 4, 8, 3, "schedule.chunks(=3) must be 2 for zb-v"),
     ("zb-h1", 4, 8, 2, "schedule.chunks(=2) must be 1 for zb-h1"),
     ("v-min", 0, 8, 2, "schedule.stages(=0) must be >= 1 for v-min"),
 ])

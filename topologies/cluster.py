@@ -31,6 +31,10 @@ class ClusterConfig:
     placement: str = "linear"
     memory: int | None = field(default=None, metadata={"unit": "size"})
 
+    def device(self) -> DeviceSpec:
+        """The datasheet of the machine's GPU (ValueError naming the key if the machine cannot be loaded)."""
+        return DEVICES[load_machine(self.topology).device]
+
     def build(self, devices: int) -> Cluster:
         """The cluster for a pipeline of ``devices`` devices per replica (ValueError naming the key if it cannot)."""
         return Cluster(load_machine(self.topology), self.nodes, self.placement, devices * self.data_parallel)

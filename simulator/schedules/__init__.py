@@ -21,7 +21,7 @@ class Generator:
     name: str
     build: Callable[..., Schedule]
     description: str
-    min_chunks: int = 1
+    default_chunks: int = 1  # stages per device when schedule.chunks is not given
     options: frozenset[str] = frozenset()  # keyword options beyond (p, m, chunks, recompute), e.g. iterations
 
 
@@ -45,15 +45,15 @@ register(Generator("2bw", two_bw,
                    "option iterations=3", options=frozenset({"iterations"})))
 register(Generator("interleaved", interleaved,
                    "Interleaved 1F1B (Megatron/torch): chunks >= 2 looped stages per device, m >= p "
-                   "(cut into m // p rounds; Megatron's order when p divides m)", min_chunks=2))
+                   "(cut into m // p rounds; Megatron's order when p divides m)", default_chunks=2))
 register(Generator("zb-h1", zb_h1, "ZB-H1: 1F1B memory, split I/W, device r defers r W's; bubble (p-1)(F+I-W)"))
 register(Generator("zb-h2", zb_h2, "ZB-H2: 2(p-r)-1 warm-up forwards, device r defers 2r W's; bubble (p-1)(F+I-2W)"))
-register(Generator("zb-v", zb_v, "ZB-V (torch ScheduleZBVZeroBubble): V placement, 2 chunks (chunks=1 read as 2), "
-                   "p activations per device, no bubble when F = I = W and m >= 2p-1", min_chunks=2))
-register(Generator("v-half", v_half, "V-Half: V placement, 2 chunks (chunks=1 read as 2), "
-                   "(p+2)//2 activations per device", min_chunks=2))
-register(Generator("v-min", v_min, "V-Min: V placement, 2 chunks (chunks=1 read as 2), "
-                   "(p+4)//3 activations per device", min_chunks=2))
+register(Generator("zb-v", zb_v, "ZB-V (torch ScheduleZBVZeroBubble): V placement, 2 chunks, "
+                   "p activations per device, no bubble when F = I = W and m >= 2p-1", default_chunks=2))
+register(Generator("v-half", v_half, "V-Half: V placement, 2 chunks, "
+                   "(p+2)//2 activations per device", default_chunks=2))
+register(Generator("v-min", v_min, "V-Min: V placement, 2 chunks, "
+                   "(p+4)//3 activations per device", default_chunks=2))
 
 
 def generator(name: str) -> Generator:
@@ -61,10 +61,12 @@ def generator(name: str) -> Generator:
     return GENERATORS[ALIASES.get(name, name)]
 
 
-def build(name: str, stages: int, microbatches: int, chunks: int = 1, recompute: bool = False,
+def build(name: str, stages: int, microbatches: int, chunks: int | None = None, recompute: bool = False,
           **options: object) -> Schedule:
-    """Build the named schedule for ``stages`` devices and ``microbatches`` per iteration."""
-    return generator(name).build(stages, microbatches, chunks=chunks, recompute=recompute, **options)
+    """Build the named schedule for ``stages`` devices and ``microbatches`` per iteration (``chunks`` per device,
+    default the generator's own)."""
+    gen = generator(name)
+    return gen.build(stages, microbatches, chunks=chunks or gen.default_chunks, recompute=recompute, **options)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class ScheduleConfig:
     name: str = "1f1b"
     stages: int | None = None
     microbatches: int | None = None
-    chunks: int = 1
+    chunks: int | None = None  # None: the schedule's own (2 for interleaved and the V schedules, else 1)
     recompute: bool = False
     vocab: str = "naive"
     vertical_sync: bool = False
@@ -109,7 +111,7 @@ def build_schedule(config: ScheduleConfig, iterations: int | None = None) -> Sch
             raise ValueError(f"iterations: got {iterations}, but {gen.name} has a flush and simulates one iteration; "
                              f"iterations applies to schedules without a flush")
         options["iterations"] = iterations
-    return gen.build(config.p, config.m, chunks=config.chunks, recompute=config.recompute, **options)
+    return build(gen.name, config.p, config.m, chunks=config.chunks, recompute=config.recompute, **options)
 
 
 def _csv_schedule(config: ScheduleConfig) -> Schedule:
@@ -124,6 +126,6 @@ def _csv_schedule(config: ScheduleConfig) -> Schedule:
         raise ValueError(f"schedule.name: csv file {path!r}: {err}") from None
     if config.stages is not None and config.stages != schedule.num_devices:
         raise ValueError(f"schedule.stages: got {config.stages}, but {path!r} has {schedule.num_devices} devices")
-    if config.chunks != 1 and config.chunks != schedule.chunks:
+    if config.chunks is not None and config.chunks != schedule.chunks:
         raise ValueError(f"schedule.chunks: got {config.chunks}, but {path!r} has {schedule.chunks} per device")
     return replace(schedule, recompute=config.recompute)

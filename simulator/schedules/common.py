@@ -38,6 +38,6 @@ def check_iterations(name: str, iterations: int) -> None:
 
 
 def v_chunks(name: str, chunks: int) -> int:
-    """V schedules always hold 2 chunks per device; the default chunks=1 is read as 2."""
-    check_chunks(name, chunks, (1, 2))
+    """V schedules always hold 2 chunks per device (docs/schedules.md: a V is one stage down, one back up)."""
+    check_chunks(name, chunks, (2,))
     return 2
