@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
@@ -31,6 +32,13 @@ EXIT_OOM = 3  # simulated fine, but a device's peak memory exceeds its capacity 
 def usage_error(message: str) -> int:
     print(f"pipescope: error: {message}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def decimal(text: str) -> int:
+    """An argparse type: a plain decimal integer (Python's int() would also take ``1_6`` and spaces)."""
+    if not re.fullmatch(r"[0-9]{1,18}", text):
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected a plain decimal integer")
+    return int(text)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -154,7 +162,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         for line in err.problems:
             print(f"  {line}", file=sys.stderr)
         return EXIT_INVALID_SCHEDULE
-    torch_steps, stalled = _torch_dry_run(schedule)
+    torch_steps, stalled = _torch_dry_run(schedule, steps)
     print(f"{args.file}: ok: {schedule.num_devices} devices, {schedule.num_stages} stages, "
           f"{schedule.total_microbatches} microbatches, {schedule.num_compute_ops()} ops, {steps} unit-time steps "
           f"({torch_steps})")
@@ -164,8 +172,18 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _torch_dry_run(schedule) -> tuple[str, str]:
-    """("N with send/recv, as torch's dry run counts", "") from torch itself; the reason when torch stalls."""
+# torch's dry run gives every rank a slot at every step and pops each rank's list from the front, so its time grows
+# as devices x steps and as steps^2 (p = 2,000, m = 4: 8 million device-steps, 40 s): past these, check skips it.
+TORCH_DRY_RUN_MAX_DEVICE_STEPS = 250_000  # devices x unit-time steps; at most ~6 s
+TORCH_DRY_RUN_MAX_STEPS = 10_000
+
+
+def _torch_dry_run(schedule, unit_steps: int) -> tuple[str, str]:
+    """("N with send/recv, as torch's dry run counts", "") from torch itself; the reason when torch stalls; skipped
+    (and said so) past TORCH_DRY_RUN_MAX_DEVICE_STEPS or TORCH_DRY_RUN_MAX_STEPS."""
+    if schedule.num_devices * unit_steps > TORCH_DRY_RUN_MAX_DEVICE_STEPS or unit_steps > TORCH_DRY_RUN_MAX_STEPS:
+        return (f"torch's dry run skipped: {schedule.num_devices} devices x {unit_steps} steps, over its limits of "
+                f"{TORCH_DRY_RUN_MAX_DEVICE_STEPS} device-steps and {TORCH_DRY_RUN_MAX_STEPS} steps"), ""
     try:
         from pipescope.calibration.torch_schedules import dry_run_steps
         steps, stalled = dry_run_steps(schedule)
@@ -177,8 +195,8 @@ def _torch_dry_run(schedule) -> tuple[str, str]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from pipescope.experiments.bench import run_bench
-    if args.repeat < 1:
-        return usage_error(f"--repeat: got {args.repeat}, expected an integer >= 1")
+    if not 1 <= args.repeat <= 1000:
+        return usage_error(f"--repeat: got {args.repeat}, expected an integer from 1 to 1000")
     return run_bench(args.repeat, args.quick, args.json)
 
 
@@ -201,10 +219,10 @@ def build_parser() -> Parser:
     p.set_defaults(func=cmd_schedules)
     p = sub.add_parser("check", help="check a schedule CSV (torch's format) for malformed actions and deadlocks")
     p.add_argument("file", metavar="FILE.csv")
-    p.add_argument("--microbatches", type=int, help="microbatches per iteration (default: inferred from the file)")
+    p.add_argument("--microbatches", type=decimal, help="microbatches per iteration (default: inferred from the file)")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("bench", help="time the engine against a heapq list-scheduler floor")
-    p.add_argument("--repeat", type=int, default=5, help="runs per case; medians are reported (default 5)")
+    p.add_argument("--repeat", type=decimal, default=5, help="runs per case; medians are reported (default 5)")
     p.add_argument("--quick", action="store_true", help="only the small case (p=8, m=64)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench)

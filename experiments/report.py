@@ -13,7 +13,7 @@ def _headline(result: SimResult) -> str:
     s, m, c = result.schedule, config.model, config.cluster
     costs = config.costs.kind
     uniform = costs is CostKind.UNIFORM
-    model = "uniform costs" if uniform else f"{m.preset} mb={m.microbatch_size} {m.precision} ({costs})"
+    model = "uniform costs" if uniform else f"{m.label} mb={m.microbatch_size} {m.precision} ({costs})"
     return (f"{s.name}: p={s.num_devices} m={s.num_microbatches} v={s.chunks}"
             f"{' recompute' if s.recompute else ''}  weight update {s.weight_update}  {model}  "
             f"on {c.topology} x{c.nodes}")

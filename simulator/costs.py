@@ -60,11 +60,26 @@ class CostError(ValueError):
     """A cost model produced an op time no run could have (non-finite or beyond MAX_OP_SECONDS)."""
 
 
+MAX_BYTES = 1 << 50  # 1 PiB: no stage of a real model stashes or sends more; keeps byte sums inside int64
+
+
+def check_stage_costs(costs: list[StageCost]) -> None:
+    """CostError unless every stage's times and bytes are non-negative and within MAX_OP_SECONDS and MAX_BYTES
+    (whatever cost model made them: the engine and the ledger sum them in int64)."""
+    for stage, cost in enumerate(costs):
+        for name, value in vars(cost).items():
+            limit = MAX_OP_SECONDS * 1e9 if name.endswith("_ns") else MAX_BYTES
+            if not 0 <= value <= limit:
+                raise CostError(f"stage {stage}: {name} would be {value:,}, expected 0 to {limit:,.0f}; check the "
+                                f"model size and costs")
+
+
 def seconds_to_ns(seconds: float) -> int:
     if not math.isfinite(seconds) or seconds > MAX_OP_SECONDS:
         raise CostError(f"an op would take {seconds:g} s (at most {MAX_OP_SECONDS:g} s); "
                         f"check the model size and costs.efficiency")
-    return int(round(seconds * 1e9))
+    ns = int(round(seconds * 1e9))
+    return 1 if ns == 0 and seconds > 0 else ns  # a positive time never rounds to nothing: 1 ns is the resolution
 
 
 class CostKind(StrEnum):

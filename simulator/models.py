@@ -111,11 +111,18 @@ def output_activation_bytes(model: ModelSpec, microbatch_size: int, precision: s
     return microbatch_size * model.seq * model.vocab * (PRECISIONS[precision].activation_bytes + 4)
 
 
+DEFAULT_PRESET = "gpt-1.3b"
+SHAPE_KEYS = ("layers", "hidden", "heads", "seq", "vocab")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The ``model`` section: a preset, optionally with some dimensions replaced, the microbatch and precision."""
+    """The ``model`` section: a preset, optionally with some dimensions replaced, the microbatch and precision.
 
-    preset: str = "gpt-1.3b"
+    ``preset`` unset means ``DEFAULT_PRESET``, except under profiled costs, where the profile's model is the run's.
+    """
+
+    preset: str | None = None
     layers: int | None = None
     hidden: int | None = None
     heads: int | None = None
@@ -127,10 +134,16 @@ class ModelConfig:
     def spec(self) -> ModelSpec:
         """The model's shape; ValueError naming the key when the preset is unknown or heads do not divide hidden."""
         try:
-            spec = preset(self.preset, layers=self.layers, hidden=self.hidden, heads=self.heads, seq=self.seq,
-                          vocab=self.vocab)
+            spec = preset(self.preset or DEFAULT_PRESET, **{key: getattr(self, key) for key in SHAPE_KEYS})
         except KeyError as err:
             raise ValueError(err.args[0]) from None
         if spec.hidden % spec.heads:
             raise ValueError(f"model.heads: got {spec.heads}, expected a divisor of model.hidden (={spec.hidden})")
         return spec
+
+    @property
+    def label(self) -> str:
+        """``gpt-1.3b``, or ``gpt-1.3b with layers=4`` when some of the preset's dimensions are replaced."""
+        changed = [f"{key}={getattr(self, key)}" for key in SHAPE_KEYS if getattr(self, key) is not None]
+        name = self.preset or DEFAULT_PRESET
+        return f"{name} with {', '.join(changed)}" if changed else name

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from pipescope.simulator.check import structure_problems
-from pipescope.simulator.costs import CostModel, StageCost
+from pipescope.simulator.costs import CostModel, StageCost, check_stage_costs
 from pipescope.simulator.engine import Engine, gc_paused
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
 from pipescope.simulator.lowering import lower
@@ -50,6 +50,7 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
 def prepare(schedule: Schedule, costs: CostModel) -> tuple[Program, list[StageCost]]:
     """The lowered, compiled program of ``schedule`` under ``costs``, and the per-stage costs it used."""
     stage_costs = [costs.stage_cost(s, schedule.num_stages, schedule.chunks) for s in range(schedule.num_stages)]
+    check_stage_costs(stage_costs)
     program = compile_program(lower(schedule), op_durations(stage_costs, schedule.recompute),
                               [c.boundary_bytes for c in stage_costs])
     return program, stage_costs

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from pipescope.simulator.costs import CostError
 from pipescope.simulator.engine import RunTimes
 from pipescope.simulator.ir import ActionKind, ProgramAction, Role
 from pipescope.simulator.program import KIND_CODE, KINDS, ROLE_CODE, ROLES, Columns, Program
@@ -77,18 +78,35 @@ def _stream(role: Role, peer: int) -> str:
     return role.name.lower()
 
 
+MAX_RUN_NS = 1 << 53  # 104 days: beyond it float64 seconds lose nanoseconds, and int64 sums of spans could overflow
+
+
+def _checked_times(times: RunTimes) -> tuple[np.ndarray, ...]:
+    """The replay's four time lists as int64 arrays; CostError if the run lasts beyond MAX_RUN_NS."""
+    lists = (times.entry_start, times.entry_end, times.flow_start, times.flow_end)
+    try:
+        arrays = tuple(np.asarray(values, dtype=np.int64) for values in lists)
+    except OverflowError:
+        arrays = ()
+    if not arrays or max(int(a.max(initial=0)) for a in arrays) > MAX_RUN_NS:
+        raise CostError(f"the run would last beyond {MAX_RUN_NS:,} ns (104 days); expected op times, bandwidths "
+                        f"and latencies of a real cluster")
+    return arrays
+
+
 def replay_timeline(program: Program, times: RunTimes, num_devices: int) -> Timeline:
     """The timeline of a replay: compute entries with their own times; SEND, RECV and collectives with their flow's."""
     cols = program.columns
     keep = np.flatnonzero(cols.role != Role.STAGE)
     role, flow = cols.role[keep], np.asarray(program.flow_of, dtype=np.int64)[keep]
 
-    def per_flow(values: list[int]) -> np.ndarray:  # a flow's value per row; the pad at -1 serves compute rows
+    def per_flow(values: list[int] | np.ndarray) -> np.ndarray:  # a flow's value per row; -1 pads compute rows
         return np.append(np.asarray(values, dtype=np.int64), -1)[flow]
 
+    entry_start, entry_end, flow_start, flow_end = _checked_times(times)
     compute = role == Role.COMPUTE
-    start = np.where(compute, np.asarray(times.entry_start, dtype=np.int64)[keep], per_flow(times.flow_start))
-    end = np.where(compute, np.asarray(times.entry_end, dtype=np.int64)[keep], per_flow(times.flow_end))
+    start = np.where(compute, entry_start[keep], per_flow(flow_start))
+    end = np.where(compute, entry_end[keep], per_flow(flow_end))
     peer = np.where(role == Role.SEND, per_flow(program.flow_dst),
                     np.where(role == Role.RECV, per_flow(program.flow_src), -1))
     nbytes = np.where(compute, 0, per_flow(program.flow_bytes))

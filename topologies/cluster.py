@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import networkx as nx
-import yaml
-
 from pipescope.simulator.network import FifoLinks, Link
 from pipescope.topologies.devices import DEVICES, DeviceSpec
-from pipescope.simulator.units import parse_bandwidth, parse_time
+from pipescope.simulator.safe_yaml import YamlError, read_yaml_file
+from pipescope.simulator.units import parse_bandwidth, parse_time, short_repr
 
 MACHINES_DIR = os.path.join(os.path.dirname(__file__), "machines")
 PLACEMENTS = ("linear", "spread")
@@ -57,43 +56,71 @@ def machine_names() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(MACHINES_DIR) if f.endswith(".yaml"))
 
 
+MAX_GPUS_PER_NODE = 256  # the largest real nodes hold 8 to 16; beyond this a file is mistyped
+MAX_GPUS = 100_000  # GPUs one run places (stages x data_parallel); the graph of 100,000 takes about 1.5 s
+BANDWIDTH_RANGE = (1e6, 1e15)  # 1 MB/s to 1 PB/s: below, one transfer outlasts any run; above, no link exists
+MAX_LATENCY_S = 1.0
+
+
 def load_machine(name_or_path: str) -> Machine:
-    """A built-in machine by name (see ``machine_names()``) or a YAML file path."""
+    """A built-in machine by name (see ``machine_names()``) or a YAML file path.
+
+    Raises:
+        ValueError: one line naming ``cluster.topology``, the file, the key, the value and what was expected.
+    """
     is_file = name_or_path.endswith((".yaml", ".yml"))
     path = name_or_path if is_file else os.path.join(MACHINES_DIR, f"{name_or_path}.yaml")
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         choices = ", ".join(machine_names())
         raise ValueError(f"cluster.topology(={name_or_path!r}) is neither a file nor one of {choices}")
     try:
-        with open(path, encoding="utf-8") as handle:
-            raw = yaml.safe_load(handle) or {}
-    except (OSError, yaml.YAMLError) as err:
-        reason = str(err).splitlines()[0]
-        raise ValueError(f"cluster.topology: {path!r} is not a readable YAML file ({reason})") from None
+        raw = read_yaml_file(path)
+    except YamlError as err:
+        raise ValueError(f"cluster.topology: {err}") from None
+    where = f"cluster.topology: {path!r}"
+    _require_keys(raw, ("device", "gpus_per_node", "intra_node", "inter_node"), where, "")
+    for tier in ("intra_node", "inter_node"):
+        _require_keys(raw[tier], ("bandwidth", "latency"), where, f"{tier}.")
+    device = raw["device"]
+    if not isinstance(device, str) or device not in DEVICES:
+        raise ValueError(f"{where}: device: got {short_repr(device)}, expected one of {', '.join(DEVICES)}")
+    gpus = raw["gpus_per_node"]
+    if type(gpus) is not int or not 1 <= gpus <= MAX_GPUS_PER_NODE:
+        raise ValueError(f"{where}: gpus_per_node: got {short_repr(gpus)}, expected an integer from 1 to "
+                         f"{MAX_GPUS_PER_NODE}")
+    intra_bw, intra_lat = _tier(raw["intra_node"], where, "intra_node")
+    inter_bw, inter_lat = _tier(raw["inter_node"], where, "inter_node")
+    return Machine(os.path.splitext(os.path.basename(path))[0], device, gpus, intra_bw, intra_lat, inter_bw, inter_lat)
+
+
+def _require_keys(raw: object, keys: tuple[str, ...], where: str, prefix: str) -> None:
+    """ValueError unless ``raw`` is a mapping with exactly ``keys``."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: {prefix.rstrip('.') or 'file'}: got {short_repr(raw)}, expected a mapping of "
+                         f"{', '.join(prefix + k for k in keys)}")
+    missing = [k for k in keys if k not in raw]
+    unknown = [k for k in raw if k not in keys]
+    if missing or unknown:
+        problem = f"{prefix}{missing[0]} is missing" if missing else f"{prefix}{unknown[0]} is not a key"
+        raise ValueError(f"{where}: {problem}, expected keys {', '.join(prefix + k for k in keys)}")
+
+
+def _tier(raw: dict, where: str, tier: str) -> tuple[float, int]:
+    """(bandwidth in B/s, latency in ns) of one tier, each within its range."""
     try:
-        machine = Machine(
-            name=os.path.splitext(os.path.basename(path))[0],
-            device=str(raw["device"]),
-            gpus_per_node=int(raw["gpus_per_node"]),
-            intra_bandwidth=parse_bandwidth(raw["intra_node"]["bandwidth"]),
-            intra_latency_ns=round(parse_time(raw["intra_node"]["latency"]) * 1e9),
-            inter_bandwidth=parse_bandwidth(raw["inter_node"]["bandwidth"]),
-            inter_latency_ns=round(parse_time(raw["inter_node"]["latency"]) * 1e9),
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"cluster.topology: {path!r}: {err!r}; expected device, gpus_per_node, "
-                         f"intra_node.bandwidth/latency, inter_node.bandwidth/latency") from None
-    _check_machine(machine, path)
-    return machine
-
-
-def _check_machine(machine: Machine, path: str) -> None:
-    if machine.device not in DEVICES:
-        raise ValueError(f"cluster.topology: {path!r}: device {machine.device!r}, expected one of {', '.join(DEVICES)}")
-    for key, value in (("gpus_per_node", machine.gpus_per_node), ("intra_node.bandwidth", machine.intra_bandwidth),
-                       ("inter_node.bandwidth", machine.inter_bandwidth)):
-        if value <= 0:
-            raise ValueError(f"cluster.topology: {path!r}: {key} is {value}, expected > 0")
+        bandwidth = parse_bandwidth(raw["bandwidth"])
+    except ValueError as err:
+        raise ValueError(f"{where}: {tier}.bandwidth: {err}") from None
+    try:
+        latency = parse_time(raw["latency"])
+    except ValueError as err:
+        raise ValueError(f"{where}: {tier}.latency: {err}") from None
+    low, high = BANDWIDTH_RANGE
+    if not low <= bandwidth <= high:
+        raise ValueError(f"{where}: {tier}.bandwidth: got {short_repr(raw['bandwidth'])}, expected 1MB/s to 1PB/s")
+    if latency > MAX_LATENCY_S:
+        raise ValueError(f"{where}: {tier}.latency: got {short_repr(raw['latency'])}, expected at most 1 s")
+    return bandwidth, round(latency * 1e9)
 
 
 def machine_graph(machine: Machine, nodes: list[int] | range) -> nx.Graph:
@@ -123,6 +150,9 @@ class Cluster:
             raise ValueError(f"cluster.placement(={placement!r}) must be one of {', '.join(PLACEMENTS)}")
         self.machine, self.nodes, self.placement = machine, nodes, placement
         self.num_gpus = nodes * machine.gpus_per_node
+        if devices is not None and devices > MAX_GPUS:
+            raise ValueError(f"cluster.data_parallel: stages x data_parallel = {devices:,} GPUs, expected at most "
+                             f"{MAX_GPUS:,}")
         if devices is not None and devices > self.num_gpus:
             raise ValueError(f"pipeline needs {devices} GPUs but cluster.nodes(={nodes}) x "
                              f"{machine.gpus_per_node} GPUs of {machine.name} gives {self.num_gpus}")
