@@ -9,12 +9,22 @@ from __future__ import annotations
 import numpy as np
 
 from pipescope.simulator.engine import Engine, gc_paused
-from pipescope.simulator.ir import COMPUTE_KINDS, Action, ActionKind, Schedule, ScheduleError
+from pipescope.simulator.ir import (
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    STAGE_KINDS,
+    Action,
+    ActionKind,
+    Role,
+    Schedule,
+    ScheduleError,
+)
 from pipescope.simulator.lowering import lower
 from pipescope.simulator.network import FifoLinks
 from pipescope.simulator.program import KIND_CODE, KINDS, Columns, compile_program, unit_durations
 
 K = ActionKind
+PLACED_KINDS = COMM_KINDS | STAGE_KINDS  # not compute, but run on their stage's device: sends, receives, UNSHARD...
 
 
 def check(schedule: Schedule) -> int:
@@ -56,7 +66,11 @@ def _placement_problems(schedule: Schedule) -> list[str]:
             problems.append(f"stage {stage} mapped to device {device}, expected 0..{schedule.num_devices - 1}")
     for device, actions in enumerate(schedule.device_actions):
         for step, action in enumerate(actions):
-            if action is None or action.kind not in COMPUTE_KINDS:
+            if action is None:
+                continue
+            if action.kind in PLACED_KINDS:
+                problems += _placed_problems(schedule, device, step, action)
+            if action.kind not in COMPUTE_KINDS:
                 continue
             if not 0 <= action.stage < schedule.num_stages:
                 problems.append(f"device {device} step {step}: {action} has stage outside 0..{schedule.num_stages - 1}")
@@ -67,6 +81,21 @@ def _placement_problems(schedule: Schedule) -> list[str]:
             if not 0 <= action.microbatch < schedule.total_microbatches:
                 problems.append(f"device {device} step {step}: {action} has microbatch outside "
                                 f"0..{schedule.total_microbatches - 1}")
+    return problems
+
+
+def _placed_problems(schedule: Schedule, device: int, step: int, action: Action) -> list[str]:
+    """A send, receive or per-stage action must name an existing stage and sit on that stage's device; a send or
+    receive must name a microbatch in range."""
+    where, stages, total = f"device {device} step {step}: {action}", schedule.num_stages, schedule.total_microbatches
+    if not 0 <= action.stage < stages:
+        return [f"{where} has stage outside 0..{stages - 1}"]
+    problems = []
+    if schedule.stage_to_device[action.stage] != device:
+        problems.append(f"{where} but stage {action.stage} is on device {schedule.stage_to_device[action.stage]}, "
+                        f"expected it there")
+    if action.kind in COMM_KINDS and not 0 <= action.microbatch < total:
+        problems.append(f"{where} has microbatch outside 0..{total - 1}")
     return problems
 
 
@@ -147,10 +176,36 @@ def structure_problems(schedule: Schedule) -> list[str]:
 
 def _well_formed(schedule: Schedule) -> bool:
     """True when every compute op is on its stage's device, in range, once, every (stage, microbatch) has F and
-    either B or both I and W, and each W comes after its I. False means "look closer", not "malformed"."""
-    p, stages, total = schedule.num_devices, schedule.num_stages, schedule.total_microbatches
+    either B or both I and W, and each W comes after its I; sends, receives and per-stage actions name a stage in
+    range, on its device. False means "look closer", not "malformed"."""
+    p = schedule.num_devices
     if len(schedule.device_actions) != p or any(not 0 <= d < p for d in schedule.stage_to_device):
         return False
+    try:  # indices beyond int64 (a hand-built schedule) overflow; Columns refuses those beyond its MAX_INDEX
+        return _placed_ok(schedule) and _compute_ok(schedule)
+    except (OverflowError, ScheduleError):
+        return False
+
+
+def _placed_ok(schedule: Schedule) -> bool:
+    """Every send, receive and per-stage action names a stage in range, on that stage's device, and every send and
+    receive a microbatch in range."""
+    per_device = [[a for a in acts if a is not None and a.kind in PLACED_KINDS] for acts in schedule.device_actions]
+    ops = [a for acts in per_device for a in acts]
+    if not ops:
+        return True
+    cols = Columns.of(ops, np.repeat(np.arange(len(per_device)), [len(acts) for acts in per_device]))
+    if cols.stage.min() < 0 or cols.stage.max() >= schedule.num_stages:
+        return False
+    if (np.asarray(schedule.stage_to_device)[cols.stage] != cols.device).any():
+        return False
+    mb = cols.microbatch[cols.role != Role.STAGE]
+    return not len(mb) or bool(mb.min() >= 0 and mb.max() < schedule.total_microbatches)
+
+
+def _compute_ok(schedule: Schedule) -> bool:
+    """The compute ops: on their stage's device, in range, once each, complete, each W after its I."""
+    p, stages, total = schedule.num_devices, schedule.num_stages, schedule.total_microbatches
     per_device = [[a for a in acts if a is not None and a.kind in COMPUTE_KINDS] for acts in schedule.device_actions]
     ops = [a for acts in per_device for a in acts]
     if len(ops) > 4 * stages * total or len(ops) < 2 * stages * total or stages * total > 50_000_000:

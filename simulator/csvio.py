@@ -1,13 +1,26 @@
 """torch.distributed.pipelining's schedule CSV: one row per rank, one cell per action,
-an empty cell is an idle step (docs/schedules.md section 8)."""
+an empty cell is an idle step (docs/schedules.md section 8).
+
+Every file is treated as hostile: its size is bounded before it is parsed (``MAX_CSV_BYTES``, ``MAX_CSV_CELLS``,
+``MAX_CSV_ACTIONS``), and anything wrong with it is a one-line ValueError naming the row (and cell) and what was
+expected; the caller names the file.
+"""
 
 from __future__ import annotations
 
 import csv
 import io
+import os
 
 from pipescope.simulator.files import write_atomic
-from pipescope.simulator.ir import COMPUTE_KINDS, Schedule, parse_cell
+from pipescope.simulator.ir import COMPUTE_KINDS, Action, Schedule, parse_cell
+
+# Bounds on a schedule CSV, checked before parsing, so a hostile file costs neither gigabytes nor minutes. A
+# 1F1B schedule with p = 2,000 and m = 4 takes 0.2 MB, 16,000 cells; torch's dump of GPipe at that size, with an
+# idle cell per step, 8 million cells. Checking a schedule costs about 10 us per action: 2 million take ~30 s.
+MAX_CSV_BYTES = 64 << 20  # 64 MiB
+MAX_CSV_CELLS = 16_000_000  # cells, idle ones included (counted as commas plus line breaks)
+MAX_CSV_ACTIONS = 2_000_000  # actions (non-empty cells; an OVERLAP_F_B cell counts its sub-actions)
 
 
 def to_csv_text(schedule: Schedule, compute_only: bool = True) -> str:
@@ -25,40 +38,112 @@ def write_csv(schedule: Schedule, path: str) -> None:
     write_atomic(path, to_csv_text(schedule))
 
 
+def _shown(cell: str, limit: int = 40) -> str:
+    """A cell as an error message quotes it: on one line, cut to ``limit`` characters."""
+    return repr(cell) if len(cell) <= limit else repr(cell[:limit]) + f"... ({len(cell)} characters)"
+
+
+def _check_size(text: str) -> None:
+    """ValueError if ``text`` is over the bounds or holds a NUL byte (before any parsing)."""
+    if len(text) > MAX_CSV_BYTES:
+        raise ValueError(f"{len(text)} characters, expected at most {MAX_CSV_BYTES} ({MAX_CSV_BYTES >> 20} MiB) "
+                         f"for a schedule CSV")
+    nul = text.find("\0")
+    if nul >= 0:
+        raise ValueError(f"line {text.count(chr(10), 0, nul) + 1} holds a NUL byte, expected a text file of "
+                         f"comma-separated actions")
+    cells = text.count(",") + text.count("\n") + text.count("\r") + 1  # a bound: quoted commas count too
+    if cells > MAX_CSV_CELLS:
+        raise ValueError(f"about {cells} cells, expected at most {MAX_CSV_CELLS} (MAX_CSV_CELLS) for a schedule CSV")
+
+
+Where = tuple[int, int, int, str]  # an action's stage, and the row, cell and text it first appears in
+
+
+def _parse_rows(text: str) -> tuple[list[tuple[Action | None, ...]], dict[bool, Where]]:
+    """Per row, its actions (None for an idle cell); and, for compute actions (key True) and the others (False), the
+    highest stage one names and where it first appears."""
+    reader = csv.reader(io.StringIO(text))
+    device_actions: list[tuple[Action | None, ...]] = []
+    blank: list[int] = []  # blank rows since the last non-blank one (trailing blank lines are not idle ranks)
+    highest: dict[bool, Where] = {}
+    count = 0
+    try:
+        for row in reader:
+            rank = len(device_actions) + len(blank)
+            acts: list[Action | None] = []
+            for c, cell in enumerate(row):
+                try:
+                    parsed = parse_cell(cell)
+                except ValueError as err:
+                    raise ValueError(f"row {rank} cell {c}: {err}") from None
+                if not parsed:
+                    acts.append(None)
+                    continue
+                count += len(parsed)
+                if count > MAX_CSV_ACTIONS:
+                    raise ValueError(f"row {rank}: more than {MAX_CSV_ACTIONS} actions (MAX_CSV_ACTIONS), expected "
+                                     f"at most that many in a schedule CSV")
+                for action in parsed:
+                    compute = action.kind in COMPUTE_KINDS
+                    top = highest.get(compute)
+                    if top is None or action.stage > top[0]:
+                        highest[compute] = (action.stage, rank, c, cell.strip())
+                acts.extend(parsed)
+            if not any(a is not None for a in acts):
+                blank.append(rank)
+                continue
+            if blank:
+                raise ValueError(f"row {blank[0]} is blank, expected one row of actions per rank")
+            if not any(a is not None and a.kind in COMPUTE_KINDS for a in acts):
+                raise ValueError(f"row {rank} has no compute action (F, I, W or B), expected every rank to run a "
+                                 f"stage")
+            device_actions.append(tuple(acts))
+    except csv.Error as err:
+        rank = len(device_actions) + len(blank)
+        raise ValueError(f"row {rank} (line {reader.line_num}): {err}, expected short comma-separated cells "
+                         f"such as 0F0") from None
+    return device_actions, highest
+
+
 def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "csv") -> Schedule:
     """Parse torch's CSV into a Schedule.
 
     Stages are placed on the device where they first appear; the checker reports a
     stage that shows up on a second device. An ``OVERLAP_F_B`` cell becomes its actions in
     order. Without ``num_microbatches`` it is taken as one more than the highest microbatch seen.
+
+    Raises:
+        ValueError: one line naming the row (and cell) and what was expected: the text is over the bounds
+            (``MAX_CSV_BYTES``, ``MAX_CSV_CELLS``, ``MAX_CSV_ACTIONS``), holds a NUL byte, a cell that is not an
+            action, a blank row between ranks, a rank without compute actions, stages that are not ``0..S-1``, or
+            a send/recv/per-stage action naming a stage outside them.
     """
-    rows = list(csv.reader(io.StringIO(text.removeprefix("\ufeff"))))
-    while rows and not any(cell.strip() for cell in rows[-1]):
-        rows.pop()  # trailing blank lines are not idle ranks
-    empty = [rank for rank, row in enumerate(rows) if not any(cell.strip() for cell in row)]
-    if empty:
-        raise ValueError(f"row {empty[0]} is blank, expected one row of actions per rank")
-    device_actions = []
-    for rank, row in enumerate(rows):
-        try:
-            cells = [parse_cell(cell) or [None] for cell in row]
-            device_actions.append(tuple(a for actions in cells for a in actions))
-        except ValueError as err:
-            raise ValueError(f"row {rank}: {err}") from None
-    compute = [(d, a) for d, acts in enumerate(device_actions)
-               for a in acts if a is not None and a.kind in COMPUTE_KINDS]
-    if not compute:
-        raise ValueError("schedule CSV holds no compute actions")
-    home: dict[int, int] = {}
-    for device, action in compute:
-        home.setdefault(action.stage, device)
-    if max(home) >= len(home):  # stages must be 0..S-1; look only as far as S+5 (indices may be huge)
-        missing = [s for s in range(len(home) + 5) if s not in home][:5]
-        raise ValueError(f"schedule CSV uses stage {max(home)} but has no action for stage(s) {missing}")
-    num_stages = len(home)
+    text = text.removeprefix("\ufeff")
+    _check_size(text)
     if num_microbatches is not None and num_microbatches < 1:
         raise ValueError(f"microbatches(={num_microbatches}) must be >= 1")
-    seen_mb = max(a.microbatch for _, a in compute) + 1
+    device_actions, highest = _parse_rows(text)
+    if not device_actions:
+        raise ValueError("schedule CSV holds no compute actions")
+    home: dict[int, int] = {}
+    seen_mb = 0
+    for device, actions in enumerate(device_actions):
+        for a in actions:
+            if a is not None and a.kind in COMPUTE_KINDS:
+                home.setdefault(a.stage, device)
+                seen_mb = max(seen_mb, a.microbatch + 1)
+    num_stages = len(home)
+    top, rank, cell, shown = highest[True]
+    if top >= num_stages:  # stages must be 0..S-1; list gaps only as far as S+5 (indices may be huge)
+        missing = [s for s in range(min(top, num_stages + 5)) if s not in home][:5]
+        raise ValueError(f"row {rank} cell {cell}: {_shown(shown)} uses stage {top} but the file has no compute "
+                         f"action for stage(s) {missing}, expected its {num_stages} stages numbered "
+                         f"0..{num_stages - 1}")
+    top, rank, cell, shown = highest.get(False, (-1, 0, 0, ""))
+    if top >= num_stages:
+        raise ValueError(f"row {rank} cell {cell}: {_shown(shown)} names stage {top}, expected a stage in "
+                         f"0..{num_stages - 1} (the stages the file's compute actions use)")
     return Schedule(
         name=name,
         num_devices=len(device_actions),
@@ -69,5 +154,19 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
 
 
 def read_csv(path: str, num_microbatches: int | None = None) -> Schedule:
-    with open(path, encoding="utf-8") as handle:
-        return from_csv_text(handle.read(), num_microbatches, name=f"csv:{path}")
+    """Read a schedule CSV: at most ``MAX_CSV_BYTES`` of UTF-8 text (ValueError otherwise; the caller names the file,
+    OSError if it cannot be read)."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError("not a regular file, expected a schedule CSV file")
+    with open(path, "rb") as handle:
+        data = handle.read(MAX_CSV_BYTES + 1)
+    if len(data) > MAX_CSV_BYTES:
+        raise ValueError(f"larger than {MAX_CSV_BYTES} bytes ({MAX_CSV_BYTES >> 20} MiB, MAX_CSV_BYTES), expected "
+                         f"a smaller schedule CSV")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ValueError(f"line {line}: byte {data[err.start]:#04x} at offset {err.start} is not UTF-8, expected a "
+                         f"UTF-8 text file") from None
+    return from_csv_text(text, num_microbatches, name=f"csv:{path}")

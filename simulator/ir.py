@@ -119,17 +119,40 @@ class ScheduleError(ValueError):
         super().__init__("; ".join(shown))
 
 
+MAX_ACTION_INDEX = 10**9 - 1  # the largest stage or microbatch index parse_action takes (no pipeline is that big)
+
+
+def _action_index(text: str, what: str, digits: str) -> int:
+    """A stage or microbatch index of an action's text, ValueError beyond ``MAX_ACTION_INDEX`` (checked on the digits,
+    before ``int``: a 10,000-digit number is refused, not converted)."""
+    if len(digits) <= 9:  # fast path: at most 999,999,999
+        return int(digits)
+    if len(digits.lstrip("0")) > len(str(MAX_ACTION_INDEX)) or int(digits) > MAX_ACTION_INDEX:
+        shown = digits if len(digits) <= 20 else f"{digits[:12]}... ({len(digits)} digits)"
+        raise ValueError(f"action {_quoted(text)} has {what} {shown}, expected at most {MAX_ACTION_INDEX}")
+    return int(digits)
+
+
+def _quoted(text: str, limit: int = 40) -> str:
+    """``text`` as an error message quotes it: on one line, cut to ``limit`` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 def parse_action(text: str) -> Action:
-    """Parse torch's text form (``2F0``, ``0I3``, ``3SEND_F1``, ``0UNSHARD``; microbatch -1 for the last)."""
+    """Parse torch's text form (``2F0``, ``0I3``, ``3SEND_F1``, ``0UNSHARD``; microbatch -1 for the last).
+
+    ValueError (one line, the text cut short) when it is not an action or an index is over ``MAX_ACTION_INDEX``.
+    """
     match = _ACTION_RE.match(text.strip())
     if match is not None:
         stage, kind, microbatch = match.groups()
-        return Action(int(stage), ActionKind(kind), int(microbatch))
+        return Action(_action_index(text, "stage", stage), ActionKind(kind),
+                      _action_index(text, "microbatch", microbatch))
     match = _STAGE_ACTION_RE.match(text.strip())
     if match is not None:
-        return Action(int(match.group(1)), ActionKind(match.group(2)), -1)
-    raise ValueError(f"action {text!r} is not of the form <stage><F|I|W|B|SEND_F|RECV_F|SEND_B|RECV_B><microbatch> "
-                     f"or <stage><UNSHARD|RESHARD|REDUCE_GRAD>")
+        return Action(_action_index(text, "stage", match.group(1)), ActionKind(match.group(2)), -1)
+    raise ValueError(f"action {_quoted(text)} is not of the form <stage><F|I|W|B|SEND_F|RECV_F|SEND_B|RECV_B>"
+                     f"<microbatch> or <stage><UNSHARD|RESHARD|REDUCE_GRAD>")
 
 
 def parse_cell(text: str) -> list[Action]:

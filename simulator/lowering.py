@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Container, Sequence
+from heapq import heappop, heappush
 from typing import Any
 
 from pipescope.simulator.ir import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, Schedule, ScheduleError, producers
@@ -97,10 +98,19 @@ def add_send_recv(schedule: Schedule) -> Schedule:
     out: list[list[Action]] = [[] for _ in lists]
     placed: list[set[tuple]] = [set() for _ in lists]
     cursor = [0] * len(lists)
-    active = [d for d, acts in enumerate(lists) if acts]
-    while active:
-        progress = False
-        for d in active:
+    # A round visits only the devices that may be ready: those that placed in the last round, and those a RECV
+    # reached since they last waited (nothing else changes what a waiting device sees). This round's are in `now`, a
+    # heap popped in rank order; a RECV reaching a higher rank wakes it this round, a lower one next round (`later`).
+    # Equal to visiting every device every round, but linear in the actions rather than rounds x devices.
+    now = [d for d, acts in enumerate(lists) if acts]
+    later: list[int] = []
+    queued = [False] * len(lists)  # in `now` or `later`
+    for d in now:
+        queued[d] = True
+    while now:
+        while now:
+            d = heappop(now)
+            queued[d] = False
             action = lists[d][cursor[d]]
             stage, kind, mb = action[0], action[1], action[2]
             here = placed[d]
@@ -111,22 +121,31 @@ def add_send_recv(schedule: Schedule) -> Schedule:
                     break
             else:
                 if wanted:
-                    continue
-            progress = True
+                    continue  # waits until a RECV reaches it
             cursor[d] += 1
             out[d].append(action)
             here.add(action)  # only compute ops and RECVs are ever needed: SENDs are not recorded
+            if cursor[d] < len(lists[d]):
+                later.append(d)
+                queued[d] = True
             if pair is not None:
                 send, recv = _NEW(Action, (pair[0].stage, pair[0].kind, mb)), _NEW(Action, (pair[1].stage,
                                                                                           pair[1].kind, mb))
+                peer = home[recv.stage]
                 out[d].append(send)
-                out[home[recv.stage]].append(recv)
-                placed[home[recv.stage]].add(recv)
-        active = [d for d in active if cursor[d] < len(lists[d])]
-        if not progress:
-            raise ScheduleError(["deadlock: cannot place sends/recvs: " + _waits_line(
-                d, cursor[d], lists[d][cursor[d]], _placement_needs(lists[d][cursor[d]], num_stages))
-                for d in active])
+                out[peer].append(recv)
+                placed[peer].add(recv)
+                if not queued[peer] and cursor[peer] < len(lists[peer]):
+                    queued[peer] = True
+                    if peer > d:
+                        heappush(now, peer)
+                    else:
+                        later.append(peer)
+        now, later = sorted(later), []
+    stuck = [d for d in range(len(lists)) if cursor[d] < len(lists[d])]
+    if stuck:
+        raise ScheduleError(["deadlock: cannot place sends/recvs: " + _waits_line(
+            d, cursor[d], lists[d][cursor[d]], _placement_needs(lists[d][cursor[d]], num_stages)) for d in stuck])
     return dataclasses.replace(schedule, device_actions=tuple(tuple(acts) for acts in out))
 
 

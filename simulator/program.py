@@ -280,8 +280,9 @@ def _add_inputs(out: Program, program: Schedule, keys: ActionIndex, flow_of: np.
     backward = (kind == KIND_CODE[K.I]) | (kind == KIND_CODE[K.B])
     split = backward & (keys.find(stage + 1, KIND_CODE[K.I], mb) >= 0)
     group = (stage * len(KINDS) + kind) * 2 + split
-    for code in np.unique(group).tolist():
-        rows = np.flatnonzero(group == code)
+    order = np.argsort(group, kind="stable")  # each group's rows in entry order, without a pass per group
+    codes, starts = np.unique(group[order], return_index=True)
+    for code, rows in zip(codes.tolist(), np.split(order, starts[1:])):
         _group_inputs(out, program, keys, flow_of, compute[rows], mb[rows], code)
 
 

@@ -97,6 +97,9 @@ def parse_yaml(text: str) -> Any:
         raise YamlError(f"{len(text):,} characters, expected at most {MAX_YAML_BYTES:,}")
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.MarkedYAMLError as err:
+        where = f"line {err.problem_mark.line + 1}: " if err.problem_mark else ""
+        raise YamlError(f"{where}{err.problem or err.context}") from None
     except yaml.YAMLError as err:
         raise YamlError(" ".join(str(err).split())) from None
     except RecursionError:

@@ -3,9 +3,12 @@
 import pytest
 
 from pipescope.simulator.check import check, unit_steps
-from pipescope.simulator.csvio import from_csv_text
-from pipescope.simulator.ir import Schedule, ScheduleError, parse_action
+from pipescope.simulator.csvio import from_csv_text, write_csv
+from pipescope.simulator.ir import Action, ActionKind, Schedule, ScheduleError, parse_action
+from pipescope.simulator.lowering import add_send_recv
 from pipescope.simulator.schedules import build
+
+K = ActionKind
 
 
 def _lowered(rows: list[list[str]], microbatches: int) -> Schedule:
@@ -91,3 +94,81 @@ def test_check_counts_unit_steps() -> None:
     """1F1B p=2 m=2: 0F0 | 0F1 1F0 | 1B0 | 0B0 1F1 | 1B1 | 0B1 = 6 steps."""
     schedule = build("1f1b", 2, 2)
     assert check(schedule) == unit_steps(schedule) == 6
+
+
+def _hand(rows: list[list[str | Action]], microbatches: int = 1) -> Schedule:
+    """2 stages on 2 devices, actions given as text or as Action (for indices no text can hold)."""
+    return Schedule("hand", 2, microbatches, (0, 1),
+                    tuple(tuple(parse_action(a) if isinstance(a, str) else a for a in row) for row in rows))
+
+
+@pytest.mark.parametrize(("rows", "problem"), [
+    ([["0F0", "0B0", "7UNSHARD"], ["1F0", "1B0"]], "device 0 step 2: 7UNSHARD has stage outside 0..1"),
+    ([["0F0", Action(-1, K.RECV_F, 0), "0B0"], ["1F0", "1B0"]], "device 0 step 1: -1RECV_F0 has stage outside 0..1"),
+    ([["0F0", "0B0", "1UNSHARD"], ["1F0", "1B0"]],
+     "device 0 step 2: 1UNSHARD but stage 1 is on device 1, expected it there"),
+    ([["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0", "0SEND_F0"]],
+     "device 1 step 4: 0SEND_F0 but stage 0 is on device 0, expected it there"),
+    ([["0F0", "0SEND_F0", "0RECV_B0", "0B0", "0SEND_F5"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]],
+     "device 0 step 4: 0SEND_F5 has microbatch outside 0..0"),
+    ([["0F0", "0SEND_F0", "0RECV_B0", "0B0", Action(0, K.SEND_F, 10**30)], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]],
+     f"device 0 step 4: 0SEND_F{10**30} has microbatch outside 0..0"),
+    ([["0F0", "0B0", Action(0, K.F, 10**30)], ["1F0", "1B0"]],
+     f"device 0 step 2: 0F{10**30} has microbatch outside 0..0"),
+    ([["0F0", "0B0"], ["1F0", "1B0", Action(10**30, K.F, 0)]], f"device 1 step 2: {10**30}F0 has stage outside 0..1"),
+])
+def test_sends_receives_and_stage_actions_name_a_stage_on_its_device(rows, problem: str) -> None:
+    """A send, receive or per-stage action naming a stage that does not exist, or sitting on another stage's device,
+    or a microbatch out of range (even beyond int64) is a finding naming device and step; these were accepted or
+    crashed with OverflowError before."""
+    with pytest.raises(ScheduleError) as err:
+        check(_hand(rows))
+    assert problem in err.value.problems
+
+
+def _round_robin_lowering(schedule: Schedule) -> list[list[Action]]:
+    """The placement rule of ``add_send_recv`` done the plain way (every unfinished device visited every round, in
+    rank order, as torch does): the oracle for the lowering that visits only devices that may be ready."""
+    lists = [[a for a in acts if a is not None] for acts in schedule.device_actions]
+    out, placed, cursor = [[] for _ in lists], [set() for _ in lists], [0] * len(lists)
+    home, last = schedule.stage_to_device, schedule.num_stages - 1
+    while any(cursor[d] < len(lists[d]) for d in range(len(lists))):
+        progress = False
+        for d in [d for d in range(len(lists)) if cursor[d] < len(lists[d])]:
+            s, kind, mb = a = lists[d][cursor[d]]
+            needs = ([(s, K.RECV_F), (s - 1, K.F)] if kind is K.F and s > 0 else
+                     [(s, K.RECV_B), (s + 1, K.I), (s + 1, K.B)] if kind in (K.I, K.B) and s < last else [])
+            if needs and not any(Action(st, kd, mb) in placed[d] for st, kd in needs):
+                continue
+            progress = True
+            cursor[d] += 1
+            out[d].append(a)
+            placed[d].add(a)
+            peer = s + 1 if kind is K.F else s - 1 if kind in (K.I, K.B) else None
+            if peer is not None and 0 <= peer <= last and home[peer] != home[s]:
+                out[d].append(Action(s, K.SEND_F if kind is K.F else K.SEND_B, mb))
+                recv = Action(peer, K.RECV_F if kind is K.F else K.RECV_B, mb)
+                out[home[peer]].append(recv)
+                placed[home[peer]].add(recv)
+        assert progress
+    return out
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_check_at_many_devices_gives_the_same_result(name: str) -> None:
+    """Where the lowering used to visit every device every round (quadratic in p), the lowered program at p = 1,000
+    is the round-robin one action for action, and at p = 2,000 the step counts are those the checker gave before
+    (m + p - 1 forward steps and as many backward ones: 4,006)."""
+    schedule = build(name, 1000, 4)
+    assert [list(acts) for acts in add_send_recv(schedule).device_actions] == _round_robin_lowering(schedule)
+    assert check(build(name, 2000, 4)) == 2 * (4 + 2000 - 1)
+
+
+def test_check_cli_at_2000_devices(tmp_path, cli) -> None:
+    """The CLI checks a 2,000-rank CSV with the same counts, and says it skips torch's dry run (quadratic: ~40 s)."""
+    path = tmp_path / "wide.csv"
+    write_csv(build("1f1b", 2000, 4), str(path))
+    code, out, err = cli(["check", str(path)])
+    assert (code, err) == (0, "")
+    assert f"{path}: ok: 2000 devices, 2000 stages, 4 microbatches, 16000 ops, 4006 unit-time steps (torch's dry " \
+           f"run skipped: 2000 devices x 4006 steps, over its limits of 250000 device-steps and 10000 steps)" in out

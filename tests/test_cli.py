@@ -144,11 +144,13 @@ def test_csv_output_is_torch_compute_only(tmp_path, cli) -> None:
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("device: b200\ngpus_per_node: 8\nintra_node: {bandwidth: 1GB/s, latency: 1us}\n"
-     "inter_node: {bandwidth: 1GB/s, latency: 1us}\n", "device 'b200', expected one of"),
+     "inter_node: {bandwidth: 1GB/s, latency: 1us}\n", "device: got 'b200', expected one of"),
     ("device: h100\ngpus_per_node: 8\nintra_node: {bandwidth: 0, latency: 1us}\n"
-     "inter_node: {bandwidth: 1GB/s, latency: 1us}\n", "intra_node.bandwidth is 0.0, expected > 0"),
-    ("device: [unclosed\n", "is not a readable YAML file"),
-    ("device: h100\n", "expected device, gpus_per_node"),
+     "inter_node: {bandwidth: 1GB/s, latency: 1us}\n", "intra_node.bandwidth: got 0, expected 1MB/s to 1PB/s"),
+    ("device: h100\ngpus_per_node: 8.5\nintra_node: {bandwidth: 1GB/s, latency: 1us}\n"
+     "inter_node: {bandwidth: 1GB/s, latency: 1us}\n", "gpus_per_node: got 8.5, expected an integer from 1 to 256"),
+    ("device: [unclosed\n", "line 2: expected ',' or ']', but got '<stream end>'"),
+    ("device: h100\n", "gpus_per_node is missing, expected keys device, gpus_per_node"),
 ])
 def test_bad_topology_file(text: str, expected: str, tmp_path, cli) -> None:
     """A broken topology YAML is one line naming the file and the problem, exit 2."""

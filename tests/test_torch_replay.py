@@ -79,10 +79,11 @@ def test_unknown_name_lists_available() -> None:
     assert all(name in str(err.value) for name in SCHEDULE_NAMES)
 
 
-def test_v_schedules_need_two_chunks() -> None:
-    """ZBVZeroBubble and DualPipeV take exactly 2 stages per rank; GPipe exactly 1."""
+def test_v_schedules_need_two_chunks_and_take_them_by_default() -> None:
+    """ZBVZeroBubble and DualPipeV take exactly 2 stages per rank (their default); GPipe exactly 1."""
     with pytest.raises(ValueError, match=r"chunks\(=1\).*must be 2"):
-        torch_schedule("ZBVZeroBubble", 4, 8)
+        torch_schedule("ZBVZeroBubble", 4, 8, chunks=1)
+    assert torch_schedule("ZBVZeroBubble", 4, 8).chunks == 2
     with pytest.raises(ValueError, match=r"chunks\(=2\).*must be 1"):
         torch_schedule("GPipe", 4, 8, chunks=2)
 
