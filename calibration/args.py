@@ -1,14 +1,34 @@
 """Command-line value checks shared by ``calibrate`` and ``calibrate-comms``: the one-line UsageError, number,
 list and size arguments, and the timing flags. Imports no other calibration module but ``timing`` (lazily), so
-``commands``, ``comms_args`` and ``comms`` can all import it without a cycle. No torch at import time."""
+``commands``, ``comms_args`` and ``comms`` can all import it without a cycle. No torch at import time.
+
+Every value is checked before anything is measured or allocated. Integers are plain decimal (``16``, not
+``1_6``, `` 16 ``, ``0x10`` or ``1e1``, which Python's ``int()`` and ``float()`` would accept), numbers are plain
+decimals (no ``nan``, ``inf``, ``1_0``), and each flag has a range; the error names the flag, the value and the
+range.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 from typing import Any
 
 from pipescope.simulator.units import parse_size
+
+INSTALL_HINT = "pip install 'pipescope[calibration]'"
+MAX_INT = 2**31 - 1  # no count on these command lines needs more, and every product torch forms stays in int64
+MAX_DIGITS = len(str(MAX_INT))
+MAX_WARMUP = 10_000
+MAX_REPS = 100_000  # min_reps is not bounded by --budget-s, so it needs a bound of its own
+MAX_BUDGET_S = 86_400.0  # a day per measured op
+MAX_MESSAGE_BYTES = 1 << 40  # calibrate-comms sizes: 1 TiB, beyond any device's memory
+
+_INTEGER = re.compile(r"-?[0-9]+")
+_LONG_EXPONENT = re.compile(r"[eE][-+]?[0-9]{3,}")  # 1e999999999 as an exact size would take minutes and gigabytes
+_DECIMAL = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
 class UsageError(ValueError):
@@ -21,53 +41,78 @@ def usage_error(message: str) -> int:
     return 2
 
 
-def int_list(key: str, text: str, example: str = "1,2,4,8") -> tuple[int, ...]:
-    """``"1,2,4"`` -> (1, 2, 4), each positive, in ascending order without repeats."""
-    expected = f"expected comma-separated positive integers, e.g. {example}"
+def require_torch(command: str) -> None:
+    """UsageError naming the extra to install when torch cannot be imported."""
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise UsageError(f"{key}: {text!r}, {expected}") from None
-    bad = [v for v in values if v <= 0]
-    if not values or bad:
-        raise UsageError(f"{key}: {bad[0] if bad else repr(text)}, {expected}")
+        import torch  # noqa: F401 (only probing that it is there)
+    except ImportError:
+        raise UsageError(f"{command} needs torch: {INSTALL_HINT}") from None
+
+
+def _shown(text: object, limit: int = 40) -> str:
+    """``repr(text)``, cut short so a pasted megabyte cannot flood the error line."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[:limit] + "..."
+
+
+def _plain_int(text: str) -> int | None:
+    """``text`` as an int when it is plain decimal of at most MAX_DIGITS digits, else None."""
+    if not isinstance(text, str) or not _INTEGER.fullmatch(text) or len(text.lstrip("-")) > MAX_DIGITS:
+        return None
+    return int(text)
+
+
+def integer(key: str, text: str, low: int = 1, high: int = MAX_INT) -> int:
+    """``text`` as a plain decimal integer from ``low`` to ``high``."""
+    value = _plain_int(text)
+    if value is None or not low <= value <= high:
+        shown = _shown(text) if value is None else value
+        raise UsageError(f"{key}: {shown}, expected an integer from {low} to {high}")
+    return value
+
+
+def optional_int(key: str, text: str | None, low: int = 1, high: int = MAX_INT) -> int | None:
+    """``integer``, None passed through."""
+    return None if text is None else integer(key, text, low, high)
+
+
+def int_list(key: str, text: str, example: str = "1,2,4,8", high: int = MAX_INT) -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4), each a plain decimal from 1 to ``high``, in ascending order without repeats."""
+    expected = f"expected comma-separated positive integers, e.g. {example}"
+    items = [v for v in text.split(",") if v]
+    values = [_plain_int(v) for v in items]
+    if not values or None in values:
+        raise UsageError(f"{key}: {_shown(text)}, {expected}")
+    bad = [v for v in values if not 1 <= v <= high]
+    if bad:
+        raise UsageError(f"{key}: {bad[0]}, {expected}" + (f" (at most {high})" if bad[0] > 0 else ""))
     return tuple(sorted(set(values)))
 
 
-def positive(key: str, value: float | None, allow_none: bool = True) -> None:
-    """UsageError unless ``value`` is positive (or None, when that is allowed)."""
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise UsageError(f"{key}: {value}, expected a positive number")
+def number(key: str, text: str, low: float, high: float) -> float:
+    """``text`` as a plain decimal number in (``low``, ``high``]: finite, no ``nan``, ``inf`` or underscores."""
+    value = float(text) if isinstance(text, str) and _DECIMAL.fullmatch(text) else None
+    if value is None or not math.isfinite(value) or not low < value <= high:
+        shown = _shown(text) if value is None or not math.isfinite(value) else value
+        raise UsageError(f"{key}: {shown}, expected a number above {low:g} and at most {high:g}")
+    return value
 
 
-def optional_int(key: str, text: str | None) -> int | None:
-    """``text`` as an integer, None passed through."""
-    if text is None:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise UsageError(f"{key}: {text!r}, expected an integer") from None
-
-
-def number(key: str, text: str) -> float:
-    """``text`` as a float."""
-    try:
-        return float(text)
-    except ValueError:
-        raise UsageError(f"{key}: {text!r}, expected a number") from None
-
-
-def size_arg(key: str, text: str) -> int:
+def size_arg(key: str, text: str, low: int = 1, high: int = MAX_MESSAGE_BYTES) -> int:
     """Bytes from ``"32KiB"``, ``"1GiB"``, ``"512MB"``, ``"1e3"``: the simulator's ``parse_size``, so a size means
-    the same in a config file and on the calibration command line. The error names the flag."""
+    the same in a config file and on the calibration command line; from ``low`` to ``high``. The error names the
+    flag."""
+    expected = f"expected a size from {low} to {high} bytes (1 TiB)"
+    if _LONG_EXPONENT.search(text):
+        raise UsageError(f"{key}: {_shown(text)}, {expected}")
     try:
-        return parse_size(text)
+        size = parse_size(text)
     except ValueError as exc:
         # parse_size says "got <value>, expected ..."; calibration's messages read "<key>: <value>, expected ...".
         raise UsageError(f"{key}: {str(exc).removeprefix('got ')}") from None
+    if not low <= size <= high:
+        raise UsageError(f"{key}: {_shown(text)}, {expected}")
+    return size
 
 
 def add_timing_args(parser: argparse.ArgumentParser, budget: float) -> None:
@@ -82,17 +127,17 @@ def add_timing_args(parser: argparse.ArgumentParser, budget: float) -> None:
                        help=f"wall-time budget per measured op in seconds (default {budget})")
 
 
-def timing_config(args: argparse.Namespace, flush_l2: bool = True) -> Any:
-    """TimingConfig from the shared timing flags (imported lazily: it pulls in torch)."""
-    values = {"warmup": optional_int("--warmup", args.warmup), "min_reps": optional_int("--min-reps", args.min_reps),
-              "max_reps": optional_int("--max-reps", args.max_reps), "rel_tol": number("--rel-tol", args.rel_tol),
-              "budget_s": number("--budget-s", args.budget_s)}
-    if values["warmup"] < 0:
-        raise UsageError(f"--warmup: {values['warmup']}, expected 0 or more")
-    for key in ("min_reps", "max_reps", "rel_tol", "budget_s"):
-        positive("--" + key.replace("_", "-"), values[key], allow_none=False)
+def timing_config(args: argparse.Namespace, flush_l2: bool = True, command: str = "calibrate") -> Any:
+    """TimingConfig from the shared timing flags. Checked last of a command's flags: it needs torch (UsageError
+    naming the extra to install, for ``command``, when torch is missing)."""
+    values = {"warmup": integer("--warmup", args.warmup, 0, MAX_WARMUP),
+              "min_reps": integer("--min-reps", args.min_reps, 1, MAX_REPS),
+              "max_reps": integer("--max-reps", args.max_reps, 1, MAX_REPS),
+              "rel_tol": number("--rel-tol", args.rel_tol, 0.0, 1.0),
+              "budget_s": number("--budget-s", args.budget_s, 0.0, MAX_BUDGET_S)}
     if values["max_reps"] < values["min_reps"]:
         raise UsageError(f"--max-reps: {values['max_reps']}, expected at least --min-reps {values['min_reps']}")
+    require_torch(command)
     from pipescope.calibration.timing import TimingConfig
 
     return TimingConfig(flush_l2=flush_l2, **values)

@@ -9,6 +9,7 @@ torch is imported only once the arguments are known to be good.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -17,13 +18,16 @@ from pipescope.calibration.args import (
     UsageError,
     add_timing_args,
     int_list,
+    integer,
     optional_int,
-    positive,
     timing_config,
     usage_error,
 )
 from pipescope.calibration.comms_args import add_comms_args, comms_config
-from pipescope.calibration.presets import PRECISIONS, PRESETS, resolve
+from pipescope.calibration.presets import PRECISIONS, PRESETS, harness_bytes, resolve
+
+MAX_VOCAB_SHARDS = 1024  # S and T are timed for every count from 1 up: beyond a pipeline's depth it is only time
+UNKNOWN_MEMORY_BYTES = 1 << 50  # the bound when the machine's memory cannot be read
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -63,24 +67,26 @@ def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
     microbatches = int_list("--microbatch-sizes", args.microbatch_sizes)
     if args.precision is not None and args.precision not in PRECISIONS:
         raise UsageError(f"--precision: {args.precision!r}, expected one of {', '.join(PRECISIONS)}")
-    if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+    if args.device is not None and not re.fullmatch(r"cpu|cuda(:[0-9]{1,4})?", args.device):
         raise UsageError(f"--device: {args.device!r}, expected cuda, cuda:N or cpu")
     if not args.out:
         raise UsageError("--out: missing, expected a folder to write the profile to")
-    shards, threads = optional_int("--vocab-shards", args.vocab_shards), optional_int("--threads", args.threads)
-    positive("--vocab-shards", shards)
-    positive("--threads", threads)
-    timing = timing_config(args)
+    shards = integer("--vocab-shards", args.vocab_shards, 1, MAX_VOCAB_SHARDS)
+    threads = optional_int("--threads", args.threads, 1, os.cpu_count() or 1)
+    timing = timing_config(args)  # last of the flags: it needs torch
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device: {device!r}, expected cpu (torch sees no CUDA device here)")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise UsageError(f"--device: {device!r}, expected cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    precision = args.precision or ("bf16" if device.startswith("cuda") else "fp32")
+    check_fits(shape, max(microbatches), shape.seq, precision, device, device_memory(torch, device))
     from pipescope.calibration.calibrate import CalibrationConfig
     from pipescope.calibration.env import command_line
     from pipescope.calibration.profile_io import ensure_writable
 
-    precision = args.precision or ("bf16" if device.startswith("cuda") else "fp32")
     try:
         ensure_writable(args.out)
     except ValueError as exc:
@@ -88,6 +94,31 @@ def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
     return CalibrationConfig(shape=shape, seqs=seqs or (shape.seq,), microbatch_sizes=microbatches,
                              precision=precision, device=device, out=Path(args.out), vocab_shards=shards,
                              threads=threads, timing=timing, command=command_line(argv))
+
+
+def device_memory(torch, device: str) -> int | None:  # noqa: ANN001 (the torch module, imported lazily)
+    """Bytes of memory ``device`` has (a GPU's total, or the machine's physical memory); None if unknown."""
+    try:
+        if device.startswith("cuda"):
+            return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        return None
+
+
+def check_fits(shape, microbatch: int, seq: int, precision: str, device: str,  # noqa: ANN001 (a Shape)
+               memory: int | None) -> None:
+    """UsageError, naming the flag that drives it most, when the harness would need more memory than ``device``
+    has (``harness_bytes``, a lower bound): refused before torch allocates anything."""
+    need = harness_bytes(shape, microbatch, seq, precision)
+    total, limit = sum(need.values()), memory or UNKNOWN_MEMORY_BYTES
+    if total <= limit:
+        return
+    flag = max(need, key=need.get)
+    value = {"--hidden": shape.hidden, "--vocab": shape.vocab, "--microbatch-sizes": microbatch}[flag]
+    raise UsageError(f"{flag}: {value}, expected a model that fits: hidden {shape.hidden}, vocab {shape.vocab}, "
+                     f"microbatch {microbatch}, seq {seq} in {precision} need at least {total / 2**30:.4g} GiB, "
+                     f"{device} has {limit / 2**30:.4g} GiB")
 
 
 def calibrate_command(args: argparse.Namespace) -> int:

@@ -48,7 +48,10 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     if slope <= 0:
         x, y = max(points)
         latency, slope = 0.0, y / x
-    return latency, 1e9 / slope
+    return latency, 1e9 / max(slope, MIN_NS_PER_BYTE)
+
+
+MIN_NS_PER_BYTE = 1e-6  # 1 PB/s, the fastest link a topology file may name: a 0 ns median is not a real rate
 
 
 def split_ranges(sizes: Sequence[int], edges: Sequence[int] = RANGE_EDGES) -> list[list[int]]:

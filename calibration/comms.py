@@ -16,8 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-import torch
-import torch.distributed as dist
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError:  # `python -m pipescope.calibration.comms` without torch: the one-line error, not a traceback
+    if __name__ == "__main__":
+        print("pipescope: error: calibrate-comms needs torch: pip install 'pipescope[calibration]'", file=sys.stderr)
+        sys.exit(2)
+    raise
 
 from pipescope.calibration import env
 from pipescope.calibration.commfit import bandwidths, fit_rows

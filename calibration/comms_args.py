@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipescope.calibration.args import UsageError, add_timing_args, size_arg, timing_config
+from pipescope.calibration.args import UsageError, add_timing_args, integer, size_arg, timing_config
 from pipescope.simulator.profile_schema import COLLECTIVES
 
 LAUNCH_HINT = "torchrun --nproc-per-node N -m pipescope.calibration.comms --out DIR"
+MAX_RANGE_EDGES = 16  # one least-squares fit per range; more ranges than sizes measured fit nothing
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,13 @@ def comms_config(args: argparse.Namespace, argv: list[str] | None) -> CommsConfi
     for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR"):
         if key not in os.environ:
             raise UsageError(f"{key}: unset, expected a launch under torchrun, e.g. {LAUNCH_HINT}")
+    world = integer("WORLD_SIZE", os.environ["WORLD_SIZE"])
+    integer("RANK", os.environ["RANK"], 0, world - 1)
     if not args.out:
         raise UsageError("--out: missing, expected a folder to write the comms profile to")
-    low, high = size_arg("--min-bytes", args.min_bytes), size_arg("--max-bytes", args.max_bytes)
-    if not 4 <= low <= high:
+    low = size_arg("--min-bytes", args.min_bytes, low=4)
+    high = size_arg("--max-bytes", args.max_bytes, low=4)
+    if low > high:
         raise UsageError(f"--min-bytes: {args.min_bytes!r}, expected at least 4 bytes and at most --max-bytes")
     wanted = tuple(c.strip() for c in args.collectives.split(",") if c.strip())
     unknown = [c for c in wanted if c not in COLLECTIVES]
@@ -60,10 +64,12 @@ def comms_config(args: argparse.Namespace, argv: list[str] | None) -> CommsConfi
         raise UsageError(f"--collectives: {args.collectives!r}, expected a subset of {','.join(COLLECTIVES)}")
     if args.backend not in (None, "nccl", "gloo"):
         raise UsageError(f"--backend: {args.backend!r}, expected nccl or gloo")
-    edges = tuple(size_arg("--range-edges", e) for e in args.range_edges.split(",") if e.strip())
-    if not edges or min(edges) <= 0:
-        raise UsageError(f"--range-edges: {args.range_edges!r}, expected positive sizes such as 1MiB,64MiB")
-    timing = timing_config(args, flush_l2=False)  # last of the flags: it imports torch
+    texts = [e for e in args.range_edges.split(",") if e.strip()]
+    if not texts or len(texts) > MAX_RANGE_EDGES:
+        raise UsageError(f"--range-edges: {args.range_edges!r}, expected 1 to {MAX_RANGE_EDGES} positive sizes "
+                         "such as 1MiB,64MiB")
+    edges = tuple(size_arg("--range-edges", e) for e in texts)
+    timing = timing_config(args, flush_l2=False, command="calibrate-comms")  # last of the flags: it imports torch
     from pipescope.calibration.env import command_line
     from pipescope.calibration.profile_io import ensure_writable
 

@@ -8,7 +8,8 @@ from dataclasses import replace
 from pipescope.simulator.models import PRECISIONS, PRESETS
 from pipescope.simulator.models import ModelSpec as Shape
 
-__all__ = ["PRECISIONS", "PRESETS", "Shape", "resolve"]  # PRECISIONS: the simulator's table, one for both
+# PRECISIONS: the simulator's table, one for both.
+__all__ = ["PRECISIONS", "PRESETS", "Shape", "harness_bytes", "resolve"]
 
 
 def resolve(preset: str | None, **overrides: int | None) -> Shape:
@@ -36,3 +37,18 @@ def resolve(preset: str | None, **overrides: int | None) -> Shape:
     if shape.hidden % shape.heads:
         raise ValueError(f"--heads: {shape.heads}, expected a divisor of --hidden {shape.hidden}")
     return shape
+
+
+def harness_bytes(shape: Shape, microbatch: int, seq: int, precision: str) -> dict[str, int]:
+    """A lower bound of the bytes ``calibrate`` holds for ``shape`` at its largest point, keyed by the flag that
+    drives each part: the timed blocks' parameters (``--hidden``) and the embedding's and output projection's
+    (``--vocab``), each with its gradient and, in the optimizer step over all of them, an fp32 master copy, its
+    gradient and AdamW's two moments (16 bytes); and the output layer's logits (``--microbatch-sizes``, times seq
+    and vocab). Activations come on top; the bound only has to catch shapes that cannot fit.
+    """
+    size = PRECISIONS[precision].activation_bytes
+    per_param = 2 * size + 16
+    h, blocks = shape.hidden, min(shape.layers, 2)  # calibrate instantiates at most two blocks
+    return {"--hidden": blocks * (12 * h * h + 13 * h) * per_param,
+            "--vocab": (2 * shape.vocab + seq) * h * per_param,
+            "--microbatch-sizes": microbatch * seq * shape.vocab * size}

@@ -36,9 +36,9 @@ def ensure_writable(out: str | os.PathLike) -> Path:
         fd, probe = tempfile.mkstemp(dir=path, prefix=".probe-")
         os.close(fd)
         os.unlink(probe)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         raise ValueError(f"--out: {str(out)!r}, expected a writable folder ({type(exc).__name__}: "
-                         f"{exc.strerror or exc})") from exc
+                         f"{getattr(exc, 'strerror', None) or exc})") from exc
     return path
 
 

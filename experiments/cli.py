@@ -237,7 +237,8 @@ def _register_calibration(sub: argparse._SubParsersAction) -> None:
         reason = str(err)
         for name in ("calibrate", "calibrate-comms"):
             p = sub.add_parser(name, help="(needs torch: pip install 'pipescope[calibration]')")
-            p.set_defaults(func=lambda args, reason=reason: usage_error(f"calibration needs torch ({reason})"))
+            p.set_defaults(func=lambda args, name=name, reason=reason: usage_error(
+                f"{name} needs torch: pip install 'pipescope[calibration]' ({reason})"))
         return
     register(sub)
 

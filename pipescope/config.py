@@ -112,12 +112,12 @@ def _field_type(hint: Any) -> tuple[type, bool]:
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: got {raw!r}, expected a mapping of keys")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: got {short_repr(raw)}, expected a mapping of keys")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
     for name, value in raw.items():
-        key = f"{prefix}{name}"
+        key = _key(prefix, name)
         if name not in fields:
             raise ConfigError(f"{key}: unknown key, expected one of {', '.join(prefix + f for f in fields)}")
         kind, optional = _field_type(hints[name])
@@ -136,18 +136,24 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     return cls(**values)
 
 
+def _key(prefix: str, name: Any) -> str:
+    """The dotted key for messages; quoted and cut short when a hostile file makes it odd (newlines, megabytes)."""
+    key = f"{prefix}{name}"
+    return key if re.fullmatch(r"[\w.-]{1,60}", key) else short_repr(key)
+
+
 def _build_costs(raw: Any, prefix: str) -> CostsConfig:
     """The costs section: ``kind`` picks the config class. Keys of another kind are valid but not in effect (so
     ``--set costs.kind=uniform`` on a file that sets ``efficiency`` works); keys of no kind are errors."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"costs: got {raw!r}, expected a mapping of keys")
+        raise ConfigError(f"costs: got {short_repr(raw)}, expected a mapping of keys")
     kind = str(raw.get("kind", CostKind.ANALYTIC))
     if kind not in COSTS_CONFIGS:
-        raise ConfigError(f"{prefix}kind: got {kind!r}, expected one of {', '.join(COSTS_CONFIGS)}")
+        raise ConfigError(f"{prefix}kind: got {short_repr(kind)}, expected one of {', '.join(COSTS_CONFIGS)}")
     known = {f.name for cls in COSTS_CONFIGS.values() for f in dataclasses.fields(cls)}
     for name in raw:
         if name not in known:
-            raise ConfigError(f"{prefix}{name}: unknown key, expected one of "
+            raise ConfigError(f"{_key(prefix, name)}: unknown key, expected one of "
                               f"{', '.join(prefix + f for f in sorted(known))}")
     built = {}  # every value must be valid, also where another kind is in effect
     for name, cls in COSTS_CONFIGS.items():
@@ -174,7 +180,7 @@ def parse_set(item: str) -> tuple[list[str], Any]:
     ``010`` is 10), and a value YAML refuses (``*x``, ``@x``) is kept as the string it is."""
     key, sep, text = item.partition("=")
     if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
-        raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. schedule.stages=8")
+        raise ConfigError(f"--set {short_repr(item)}: expected dotted.key=value, e.g. schedule.stages=8")
     try:
         value = parse_yaml(text) if text.strip() else ""
     except YamlError:
@@ -205,8 +211,8 @@ def config_path(name: str) -> Path:
     stem = path.name.removesuffix(".yaml")
     if str(path.parent) == "." and stem in shipped:
         return shipped[stem]
-    raise ConfigError(f"--config: {name!r} is not a file (looked for {path.resolve()}) nor a shipped config, "
-                      f"expected a YAML file or one of {', '.join(sorted(shipped))}")
+    raise ConfigError(f"--config: {short_repr(name)} is not a file (looked for {str(path.resolve())!r}) nor a "
+                      f"shipped config, expected a YAML file or one of {', '.join(sorted(shipped))}")
 
 
 def _shipped_configs() -> dict[str, Path]:

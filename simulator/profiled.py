@@ -4,10 +4,15 @@ Times and bytes are interpolated linearly between the measured microbatch sizes,
 sequence lengths; outside the measured range they are extrapolated linearly (proportionally when only one
 point was measured) and a warning says so. Select with ``--set costs.kind=profile --set costs.profile=DIR``.
 Reads the files itself (pandas), sharing only the stdlib schema module with ``calibration/``; never torch.
+
+A profile is hostile input: ``load`` checks every file, every column (``profile_schema.COLUMN_RULES``) and the
+costs of the whole model at the asked microbatch size and seq (an upper bound of every stage's) before any
+simulation, and raises one ``ProfileError`` line naming the file, column or key, the value and what was expected.
 """
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +21,24 @@ import numpy as np
 import pandas as pd
 
 from pipescope.simulator import profile_schema as schema
-from pipescope.simulator.costs import CostKind, PerStageCache, StageCost, split_layers
+from pipescope.simulator.costs import (
+    MAX_BYTES,
+    MAX_OP_SECONDS,
+    CostError,
+    CostKind,
+    PerStageCache,
+    StageCost,
+    seconds_to_ns,
+    split_layers,
+)
 from pipescope.simulator.network import Link
+from pipescope.simulator.profile_schema import ProfileError
+
+# The p2p fit must time a transfer of this size (and of every size it measured, and of the stage boundary)
+# within MAX_OP_SECONDS: a slower "link" is a corrupt fit, not a network.
+P2P_CHECK_BYTES = 1 << 30
+# (component, ops) whose times and bytes every stage cost reads.
+STAGE_OPS = {schema.LAYER: ("F", "I", "W", "R"), schema.EMBEDDING: ("F", "W"), schema.OUTPUT: ("F", "I", "W")}
 
 
 @dataclass(frozen=True)
@@ -29,11 +50,115 @@ class ProfiledCostsConfig:
 
 
 def read_table(profile_dir: str | os.PathLike, meta: dict, table: str) -> pd.DataFrame:
-    """Load one table the metadata names, checking it has every column the reader relies on."""
-    path = schema.table_path(profile_dir, meta, table)
-    frame = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-    schema.check_columns(frame.columns, table, str(path))
-    return frame
+    """Load one table the metadata names and check it (``check_table``): only the rule columns come back,
+    numbers as float64 and text as str, rows in file order."""
+    return _read_checked(schema.table_path(profile_dir, meta, table), table)
+
+
+def _read_frame(path: Path, table: str) -> pd.DataFrame:
+    """The file as a DataFrame; any failure to parse it (pandas and pyarrow raise many types) is a ProfileError."""
+    parquet = path.suffix == ".parquet"
+    try:
+        if not parquet:
+            return pd.read_csv(path, nrows=schema.MAX_TABLE_ROWS + 1)
+        import pyarrow.parquet as pq
+
+        file = pq.ParquetFile(path)
+        if file.metadata.num_rows > schema.MAX_TABLE_ROWS:
+            raise ProfileError(f"{path}: {file.metadata.num_rows} rows; expected at most {schema.MAX_TABLE_ROWS}")
+        return file.read().to_pandas()
+    except ProfileError:
+        raise
+    except ImportError as exc:
+        raise ProfileError(f"{path}: reading Parquet needs pyarrow ({schema.one_line(exc)}); "
+                           "expected pip install pyarrow, or a profile written as CSV") from None
+    except Exception as exc:  # noqa: BLE001 (a malformed file may raise anything from the parser)
+        raise ProfileError(f"{path}: unreadable as {'Parquet' if parquet else 'CSV'} ({schema.one_line(exc)}); "
+                           f"expected the {table!r} table pipescope calibrate writes") from None
+
+
+_MAX = f"{schema.MAX_NUMBER} (2**53)"
+_EXPECTED = {
+    "count": f"a whole number from 0 to {_MAX}",
+    "positive": f"a whole number from 1 to {_MAX}",
+    "point": f"a measured size, a whole number from 1 to {_MAX}",
+    "ns": f"a time in ns from 0 to {MAX_OP_SECONDS * 1e9:g} (MAX_OP_SECONDS = {MAX_OP_SECONDS:g} s)",
+    "bytes": f"a number of bytes from 0 to {_MAX}",
+    "bytes?": f"a number of bytes from 0 to {_MAX}, or NaN (not measured)",
+    "rate": f"a bandwidth in bytes/s above 0 and at most {_MAX}",
+}
+
+
+def check_table(frame: pd.DataFrame, table: str, where: str) -> pd.DataFrame:
+    """Check every row against ``profile_schema.COLUMN_RULES[table]``; ProfileError names the first bad cell.
+
+    Returns:
+        the rule columns only, with a fresh index: numbers as float64, text as str.
+    """
+    schema.check_columns(frame.columns, table, where)
+    if len(frame) > schema.MAX_TABLE_ROWS:
+        raise ProfileError(f"{where}: more than {schema.MAX_TABLE_ROWS} rows; expected at most that many")
+    raw = {column: frame[column].to_numpy(dtype=object) for column in schema.COLUMN_RULES[table]}
+    # Optimizer rows of the timings table measure no (microbatch, seq) point and store 0 there.
+    unmeasured = np.array([v == schema.OPTIMIZER for v in raw.get("component", [])], dtype=bool) \
+        if table == "timings" else np.zeros(len(frame), dtype=bool)
+    checked = {}
+    for column, rule in schema.COLUMN_RULES[table].items():
+        values = raw[column]
+        if isinstance(rule, tuple):
+            ok = np.array([isinstance(v, str) and v in rule for v in values], dtype=bool)
+            expected, checked[column] = f"one of {', '.join(rule)}", values
+        else:
+            number = _as_floats(frame[column], values)
+            ok = _within(number, rule, unmeasured)
+            expected, checked[column] = _EXPECTED[rule], number
+        bad = np.flatnonzero(~ok)
+        if bad.size:
+            row = int(bad[0])
+            raise ProfileError(f"{where}: column {column!r} row {row + 1}: {schema.short(values[row])}; "
+                               f"expected {expected}")
+    return pd.DataFrame(checked)
+
+
+def _as_floats(column: pd.Series, values: np.ndarray) -> np.ndarray:
+    """A column as float64: numeric dtypes as they are, elsewhere each real number (not a bool) converted and
+    anything else (text, None, bool) NaN, which the rules then refuse."""
+    dtype = column.dtype
+    if (pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_bool_dtype(dtype)
+            and not pd.api.types.is_complex_dtype(dtype)):
+        return column.to_numpy(dtype=np.float64, na_value=np.nan)
+    return np.array([_real(v) for v in values], dtype=np.float64)
+
+
+def _real(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return float("nan")
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond float64, e.g. 10**400 in a CSV cell
+        return float("inf")
+
+
+def _within(x: np.ndarray, rule: str, unmeasured: np.ndarray) -> np.ndarray:
+    """Which entries of ``x`` satisfy ``rule`` (see profile_schema.COLUMN_RULES)."""
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(x) & (x <= schema.MAX_NUMBER)
+        whole = finite & (x == np.floor(x))
+        if rule == "count":
+            return whole & (x >= 0)
+        if rule == "positive":
+            return whole & (x >= 1)
+        if rule == "point":
+            return whole & ((x >= 1) | (unmeasured & (x == 0)))
+        if rule == "ns":
+            return finite & (x >= 0) & (x <= MAX_OP_SECONDS * 1e9)
+        if rule == "bytes":
+            return finite & (x >= 0)
+        if rule == "bytes?":
+            return (finite & (x >= 0)) | np.isnan(x)
+        if rule == "rate":
+            return finite & (x > 0)
+    raise AssertionError(f"unknown column rule {rule!r}")
 
 
 def interp1(xs: list[float], ys: list[float], x: float) -> tuple[float, bool]:
@@ -69,12 +194,13 @@ class ProfiledCosts(PerStageCache):
     precision: str
     comms_fit: pd.DataFrame | None = None
     warnings: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)  # table name -> the file it was read from (for errors)
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def load(cls, profile_dir: str | os.PathLike, microbatch_size: int, seq: int | None = None,
              layers: int | None = None, precision: str | None = None) -> ProfiledCosts:
-        """Read ``profile_dir`` (and its comms profile when there is one).
+        """Read and check ``profile_dir`` (and its comms profile when there is one), before any simulation.
 
         Args:
             profile_dir: a ``pipescope calibrate --out`` folder.
@@ -84,25 +210,68 @@ class ProfiledCosts(PerStageCache):
             precision: the simulation's precision; a mismatch with the profile's is warned about.
 
         Raises:
-            ProfileError: missing files, another schema version or a missing column.
-            ValueError: a non-positive microbatch size, seq or layer count.
+            ProfileError: a missing, unreadable or malformed file, another schema version, a missing column, a
+                bad cell, a missing (component, op), or costs beyond the bounds at this size (see ``check``).
+            ValueError: a microbatch size, seq or layer count that is not an integer from 1 to 2**53.
         """
+        for key, value in (("model.microbatch_size", microbatch_size), ("model.seq", seq), ("model.layers", layers)):
+            if value is not None and not schema.is_count(value):
+                raise ValueError(f"{key}: {schema.short(value)}, expected a positive integer "
+                                 f"(at most {schema.MAX_NUMBER})")
         meta = schema.read_metadata(profile_dir)
         model = meta.get("model", {})
-        seq = seq if seq is not None else int(max(meta.get("seqs") or [model.get("seq", 1)]))
-        layers = layers if layers is not None else int(model.get("layers", 1))
-        for key, value in (("model.microbatch_size", microbatch_size), ("model.seq", seq), ("model.layers", layers)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{key}: {value!r}, expected a positive integer")
-        costs = cls(read_table(profile_dir, meta, "timings"), read_table(profile_dir, meta, "memory"), meta,
-                    microbatch_size, seq, layers, meta.get("precision", "fp32"))
+        seq = seq if seq is not None else max(meta.get("seqs") or [model.get("seq", 1)])
+        layers = layers if layers is not None else model.get("layers", 1)
+        paths = {table: schema.table_path(profile_dir, meta, table) for table in ("timings", "memory")}
+        costs = cls(_read_checked(paths["timings"], "timings"), _read_checked(paths["memory"], "memory"), meta,
+                    microbatch_size, seq, layers, meta.get("precision", "fp32"),
+                    files={table: str(path) for table, path in paths.items()})
         if precision is not None and precision != costs.precision:
             costs.warnings.append(f"costs.profile: measured in {costs.precision}, the model asks for {precision}; "
                                   f"using the measured {costs.precision} costs")
         if (Path(profile_dir) / schema.COMMS_META).is_file():
             comms_meta = schema.read_metadata(profile_dir, schema.COMMS_META)
-            costs.comms_fit = read_table(profile_dir, comms_meta, "comms_fit")
+            path = schema.table_path(profile_dir, comms_meta, "comms_fit")
+            costs.comms_fit, costs.files["comms_fit"] = _read_checked(path, "comms_fit"), str(path)
+        costs.check()
         return costs
+
+    def check(self) -> None:
+        """Refuse now what a simulation would otherwise fail on, or get silently wrong.
+
+        Every (component, op) a stage reads must be measured. The whole model on one stage, whose costs bound
+        every stage's of any split, must take at most ``MAX_OP_SECONDS`` per op and hold at most ``MAX_BYTES``
+        (both from simulator/costs.py). Each p2p fit must move ``P2P_CHECK_BYTES``, its largest measured size and
+        the stage boundary within ``MAX_OP_SECONDS``. A positive time under 0.5 ns is kept; ``seconds_to_ns``
+        makes it 1 ns, the clock's resolution.
+        """
+        t, memory = self.timings, self.memory
+        for component, ops in STAGE_OPS.items():
+            for op in ops:
+                if not ((t["component"] == component) & (t["op"] == op) & (t["shards"] == 1)).any():
+                    raise ProfileError(f"{self.files['timings']}: no row with component={component!r} op={op!r} "
+                                       "shards=1; expected a complete profile")
+            if not (memory["component"] == component).any():
+                raise ProfileError(f"{self.files['memory']}: no row with component={component!r}; "
+                                   "expected a complete profile")
+        whole = self.stage_cost(0, 1, 1)
+        for name in ("activation_bytes", "weight_grad_bytes", "boundary_bytes", "params"):
+            value = getattr(whole, name)
+            if value > MAX_BYTES:
+                raise ProfileError(f"{self.files['memory']}: {name} of the whole model would be {value} "
+                                   f"{self._point()}; expected at most {MAX_BYTES} (costs.MAX_BYTES)")
+        fit = self.comms_fit
+        if fit is None:
+            return
+        for row in fit[fit["collective"] == "p2p"].itertuples():
+            nbytes = max(int(row.hi_bytes), whole.boundary_bytes, P2P_CHECK_BYTES)
+            seconds = row.latency_ns / 1e9 + nbytes / row.bandwidth
+            try:
+                seconds_to_ns(seconds)
+            except CostError:
+                raise ProfileError(f"{self.files['comms_fit']}: row {row.Index + 1}: p2p latency_ns={row.latency_ns:g}"
+                                   f", bandwidth={row.bandwidth:g} would move {nbytes} bytes in {seconds:g} s; "
+                                   f"expected at most {MAX_OP_SECONDS:g} s per transfer") from None
 
     def notes(self) -> list[str]:
         """Human-readable warnings (extrapolation, precision mismatch) the simulation result prints."""
@@ -112,10 +281,22 @@ class ProfiledCosts(PerStageCache):
         if message not in self.warnings:
             self.warnings.append(message)
 
+    def _point(self) -> str:
+        return f"({self.layers} layers, microbatch size {self.microbatch_size}, seq {self.seq})"
+
+    def _ns(self, value: float, what: str) -> int:
+        """``value`` ns as an integer, bounded by ``MAX_OP_SECONDS`` (``costs.seconds_to_ns``)."""
+        try:
+            return seconds_to_ns(value / 1e9)
+        except CostError:
+            raise ProfileError(f"{self.files.get('timings', 'costs.profile')}: {what} would take {value / 1e9:g} s "
+                               f"{self._point()}; expected at most {MAX_OP_SECONDS:g} s per op") from None
+
     def _lookup(self, frame: pd.DataFrame, column: str) -> float:
         """``column`` at (microbatch_size, seq): interpolate over microbatch sizes per seq, then over seqs."""
         if frame.empty:
-            raise schema.ProfileError(f"costs.profile: no rows for {column!r}; expected a complete profile")
+            where = self.files.get("memory" if column in schema.MEMORY_COLUMNS else "timings", "costs.profile")
+            raise ProfileError(f"{where}: no rows for {column!r}; expected a complete profile")
         by_seq = frame.groupby(["seq", "microbatch_size"])[column].mean()
         seqs, values = [], []
         for seq, series in by_seq.groupby(level=0):
@@ -142,8 +323,8 @@ class ProfiledCosts(PerStageCache):
         t = self.timings
         rows = t[(t["component"] == component) & (t["op"] == op) & (t["shards"] == 1)]
         if rows.empty:
-            raise schema.ProfileError(f"costs.profile: no timing for component={component!r} op={op!r}; "
-                                      "expected a complete profile")
+            raise ProfileError(f"{self.files.get('timings', 'costs.profile')}: no timing for component="
+                               f"{component!r} op={op!r}; expected a complete profile")
         return self._lookup(rows, "median_ns")
 
     def bytes_of(self, component: str, column: str) -> float:
@@ -173,9 +354,12 @@ class ProfiledCosts(PerStageCache):
             m_w += count * self.bytes_of(component, "weight_grad_bytes")
             params += count * self.params_of(component)
         boundary = int(round(self.bytes_of("layer", "boundary_bytes")))
+        where = f"stage {stage} of {num_stages}"
         return StageCost(
-            forward_ns=_ns(f), input_grad_ns=_ns(i), weight_grad_ns=_ns(w),
-            recompute_ns=_ns(n * self.time_ns("layer", "R")),
+            forward_ns=self._ns(f, f"the forward of {where}"),
+            input_grad_ns=self._ns(i, f"the input gradient of {where}"),
+            weight_grad_ns=self._ns(w, f"the weight gradient of {where}"),
+            recompute_ns=self._ns(n * self.time_ns("layer", "R"), f"the recompute of {where}"),
             boundary_bytes=boundary, activation_bytes=int(round(act)), weight_grad_bytes=int(round(m_w)),
             input_bytes=boundary, params=params,
         )
@@ -185,24 +369,27 @@ class ProfiledCosts(PerStageCache):
         t = self.timings[self.timings["component"] == schema.OUTPUT_SHARD]
         measured = sorted(int(k) for k in t["shards"].unique())
         if not measured:
-            raise schema.ProfileError("costs.profile: no output_shard rows; expected calibrate --vocab-shards >= 1")
+            raise ProfileError(f"{self.files.get('timings', 'costs.profile')}: no output_shard rows; "
+                               "expected calibrate --vocab-shards >= 1")
         nearest = min(measured, key=lambda k: abs(k - shards))
         if nearest != shards:
             self._warn(f"costs.profile: {shards} vocabulary shards not measured (1..{measured[-1]}); "
                        f"scaled from {nearest} shards as 1/shards")
         rows = t[t["shards"] == nearest]
         scale = nearest / shards
-        return tuple(_ns(scale * self._lookup(rows[rows["op"] == op], "median_ns")) for op in ("S", "T"))
+        return tuple(self._ns(scale * self._lookup(rows[rows["op"] == op], "median_ns"), f"vocabulary shard {op}")
+                     for op in ("S", "T"))
 
     def optimizer_ns(self, params: int, tensors: int) -> int:
         """Optimizer step time for ``params`` parameters in ``tensors`` tensors (fp32 AdamW), from a fit
         ``a + b * params + c * tensors`` over the measured groups (terms that fit negative are dropped)."""
         rows = self.timings[self.timings["op"] == "step"]
         if rows.empty:
-            raise schema.ProfileError("costs.profile: no optimizer rows; expected a complete profile")
+            raise ProfileError(f"{self.files.get('timings', 'costs.profile')}: no optimizer rows; "
+                               "expected a complete profile")
         x = np.column_stack([np.ones(len(rows)), rows["params"].to_numpy(float), rows["tensors"].to_numpy(float)])
         coef = _nonnegative_fit(x, rows["median_ns"].to_numpy(float))
-        return _ns(float(coef @ np.array([1.0, params, tensors])))
+        return self._ns(float(coef @ np.array([1.0, params, tensors])), "the optimizer step")
 
     def p2p_link(self, nbytes: int) -> Link | None:
         """The comms profile's p2p fit for this size range as a link (latency, bandwidth), or None without one."""
@@ -219,8 +406,8 @@ class ProfiledCosts(PerStageCache):
         return below.iloc[-1] if not below.empty else p2p.iloc[0]
 
 
-def _ns(value: float) -> int:
-    return int(round(value))
+def _read_checked(path: Path, table: str) -> pd.DataFrame:
+    return check_table(_read_frame(path, table), table, str(path))
 
 
 def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-zµ/]*
 # Signed, so a negative size gets "expected a non-negative size" rather than "expected a size such as ...".
 _SIGNED_NUMBER = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
+_EXPONENT = re.compile(r"[eE][-+]?0*[0-9]{3,}")
 TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "min": 60.0}
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -54,7 +55,8 @@ def _parse(value: object, units: dict, what: str, example: str) -> float:
     if not math.isfinite(number):
         raise ValueError(f"got {short_repr(value)}, expected a finite {what}")
     if unit not in units:
-        raise ValueError(f"got {short_repr(value)}: unknown unit {unit!r}, expected one of {', '.join(u for u in units if u)}")
+        known = ", ".join(u for u in units if u)
+        raise ValueError(f"got {short_repr(value)}: unknown unit {unit!r}, expected one of {known}")
     if number < 0:
         raise ValueError(f"got {short_repr(value)}, expected a non-negative {what}")
     return number * units[unit]
@@ -77,6 +79,8 @@ def parse_size(value: object) -> int:
         ValueError: one line naming the value and what was expected (a non-negative size with a known unit,
             a whole number of bytes). Callers prefix the key or flag.
     """
+    if _EXPONENT.search(str(value)):  # Fraction('1e999999999') would build a billion-digit integer
+        raise ValueError(f"got {short_repr(value)}, expected an exponent of at most 2 digits")
     number, unit = _number_and_unit(value, "size", "'16GiB' or '512MB'", _SIGNED_NUMBER, Fraction)
     if unit.lower() not in _SIZE_UNITS_FOLDED:
         known = ", ".join(u for u in SIZE_UNITS if u)

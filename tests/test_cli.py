@@ -64,7 +64,7 @@ def test_oom_is_reported_with_device_and_bytes_and_exits_3(cli) -> None:
     (["--microbatches", "0"], "schedule.microbatches: got 0, expected an integer from 1 to 500,000"),
     (["--set", "schedule.stages"], "--set 'schedule.stages': expected dotted.key=value"),
     (["--set", "costs.forward=3fortnights"], "costs.forward: got '3fortnights': unknown unit 'fortnights'"),
-    (["--config", "/nonexistent/x.yaml"], "--config: '/nonexistent/x.yaml' is not a file (looked for /nonexistent/x"),
+    (["--config", "/nonexistent/x.yaml"], "--config: '/nonexistent/x.yaml' is not a file (looked for '/nonexistent/x"),
     (["--set", "schedule.colour=red"], "schedule.colour: unknown key"),
     (["--set", "model.preset=gpt-9t"], "model.preset(='gpt-9t') is not one of"),
     (["--set", "cluster.topology=moon"], "cluster.topology(='moon') is neither a file nor one of"),

@@ -18,7 +18,7 @@ def test_family_checks_and_simulates_for_every_p_and_m(name: str) -> None:
     """All ops of every (p, m) run, every device's last op ends, and the bubble rate is a fraction."""
     for p in range(2, 17):
         for m in range(p, 4 * p + 1):
-            schedule = build(name, p, m, chunks=2 if name == "interleaved" else 1)
+            schedule = build(name, p, m)
             result = simulate(schedule, COSTS, P2P)
             compute = result.records.mask(Role.COMPUTE)
             assert result.records.end[compute].min() > 0, (p, m)

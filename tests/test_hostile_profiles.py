@@ -1,0 +1,488 @@
+"""Hostile input to calibration: corrupt profiles (metadata, tables, comms fits), bad calibrate and
+calibrate-comms flags, and a machine without torch. Each gives one line naming the file or flag, the value and
+what was expected; never a traceback, a hang or a silently wrong result. None of these tests needs torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_profiled_costs import add_comms, make_profile, memory_rows, timing_rows
+
+from pipescope.calibration import commands
+from pipescope.calibration.args import MAX_INT
+from pipescope.calibration.presets import PRESETS, resolve
+from pipescope.calibration.profile_io import write_json, write_table
+from pipescope.simulator.costs import MAX_BYTES, MAX_OP_SECONDS
+from pipescope.simulator.network import link_transfer_ns
+from pipescope.simulator.profile_schema import SCHEMA_VERSION, ProfileError
+from pipescope.simulator.profiled import ProfiledCosts
+
+# ---------------------------------------------------------------- helpers: one corruption of a good profile
+
+
+def csv_profile(folder: Path, mbs: tuple[int, ...] = (2, 4), comms: bool = True) -> Path:
+    """A good profile written as CSV (easy to corrupt cell by cell), with a comms fit."""
+    make_profile(folder, mbs=mbs, parquet=False)
+    if comms:
+        add_comms(folder)
+    return folder
+
+
+def set_meta(folder: Path, text: str | None = None, name: str = "profile.json", **changes: object) -> None:
+    """Replace keys of the metadata (``None`` removes one), or its whole text."""
+    path = folder / name
+    if text is None:
+        meta = json.loads(path.read_text())
+        meta.update(changes)
+        text = json.dumps({k: v for k, v in meta.items() if v is not None})
+    path.write_text(text)
+
+
+def set_cell(folder: Path, table: str, column: str, value: object, row: int = 0) -> None:
+    """Write ``value`` into one cell of a CSV table (the comms fit is Parquet: rewritten as such)."""
+    path = next(folder.glob(f"{table}.*"))
+    frame = pd.read_csv(path) if path.suffix == ".csv" else pd.read_parquet(path)
+    frame[column] = frame[column].astype(str if isinstance(value, str) else object)  # Parquet: one type a column
+    frame.loc[row, column] = value
+    if path.suffix == ".csv":
+        frame.to_csv(path, index=False)
+    else:
+        frame.to_parquet(path, index=False)
+
+
+def load_error(folder: Path, microbatch_size: int = 2, **kwargs: object) -> str:
+    """The one-line ProfileError message loading ``folder`` gives (the test fails if it loads)."""
+    with pytest.raises(ProfileError) as info:
+        ProfiledCosts.load(folder, microbatch_size, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message and str(folder) in message
+    return message
+
+
+# ---------------------------------------------------------------- metadata
+
+
+@pytest.mark.parametrize(("changes", "expected"), [
+    ({"model": "gpt"}, r"profile.json: model='gpt'; expected a mapping"),
+    ({"model": {"layers": "5"}}, r"model.layers='5'; expected an integer from 1 to"),
+    ({"model": {"layers": 2.5}}, r"model.layers=2.5; expected an integer"),
+    ({"model": {"layers": -3}}, r"model.layers=-3; expected an integer"),
+    ({"model": {"layers": True}}, r"model.layers=True; expected an integer"),
+    ({"model": {"layers": 10**400}}, r"model.layers=1000.*\.\.\.; expected an integer from 1 to 9007199254740992"),
+    ({"seqs": [128, "256"]}, r"seqs=\[128, '256'\]; expected a non-empty list of integers"),
+    ({"seqs": [0]}, r"seqs=\[0\]; expected a non-empty list"),
+    ({"seqs": 128}, r"seqs=128; expected a non-empty list"),
+    ({"tables": ["timings.csv"]}, r"tables=\['timings.csv'\]; expected a mapping of table names"),
+    ({"tables": {"timings": 3, "memory": "memory.csv"}}, r"tables.timings=3; expected a file name"),
+    ({"tables": {"timings": "../timings.csv", "memory": "memory.csv"}}, r"tables.timings='../timings.csv'"),
+    ({"tables": {"timings": "/etc/passwd", "memory": "memory.csv"}}, r"tables.timings='/etc/passwd'"),
+    ({"precision": 16}, r"precision=16; expected one of bf16, fp16, fp32"),
+    ({"schema_version": True}, r"schema_version=True; expected 1"),
+])
+def test_malformed_metadata_names_the_key(tmp_path: Path, changes: dict, expected: str) -> None:
+    """A wrong type, a missing part or an out-of-range value in profile.json is refused at load, naming the key."""
+    folder = csv_profile(tmp_path)
+    set_meta(folder, **changes)
+    assert re.search(expected, load_error(folder))
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("[1, 2]", "a JSON list; expected a JSON object"),
+    ('{"schema_version": NaN}', "number NaN is not a finite float"),
+    ('{"schema_version": 1, "model": {"layers": 1e400}}', "number 1e400 is not a finite float"),
+    ("[" * 100_000 + "]" * 100_000, "unreadable (RecursionError"),
+    ('{"schema_version": 1' + "0" * 5000 + "}", "unreadable (ValueError: Exceeds the limit"),
+    ("{", "unreadable (JSONDecodeError"),
+])
+def test_metadata_that_is_not_a_json_object_is_one_line(tmp_path: Path, text: str, expected: str) -> None:
+    folder = csv_profile(tmp_path)
+    set_meta(folder, text)
+    assert expected in load_error(folder)
+
+
+def test_undecodable_metadata_names_the_file(tmp_path: Path) -> None:
+    folder = csv_profile(tmp_path)
+    (folder / "profile.json").write_bytes(b"\xff\xfe{\x00")
+    assert "profile.json: unreadable (UnicodeDecodeError" in load_error(folder)
+
+
+def test_malformed_comms_metadata_is_refused(tmp_path: Path) -> None:
+    folder = csv_profile(tmp_path)
+    set_meta(folder, name="comms.json", tables="comms_fit.parquet")
+    assert "comms.json: tables='comms_fit.parquet'; expected a mapping" in load_error(folder)
+
+
+# ---------------------------------------------------------------- table cells
+
+
+@pytest.mark.parametrize(("table", "column", "value", "expected"), [
+    ("timings", "median_ns", "nan", "column 'median_ns' row 1: nan; expected a time in ns from 0 to 1e+15"),
+    ("timings", "median_ns", "inf", "column 'median_ns' row 1: inf"),
+    ("timings", "median_ns", "abc", "column 'median_ns' row 1: 'abc'"),
+    ("timings", "median_ns", -5, "column 'median_ns' row 1: -5"),
+    ("timings", "median_ns", 1e300, "column 'median_ns' row 1: 1e+300"),
+    ("timings", "p90_ns", "", "column 'p90_ns' row 1: nan"),
+    ("timings", "microbatch_size", 0, "column 'microbatch_size' row 1: 0; expected a measured size"),
+    ("timings", "seq", -128, "column 'seq' row 1: -128"),
+    ("timings", "seq", 128.5, "column 'seq' row 1: 128.5"),
+    ("timings", "shards", 0, "column 'shards' row 1: 0; expected a whole number from 1"),
+    ("timings", "params", "9" * 400, "column 'params' row 1: 999"),
+    ("timings", "op", "X", "column 'op' row 1: 'X'; expected one of F, I, W, B, R, S, T, step"),
+    ("timings", "component", "", "column 'component' row 1: nan; expected one of layer"),
+    ("memory", "activation_bytes", "nan", "column 'activation_bytes' row 1: nan; expected a number of bytes"),
+    ("memory", "boundary_bytes", -1, "column 'boundary_bytes' row 1: -1"),
+    ("memory", "microbatch_size", 0, "column 'microbatch_size' row 1: 0"),
+    ("memory", "params", "True", "column 'params' row 1: 'True'"),
+])
+def test_bad_cell_names_file_column_row_and_value(tmp_path: Path, table: str, column: str, value: object,
+                                                  expected: str) -> None:
+    """Non-numbers, NaN, infinity, negatives, fractions where a count is read, and out-of-range values."""
+    folder = csv_profile(tmp_path)
+    set_cell(folder, table, column, value)
+    message = load_error(folder)
+    assert f"{table}.csv: {expected}" in message
+
+
+def test_nan_median_is_refused_not_zero_time(tmp_path: Path) -> None:
+    """Every layer F median NaN used to make the op 0 ns (and the run 100% bubble); now the load fails."""
+    folder = csv_profile(tmp_path)
+    path = folder / "timings.csv"
+    frame = pd.read_csv(path)
+    frame.loc[frame["op"] == "F", "median_ns"] = float("nan")
+    frame.to_csv(path, index=False)
+    assert "column 'median_ns' row 1: nan" in load_error(folder)
+
+
+def test_single_measured_size_of_zero_is_refused(tmp_path: Path) -> None:
+    """One measured microbatch size of 0 divided by zero in interp1's proportional case."""
+    folder = csv_profile(tmp_path, mbs=(2,))
+    path = folder / "timings.csv"
+    frame = pd.read_csv(path)
+    frame.loc[frame["component"] != "optimizer", "microbatch_size"] = 0
+    frame.to_csv(path, index=False)
+    assert "column 'microbatch_size' row 1: 0" in load_error(folder)
+
+
+def test_op_times_beyond_the_cost_bound_are_refused_at_load(tmp_path: Path) -> None:
+    """Each cell is in range (1e5 s), but 20 layers of it exceed MAX_OP_SECONDS: refused at load, not in the run."""
+    folder = csv_profile(tmp_path)
+    path = folder / "timings.csv"
+    frame = pd.read_csv(path)
+    frame.loc[frame["component"] == "layer", "median_ns"] = 1e14
+    frame.to_csv(path, index=False)
+    message = load_error(folder, layers=20)
+    assert "timings.csv: the forward of stage 0 of 1 would take 2e+06 s (20 layers" in message
+    assert f"expected at most {MAX_OP_SECONDS:g} s per op" in message
+
+
+def test_extrapolation_beyond_the_cost_bound_is_refused_at_load(tmp_path: Path) -> None:
+    """A microbatch size far beyond the measured ones extrapolates past MAX_OP_SECONDS: refused at load."""
+    assert "would take" in load_error(csv_profile(tmp_path), microbatch_size=2**50)
+
+
+def test_huge_byte_counts_are_refused_at_load(tmp_path: Path) -> None:
+    """Activation bytes that would overflow the memory ledger's int64 sums name the memory table."""
+    folder = csv_profile(tmp_path)
+    path = folder / "memory.csv"
+    frame = pd.read_csv(path)
+    frame["activation_bytes"] = MAX_BYTES
+    frame.to_csv(path, index=False)
+    assert "memory.csv: activation_bytes of the whole model would be" in load_error(folder)
+
+
+def test_missing_op_is_refused_at_load_not_mid_run(tmp_path: Path) -> None:
+    folder = csv_profile(tmp_path)
+    path = folder / "timings.csv"
+    frame = pd.read_csv(path)
+    frame[~((frame["component"] == "layer") & (frame["op"] == "R"))].to_csv(path, index=False)
+    assert "timings.csv: no row with component='layer' op='R' shards=1" in load_error(folder)
+
+
+def test_sub_nanosecond_times_are_kept_at_the_clock_resolution(tmp_path: Path) -> None:
+    """A measured time under 0.5 ns is kept, and costs.seconds_to_ns makes it 1 ns (profiles/README.md)."""
+    folder = csv_profile(tmp_path)
+    path = folder / "timings.csv"
+    frame = pd.read_csv(path)
+    frame["median_ns"] = 0.1
+    frame.to_csv(path, index=False)
+    assert ProfiledCosts.load(folder, 2, layers=1).stage_cost(0, 1, 1).forward_ns == 1
+
+
+# ---------------------------------------------------------------- comms fit
+
+
+@pytest.mark.parametrize(("column", "value", "expected"), [
+    ("bandwidth", 0.0, "column 'bandwidth' row 1: 0.0; expected a bandwidth in bytes/s above 0"),
+    ("bandwidth", -1e9, "column 'bandwidth' row 1: -1000000000.0"),
+    ("bandwidth", float("nan"), "column 'bandwidth' row 1: nan"),
+    ("bandwidth", float("inf"), "column 'bandwidth' row 1: inf"),
+    ("bandwidth", 1e-3, "row 1: p2p latency_ns=10000, bandwidth=0.001 would move 1073741824 bytes in"),
+    ("latency_ns", 1e20, "column 'latency_ns' row 1: 1e+20"),
+    ("latency_ns", -1.0, "column 'latency_ns' row 1: -1.0"),
+    ("lo_bytes", "small", "column 'lo_bytes' row 1: 'small'"),
+])
+def test_bad_comms_fit_is_refused(tmp_path: Path, column: str, value: object, expected: str) -> None:
+    """A zero, negative, non-finite or absurdly small bandwidth, or a bad latency, names the comms fit file."""
+    folder = csv_profile(tmp_path)
+    set_cell(folder, "comms_fit", column, value)
+    assert f"comms_fit.parquet: {expected}" in load_error(folder)
+
+
+def test_good_comms_fit_times_realistic_transfers(tmp_path: Path) -> None:
+    costs = ProfiledCosts.load(csv_profile(tmp_path), 2)
+    assert link_transfer_ns(1 << 30, costs.p2p_link(1 << 30)) == 50_000 + math.ceil((1 << 30) / 10)
+
+
+# ---------------------------------------------------------------- files pandas cannot parse
+
+
+def test_unparseable_csv_names_the_file(tmp_path: Path) -> None:
+    folder = csv_profile(tmp_path)
+    (folder / "timings.csv").write_bytes(b"component,op\n\xff\xfe\x00,\"unterminated\n")
+    assert "timings.csv: unreadable as CSV (" in load_error(folder)
+
+
+def test_empty_csv_names_the_file(tmp_path: Path) -> None:
+    folder = csv_profile(tmp_path)
+    (folder / "memory.csv").write_text("")
+    assert "memory.csv: unreadable as CSV (EmptyDataError" in load_error(folder)
+
+
+def test_file_that_is_not_parquet_names_the_file(tmp_path: Path) -> None:
+    folder = make_profile(tmp_path, parquet=True)
+    (folder / "timings.parquet").write_text("component,op\nlayer,F\n")
+    assert "timings.parquet: unreadable as Parquet (" in load_error(folder)
+
+
+def test_oversized_table_is_refused_before_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipescope.simulator import profile_schema
+    monkeypatch.setattr(profile_schema, "MAX_TABLE_BYTES", 100)
+    assert "bytes; expected a 'timings' table of at most 100 bytes" in load_error(csv_profile(tmp_path))
+
+
+# ---------------------------------------------------------------- property: any corruption, one line or a good run
+
+GOOD_FIT = [{"collective": "p2p", "world_size": 2, "lo_bytes": 1 << 15, "hi_bytes": 1 << 19, "latency_ns": 10_000.0,
+             "bandwidth": 1e9, "points": 5},
+            {"collective": "p2p", "world_size": 2, "lo_bytes": 1 << 20, "hi_bytes": 1 << 30, "latency_ns": 5e4,
+             "bandwidth": 1e10, "points": 10}]
+HOSTILE = st.one_of(
+    st.sampled_from([float("nan"), float("inf"), -float("inf"), -1, 0, 1, 2, 10**400, 2**63, 2**53 + 1, 1e308,
+                     -1e-300, 0.4, 1.5, "abc", "", "1e400", "nan", None, True, False, [], {}, [0], {"a": 1}]),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+)
+META_KEYS = [("model",), ("model", "layers"), ("model", "seq"), ("seqs",), ("microbatch_sizes",), ("precision",),
+             ("tables",), ("tables", "timings"), ("tables", "memory"), ("schema_version",), ("vocab_shards",)]
+TABLES = {"timings": timing_rows((2, 4), (128,)), "memory": memory_rows((2, 4), (128,)), "comms_fit": GOOD_FIT}
+
+
+@st.composite
+def corruptions(draw: st.DrawFn) -> list[tuple]:
+    """A few edits: ("meta", key path, value or DELETE) or (table, row, column, value or DELETE)."""
+    edits = []
+    for _ in range(draw(st.integers(1, 3))):
+        value = draw(st.one_of(HOSTILE, st.just("<delete>")))
+        if draw(st.booleans()):
+            edits.append(("meta", draw(st.sampled_from(META_KEYS)), value))
+        else:
+            table = draw(st.sampled_from(sorted(TABLES)))
+            row = draw(st.integers(0, len(TABLES[table]) - 1))
+            column = draw(st.sampled_from(sorted(TABLES[table][0])))
+            edits.append((table, row, column, value))
+    return edits
+
+
+def write_corrupted(folder: Path, edits: list[tuple]) -> None:
+    tables = {name: [dict(row) for row in rows] for name, rows in TABLES.items()}
+    meta = {"schema_version": SCHEMA_VERSION, "kind": "compute", "precision": "bf16",
+            "model": {"layers": 5, "seq": 128}, "seqs": [128], "microbatch_sizes": [2, 4],
+            "tables": {"timings": "timings.csv", "memory": "memory.csv"}}
+    for edit in edits:
+        if edit[0] == "meta":
+            *parents, key = edit[1]
+            node = meta
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                if edit[2] == "<delete>":
+                    node.pop(key, None)
+                else:
+                    node[key] = edit[2]
+        else:
+            table, row, column, value = edit
+            if value == "<delete>":
+                for r in tables[table]:
+                    r.pop(column, None)
+            else:
+                tables[table][row][column] = value
+    for name in ("timings", "memory"):
+        write_table(folder, name, tables[name], parquet=False)
+    (folder / "profile.json").write_text(json.dumps(meta, default=str))
+    write_json(folder / "comms.json", {"schema_version": SCHEMA_VERSION, "kind": "comms",
+                                       "tables": {"comms_fit": write_table(folder, "comms_fit", tables["comms_fit"],
+                                                                           parquet=False)}})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(edits=corruptions(), microbatch_size=st.sampled_from([1, 2, 3, 8]))
+def test_any_corruption_loads_cleanly_or_fails_in_one_line(edits: list[tuple], microbatch_size: int) -> None:
+    """Load, then every stage cost of several splits and the p2p link: int64-safe non-negative integers, or one
+    ProfileError/ValueError line naming the profile; never another exception."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        write_corrupted(folder, edits)
+        try:
+            costs = ProfiledCosts.load(folder, microbatch_size)
+            for stages in (1, 2, 3, 5):
+                for stage in range(stages):
+                    cost = costs.stage_cost(stage, stages, 1)
+                    for value in dataclasses.astuple(cost):
+                        assert isinstance(value, int) and 0 <= value < 2**63, cost
+            for nbytes in (0, 1, 4096, cost.boundary_bytes, 1 << 30):
+                link = costs.p2p_link(nbytes)
+                if link is not None:
+                    assert 0 <= link_transfer_ns(nbytes, link) < 2**63
+        except ValueError as exc:
+            message = str(exc)
+            assert "\n" not in message and str(folder) in message, message
+
+
+# ---------------------------------------------------------------- calibrate and calibrate-comms flags
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, list[str]]:
+    code = commands.main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--rel-tol", "nan"], "--rel-tol: 'nan', expected a number above 0 and at most 1"),
+    (["--rel-tol", "0"], "--rel-tol: 0.0, expected a number above 0"),
+    (["--budget-s", "nan"], "--budget-s: 'nan', expected a number above 0 and at most 86400"),
+    (["--budget-s", "inf"], "--budget-s: 'inf', expected a number"),
+    (["--budget-s", "1e999"], "--budget-s: '1e999', expected a number"),
+    (["--budget-s", "1e9"], "--budget-s: 1000000000.0, expected a number above 0 and at most 86400"),
+    (["--budget-s", "1_0"], "--budget-s: '1_0', expected a number"),
+    (["--layers", "1_6"], "--layers: '1_6', expected an integer from 1 to 2147483647"),
+    (["--hidden", " 8 "], "--hidden: ' 8 ', expected an integer from 1 to 2147483647"),
+    (["--vocab", "0x4"], "--vocab: '0x4', expected an integer"),
+    (["--heads", "1e3"], "--heads: '1e3', expected an integer"),
+    (["--layers", "9" * 5000], "--layers: '" + "9" * 39 + "..., expected an integer"),
+    (["--layers", "4294967296"], "--layers: 4294967296, expected an integer from 1 to 2147483647"),
+    (["--seq", "1_024"], "--seq: '1_024', expected comma-separated positive integers"),
+    (["--microbatch-sizes", "1, 2"], "--microbatch-sizes: '1, 2', expected comma-separated positive integers"),
+    (["--microbatch-sizes", "1,99999999999"], "--microbatch-sizes: '1,99999999999', expected comma-separated"),
+    (["--warmup", "-1"], "--warmup: -1, expected an integer from 0 to 10000"),
+    (["--warmup", "100000000000000000000"], "--warmup: '100000000000000000000', expected an integer from 0"),
+    (["--min-reps", "1000000"], "--min-reps: 1000000, expected an integer from 1 to 100000"),
+    (["--max-reps", "3", "--min-reps", "5"], "--max-reps: 3, expected at least --min-reps 5"),
+    (["--vocab-shards", "100000"], "--vocab-shards: 100000, expected an integer from 1 to 1024"),
+    (["--vocab-shards", "0"], "--vocab-shards: 0, expected an integer from 1 to 1024"),
+    (["--threads", "100000"], "--threads: 100000, expected an integer from 1 to"),
+    (["--device", "cuda:\u0663"], "--device: 'cuda:\u0663', expected cuda, cuda:N or cpu"),
+])
+def test_bad_calibrate_flag_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, flags: list[str],
+                                        expected: str) -> None:
+    """NaN, infinity, non-decimal integers and values out of each flag's range exit 2 with one line."""
+    code, err = run_cli(["calibrate", "--model", "tiny", "--device", "cpu", "--out", str(tmp_path), *flags], capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"pipescope: error: {expected}"), err
+
+
+def test_model_too_big_for_the_machine_is_refused_before_allocating(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """A hidden size needing terabytes is a one-line error naming --hidden, not a torch out-of-memory traceback."""
+    pytest.importorskip("torch")
+    code, err = run_cli(["calibrate", "--model", "tiny", "--hidden", "10000000", "--device", "cpu",
+                         "--out", str(tmp_path)], capsys)
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("pipescope: error: --hidden: 10000000, expected a model that fits: hidden 10000000")
+
+
+def test_memory_bound_names_the_dominant_flag() -> None:
+    """check_fits (no torch): weights name --hidden, the vocabulary --vocab, the logits --microbatch-sizes."""
+    memory = 16 << 30
+    for shape, microbatch, flag in ((resolve("tiny", hidden=100_000), 1, "--hidden"),
+                                    (resolve("tiny", vocab=MAX_INT), 1, "--vocab"),
+                                    (resolve("tiny", seq=1 << 20), 4096, "--microbatch-sizes")):
+        with pytest.raises(commands.UsageError, match=f"^{flag}: "):
+            commands.check_fits(shape, microbatch, shape.seq, "bf16", "cpu", memory)
+    for preset in PRESETS.values():  # every preset fits an 80 GB GPU at microbatch 8
+        commands.check_fits(preset, 8, preset.seq, "bf16", "cuda", 80 << 30)
+
+
+def test_impossible_shape_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, err = run_cli(["calibrate", "--layers", "2", "--hidden", "64", "--heads", "3", "--seq", "8", "--vocab", "16",
+                         "--out", str(tmp_path)], capsys)
+    assert code == 2 and err == ["pipescope: error: --heads: 3, expected a divisor of --hidden 64"]
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--min-bytes", "1e400"], "--min-bytes: '1e400', expected a size from 4 to 1099511627776 bytes"),
+    (["--max-bytes", "1e999999999"], "--max-bytes: '1e999999999', expected a size from 4 to"),
+    (["--min-bytes", "1e-999999999"], "--min-bytes: '1e-999999999', expected a size from 4 to"),
+    (["--min-bytes", "1" * 100], "--min-bytes: '" + "1" * 39 + "..., expected a size from 4"),
+    (["--max-bytes", "2TiB"], "--max-bytes: '2TiB', expected a size from 4 to"),
+    (["--min-bytes", "2"], "--min-bytes: '2', expected a size from 4"),
+    (["--min-bytes", "1MiB", "--max-bytes", "1KiB"], "--min-bytes: '1MiB', expected at least 4 bytes and at most"),
+    (["--min-bytes", "nan"], "--min-bytes: 'nan', expected a size"),
+    (["--range-edges", ","], "--range-edges: ',', expected 1 to 16 positive sizes"),
+    (["--range-edges", "0"], "--range-edges: '0', expected a size from 1"),
+    (["--rel-tol", "nan"], "--rel-tol: 'nan', expected a number"),
+    (["--budget-s", "inf"], "--budget-s: 'inf', expected a number"),
+    (["--min-reps", "0x4"], "--min-reps: '0x4', expected an integer"),
+])
+def test_bad_calibrate_comms_flag_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, torchrun_env: None,
+                                              flags: list[str], expected: str) -> None:
+    code, err = run_cli(["calibrate-comms", "--out", str(tmp_path), *flags], capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"pipescope: error: {expected}"), err
+
+
+def test_bad_torchrun_environment_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, torchrun_env: None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "2")
+    code, err = run_cli(["calibrate-comms", "--out", str(tmp_path)], capsys)
+    assert code == 2 and err == ["pipescope: error: RANK: 2, expected an integer from 0 to 1"]
+
+
+# ---------------------------------------------------------------- no torch
+
+
+@pytest.mark.parametrize("entry", ["commands", "cli"])
+def test_calibrate_without_torch_names_the_extra(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch, entry: str) -> None:
+    """With torch unimportable, calibrate (standalone or through the pipescope CLI) prints one line with the pip
+    command instead of a ModuleNotFoundError traceback."""
+    monkeypatch.setitem(sys.modules, "torch", None)
+    argv = ["calibrate", "--model", "tiny", "--out", str(tmp_path)]
+    if entry == "cli":
+        from pipescope.experiments.cli import main
+        code = main(argv)
+    else:
+        code = commands.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["pipescope: error: calibrate needs torch: pip install 'pipescope[calibration]'"]
+
+
+def test_calibrate_comms_without_torch_names_the_extra(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                       monkeypatch: pytest.MonkeyPatch, torchrun_env: None) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)
+    code, err = run_cli(["calibrate-comms", "--out", str(tmp_path)], capsys)
+    assert code == 2 and err == ["pipescope: error: calibrate-comms needs torch: pip install 'pipescope[calibration]'"]
