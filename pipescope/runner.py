@@ -15,7 +15,7 @@ from pipescope.simulator.costs import (
     seconds_to_ns,
 )
 from pipescope.simulator.ir import Schedule
-from pipescope.simulator.models import ModelSpec, layer_work, output_layer_flops
+from pipescope.simulator.models import PRESETS, ModelSpec, layer_work, output_layer_flops
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
 from pipescope.simulator.profiled import ProfiledCosts, ProfiledCostsConfig
 from pipescope.simulator.result import SimResult
@@ -38,18 +38,20 @@ def run(config: Config) -> SimResult:
     """
     config = _with_precision(config)
     cluster = _precheck(config)
-    model = _model(config) if not isinstance(config.costs, UniformCostsConfig) else None
-    if model is not None and isinstance(config.costs, AnalyticCostsConfig) and _generated(config):
+    analytic = isinstance(config.costs, AnalyticCostsConfig)
+    model = _model(config) if analytic else None
+    if model is not None and _generated(config):
         _check_layers(model.layers, config.schedule.p * _chunks(config))  # before building a schedule that big
     schedule = _schedule(config)
     if cluster is None:  # a CSV schedule: its size was in the file
         cluster = _cluster(config, schedule.num_devices)
     costs = _costs(config, cluster, model)
-    if model is not None:
-        _check_layers(getattr(costs, "layers", model.layers), schedule.num_stages)
-    analytic = isinstance(config.costs, AnalyticCostsConfig)  # a profile's model need not be the preset's: no MFU
+    if isinstance(costs, ProfiledCosts):
+        config = _with_profile_model(config, costs)
+    if not isinstance(config.costs, UniformCostsConfig):
+        _check_layers(config.model.layers or model.layers, schedule.num_stages)
     capacity = config.cluster.memory
-    if capacity is None and model is not None:
+    if capacity is None and not isinstance(config.costs, UniformCostsConfig):
         capacity = cluster.device_spec.memory_bytes
     try:
         return simulate(schedule, costs, _network(config, cluster, costs),
@@ -78,6 +80,30 @@ def _with_precision(config: Config) -> Config:
         raise ConfigError(f"model.precision: got {precision!r}, expected one of {', '.join(device.peak_flops)} on "
                           f"{device.name} (it has no {precision} tensor cores)")
     return dataclasses.replace(config, model=dataclasses.replace(m, precision=precision))
+
+
+def _with_profile_model(config: Config, costs: ProfiledCosts) -> Config:
+    """Under profiled costs the profile's model is the run's: its shape fills the model section, and a preset or
+    dimension that contradicts it is refused (layers and seq may differ: times are per layer and interpolated
+    over the measured sequence lengths)."""
+    m, measured = config.model, costs.meta.get("model", {})
+    given = {key: getattr(m, key) for key in FIXED_BY_PROFILE if getattr(m, key) is not None}
+    if m.preset is not None:
+        given = {key: getattr(_model(config), key) for key in FIXED_BY_PROFILE}
+    for key, value in given.items():
+        if key in measured and measured[key] != value:
+            source = f"model.preset {m.preset!r} has" if getattr(m, key) is None else "got"
+            raise ConfigError(f"model.{key}: {source} {value}, but the profile {config.costs.profile!r} measured "
+                              f"{key}={measured[key]}; expected the profile's model (leave model.preset and "
+                              f"model.{key} unset, or calibrate this model)")
+    name = measured.get("name")
+    shape = {key: measured.get(key) for key in FIXED_BY_PROFILE}
+    model = dataclasses.replace(m, preset=name if name in PRESETS else m.preset, layers=costs.layers, seq=costs.seq,
+                                precision=costs.precision, **shape)
+    return dataclasses.replace(config, model=model)
+
+
+FIXED_BY_PROFILE = ("hidden", "heads", "vocab")
 
 
 def _model(config: Config) -> ModelSpec:

@@ -143,7 +143,10 @@ class ModelConfig:
 
     @property
     def label(self) -> str:
-        """``gpt-1.3b``, or ``gpt-1.3b with layers=4`` when some of the preset's dimensions are replaced."""
-        changed = [f"{key}={getattr(self, key)}" for key in SHAPE_KEYS if getattr(self, key) is not None]
-        name = self.preset or DEFAULT_PRESET
+        """``gpt-1.3b``; ``gpt-1.3b with layers=4`` where dimensions differ from the preset's; ``custom with ...``
+        when every dimension is given and no preset is named."""
+        given = {key: getattr(self, key) for key in SHAPE_KEYS if getattr(self, key) is not None}
+        name = self.preset or ("custom" if len(given) == len(SHAPE_KEYS) else DEFAULT_PRESET)
+        base = PRESETS.get(name)
+        changed = [f"{key}={value}" for key, value in given.items() if base is None or getattr(base, key) != value]
         return f"{name} with {', '.join(changed)}" if changed else name

@@ -438,3 +438,21 @@ def test_simulate_cli_runs_on_the_profile(profile: Calibrated, capsys: pytest.Ca
     assert "outside the measured 2..4" in json.loads(capsys.readouterr().out)["warnings"][0]
     assert main([*base, "--set", "costs.profile=/nonexistent"]) == 2
     assert "costs.profile: '/nonexistent'" in capsys.readouterr().err
+
+
+def test_the_profiles_model_is_the_runs_model(profile: Calibrated) -> None:
+    """With no model keys, a profile run simulates and reports the profiled shape, not the default preset's; a preset
+    or dimension that contradicts the profile is a one-line error naming the key."""
+    from pipescope.config import ConfigError, load_config
+    from pipescope.runner import run
+    base = ["costs.kind=profile", f"costs.profile={profile.out}", "schedule.stages=2", "schedule.microbatches=4"]
+    model = run(load_config(None, base)).config.model
+    assert (model.hidden, model.heads, model.vocab, model.layers, model.seq) == (
+        SHAPE["hidden"], SHAPE["heads"], SHAPE["vocab"], SHAPE["layers"], SHAPE["seq"])
+    assert model.precision == "fp32" and model.label.startswith("gpt-1.3b with") is False
+    for extra, key in ((["model.preset=gpt-1.3b"], "model.hidden: model.preset 'gpt-1.3b' has 2048"),
+                       (["model.vocab=100"], "model.vocab: got 100, but the profile")):
+        with pytest.raises(ConfigError, match=key) as err:
+            run(load_config(None, base + extra))
+        assert "\n" not in str(err.value)
+    assert run(load_config(None, [*base, "model.layers=8"])).config.model.layers == 8  # layers may differ

@@ -8,6 +8,7 @@ YAML 1.1 number spellings, aliases, complex keys, deep nesting, undecodable byte
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import typing
@@ -165,3 +166,40 @@ def test_an_oversized_or_undecodable_config_file_is_refused_naming_it(tmp_path) 
         with pytest.raises(ConfigError, match=expected) as err:
             load_config(str(path))
         assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--stages", "1_6"], "schedule.stages: got '1_6', expected a plain decimal integer"),
+    (["--microbatches", "1:30"], "schedule.microbatches: got '1:30', expected a plain decimal integer"),
+    (["--stages", "0x4"], "schedule.stages: got '0x4', expected a plain decimal integer"),
+    (["--stages", "9" * 400], "schedule.stages: got '9999"),
+    (["--set", "costs.efficiency=" + "9" * 400], "costs.efficiency: got '9999"),
+    (["--set", "cluster.memory=" + "9" * 400], "cluster.memory: got '9999"),
+    (["--set", "cluster.memory=1e999999999"], "cluster.memory: got inf, expected a finite size"),
+    (["--set", "costs.kind=uniform", "--set", "costs.forward=1e-10"], "costs.forward: got 1e-10 s, expected 0 or 1 ns"),
+    (["--set", "costs.kind=uniform", "--set", "costs.forward=1e6", "--set", "costs.p2p=1e6", "--microbatches", "5000"],
+     "costs: the run would last beyond"),
+    (["--set", "model.seq=16777216", "--set", "model.hidden=16", "--set", "model.heads=1"],
+     "costs: stage 0: activation_bytes would be"),
+    (["--set", "cluster.data_parallel=30000", "--set", "cluster.nodes=20000"], "= 120,000 GPUs, expected at most"),
+    (["--set", "model.hidden=" + "1" * 19], "model.hidden: got '1111111111111111111', expected a plain decimal"),
+])
+def test_hostile_numbers_are_one_line_errors_at_once(args: list[str], expected: str, cli) -> None:
+    start = time.perf_counter()
+    code, out, err = cli(["simulate", *args])
+    assert code == 2 and out == "" and err.count("\n") == 1 and expected in err, err
+    assert time.perf_counter() - start < 2.0
+
+
+def test_leading_zeros_are_decimal_not_octal(cli) -> None:
+    code, out, _ = cli(["simulate", "--stages", "010", "--microbatches", "010", "--set", "costs.kind=uniform",
+                        "--set", "cluster.nodes=2", "--json"])
+    assert code == 0 and json.loads(out)["devices"] == 10 and json.loads(out)["microbatches"] == 10
+
+
+def test_positive_times_never_round_to_zero() -> None:
+    from pipescope.simulator.costs import seconds_to_ns
+    assert (seconds_to_ns(1e-12), seconds_to_ns(0.0), seconds_to_ns(1.4e-9)) == (1, 0, 1)
+    tiny = ["model.hidden=1", "model.heads=1", "model.seq=1", "model.vocab=1", "model.layers=4"]
+    result = run(load_config(None, tiny))
+    assert result.iteration_time_s > 0 and all(d.busy_s > 0 for d in result.devices)

@@ -1,0 +1,82 @@
+"""What a new user's first hour tripped on: shipped configs by name, the schedule's own chunk count, missing extras,
+the size cap counting what runs, OOM as an exit code, weight versions in the output, and per-GPU precisions."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+
+import pandas as pd
+import pytest
+
+from pipescope.config import ConfigError, load_config
+from pipescope.runner import run
+
+UNIFORM = ["--set", "costs.kind=uniform"]
+
+
+def test_shipped_configs_load_by_name_from_any_folder(cli, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = cli(["simulate", "--config", "demo", "--json"])
+    assert code == 0 and json.loads(out)["schedule"] == "1f1b"
+    code, _, err = cli(["simulate", "--config", "dmeo"])
+    assert code == 2 and f"(looked for '{tmp_path / 'dmeo'}')" in err and "one of demo," in err
+
+
+@pytest.mark.parametrize(("schedule", "chunks"), [("zb-v", 2), ("v-half", 2), ("interleaved", 2), ("1f1b", 1)])
+def test_each_schedule_takes_its_own_chunk_count_by_default(schedule: str, chunks: int) -> None:
+    config = load_config(None, ["costs.kind=uniform", f"schedule.name={schedule}"])
+    assert config.schedule.chunks is None and run(config).schedule.chunks == chunks
+
+
+def test_torch_v_schedule_needs_no_chunks_flag_and_both_refuse_other_counts(cli, torch_sched) -> None:
+    code, out, _ = cli(["simulate", "--schedule", "torch:ZBVZeroBubble", *UNIFORM, "--json"])
+    assert code == 0 and json.loads(out)["chunks"] == 2
+    for schedule in ("torch:ZBVZeroBubble", "zb-v"):
+        code, _, err = cli(["simulate", "--schedule", schedule, "--chunks", "1", *UNIFORM])
+        assert code == 2 and "chunks(=1)" in err and "must be 2" in err
+
+
+def test_missing_extras_name_the_pip_command(cli, monkeypatch, tmp_path) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("torch", "pyarrow") else real(name, *a))
+    code, _, err = cli(["simulate", "--schedule", "torch:GPipe", *UNIFORM])
+    assert code == 2 and "pip install 'pipescope[calibration]'" in err and err.count("\n") == 1
+    code, _, err = cli(["simulate", *UNIFORM, "--timeline", str(tmp_path / "t.parquet")])
+    assert code == 2 and "needs pyarrow: pip install 'pipescope[sweep]'" in err
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_iterations_is_refused_where_it_would_be_ignored(cli, tmp_path) -> None:
+    csv = tmp_path / "s.csv"
+    assert cli(["simulate", *UNIFORM, "--csv", str(csv)])[0] == 0
+    for schedule in (f"csv:{csv}", "1f1b"):
+        code, _, err = cli(["simulate", "--schedule", schedule, *UNIFORM, "--set", "iterations=2"])
+        assert code == 2 and err.startswith("pipescope: error: iterations: got 2")
+
+
+def test_weight_versions_and_update_rule_are_in_json_and_table(cli) -> None:
+    code, out, _ = cli(["simulate", "--schedule", "pipedream", *UNIFORM, "--json"])
+    data = json.loads(out)
+    assert data["weight_update"] == "async-stash" and [d["weight_versions"] for d in data["per_device"]] == [4, 3, 2, 1]
+    code, out, _ = cli(["simulate", "--schedule", "2bw", *UNIFORM])
+    assert "weight update 2bw" in out and "versions" in out
+    assert [line.split()[-1] for line in out.splitlines() if line.split()[:1] in (["0"], ["3"])] == ["2", "2"]
+
+
+def test_output_suffixes_are_read_in_any_case(cli, tmp_path) -> None:
+    trace, timeline = tmp_path / "t.JSON.GZ", tmp_path / "t.PARQUET"
+    assert cli(["simulate", *UNIFORM, "--trace", str(trace), "--timeline", str(timeline)])[0] == 0
+    assert "traceEvents" in json.loads(gzip.decompress(trace.read_bytes()))
+    assert len(pd.read_parquet(timeline)) > 0
+
+
+def test_precision_defaults_to_what_the_gpu_runs_and_refuses_what_it_cannot() -> None:
+    h100 = run(load_config(None, []))
+    v100 = run(load_config(None, ["cluster.topology=p3dn-v100"]))
+    assert (h100.config.model.precision, v100.config.model.precision) == ("bf16", "fp16")
+    assert v100.peak_flops_per_device == 125e12
+    with pytest.raises(ConfigError, match=r"^model.precision: got 'bf16', expected one of fp16, fp32 on V100"):
+        run(load_config(None, ["cluster.topology=p3dn-v100", "model.precision=bf16"]))
