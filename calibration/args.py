@@ -77,11 +77,11 @@ def optional_int(key: str, text: str | None, low: int = 1, high: int = MAX_INT) 
 
 
 def int_list(key: str, text: str, example: str = "1,2,4,8", high: int = MAX_INT) -> tuple[int, ...]:
-    """``"1,2,4"`` -> (1, 2, 4), each a plain decimal from 1 to ``high``, in ascending order without repeats."""
+    """``"1,2,4"`` -> (1, 2, 4), each a plain decimal from 1 to ``high``, in ascending order; an empty item
+    (``1,,2``) or a repeat is refused."""
     expected = f"expected comma-separated positive integers, e.g. {example}"
-    items = [v for v in text.split(",") if v]
-    values = [_plain_int(v) for v in items]
-    if not values or None in values:
+    values = [_plain_int(v) for v in text.split(",")]
+    if not values or None in values or len(set(values)) < len(values):  # an empty item or a repeat is a typo
         raise UsageError(f"{key}: {_shown(text)}, {expected}")
     bad = [v for v in values if not 1 <= v <= high]
     if bad:

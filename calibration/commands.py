@@ -137,11 +137,11 @@ def comms_command(args: argparse.Namespace) -> int:
     """Entry point of ``pipescope calibrate-comms`` (under torchrun): 0 on success, 2 on a bad argument."""
     try:
         config = comms_config(args, getattr(args, "argv", None))
+        from pipescope.calibration.comms import run
+
+        run(config)  # may still refuse the backend once torch shows what the machine has
     except UsageError as exc:
         return usage_error(str(exc))
-    from pipescope.calibration.comms import run
-
-    run(config)
     return 0
 
 

@@ -40,6 +40,8 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def setup(backend: str | None) -> torch.device:
     """Join the torchrun group; returns the device this rank times on."""
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UsageError("--backend: 'nccl', expected gloo on a machine without CUDA (nccl needs a GPU)")
     use_nccl = backend == "nccl" or (backend is None and torch.cuda.is_available())
     if use_nccl:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -190,10 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     add_comms_args(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        config = comms_config(args, None if argv is None else ["calibrate-comms", *argv])  # None: sys.argv
+        run(comms_config(args, None if argv is None else ["calibrate-comms", *argv]))  # None: sys.argv
     except UsageError as exc:
         return usage_error(str(exc))
-    run(config)
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipescope.simulator.costs import MAX_OP_SECONDS, AnalyticCostsConfig, CostKind, UniformCostsConfig
-from pipescope.simulator.models import PRECISIONS, ModelConfig
+from pipescope.simulator.models import PRECISIONS, PRESETS, ModelConfig
 from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.safe_yaml import YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig
@@ -67,6 +67,7 @@ TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "
 CHOICES = {
     "schedule.vocab": ("naive",),
     "model.precision": tuple(PRECISIONS),
+    "model.preset": tuple(PRESETS),
     "cluster.placement": PLACEMENTS,
 }
 

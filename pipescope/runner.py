@@ -44,6 +44,7 @@ def run(config: Config) -> SimResult:
         _check_layers(model.layers, config.schedule.p * _chunks(config))  # before building a schedule that big
     schedule = _schedule(config)
     if cluster is None:  # a CSV schedule: its size was in the file
+        _check_size(schedule.num_stages * schedule.total_microbatches)
         cluster = _cluster(config, schedule.num_devices)
     costs = _costs(config, cluster, model)
     if isinstance(costs, ProfiledCosts):
@@ -219,11 +220,14 @@ def _precheck(config: Config) -> Cluster | None:
                           f"iteration they hold; expected no iterations key")
     if s.name.startswith("csv:"):
         return None
-    size = s.p * _chunks(config) * s.m * _iterations(config)
+    _check_size(s.p * _chunks(config) * s.m * _iterations(config))
+    return _cluster(config, s.p)
+
+
+def _check_size(size: int) -> None:
     if size > MAX_MICROBATCH_STAGES:
         raise ConfigError(f"schedule: stages x chunks x microbatches x iterations = {size:,} microbatch-stages, "
                           f"expected at most {MAX_MICROBATCH_STAGES:,} (about 15 s of simulation)")
-    return _cluster(config, s.p)
 
 
 def _iterations(config: Config) -> int:

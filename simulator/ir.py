@@ -127,7 +127,8 @@ def _action_index(text: str, what: str, digits: str) -> int:
     before ``int``: a 10,000-digit number is refused, not converted)."""
     if len(digits) <= 9:  # fast path: at most 999,999,999
         return int(digits)
-    if len(digits.lstrip("0")) > len(str(MAX_ACTION_INDEX)) or int(digits) > MAX_ACTION_INDEX:
+    digits = digits.lstrip("0") or "0"  # 5,000 leading zeros are still a small number, and int() refuses them
+    if len(digits) > len(str(MAX_ACTION_INDEX)) or int(digits) > MAX_ACTION_INDEX:
         shown = digits if len(digits) <= 20 else f"{digits[:12]}... ({len(digits)} digits)"
         raise ValueError(f"action {_quoted(text)} has {what} {shown}, expected at most {MAX_ACTION_INDEX}")
     return int(digits)

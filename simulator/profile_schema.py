@@ -101,6 +101,15 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object, ValueError on a key given twice (json keeps the last one silently)."""
+    meta = dict(pairs)
+    if len(meta) < len(pairs):
+        seen = [key for key, _ in pairs]
+        raise ValueError(f"key {next(k for k in seen if seen.count(k) > 1)!r} appears twice")
+    return meta
+
+
 def read_metadata(profile_dir: str | os.PathLike, name: str = COMPUTE_META) -> dict:
     """Load and check a profile's JSON metadata (``check_metadata``).
 
@@ -119,7 +128,8 @@ def read_metadata(profile_dir: str | os.PathLike, name: str = COMPUTE_META) -> d
         size = path.stat().st_size
         if size > MAX_METADATA_BYTES:
             raise ProfileError(f"{path}: {size} bytes; expected JSON metadata of at most {MAX_METADATA_BYTES} bytes")
-        meta = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_refuse, parse_float=_finite_float)
+        meta = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_refuse, parse_float=_finite_float,
+                          object_pairs_hook=_unique_keys)
     except _BadNumber as exc:
         raise ProfileError(f"{path}: number {exc} is not a finite float; expected JSON metadata") from None
     except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit

@@ -383,6 +383,8 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, list[s
     (["--layers", "4294967296"], "--layers: 4294967296, expected an integer from 1 to 2147483647"),
     (["--seq", "1_024"], "--seq: '1_024', expected comma-separated positive integers"),
     (["--microbatch-sizes", "1, 2"], "--microbatch-sizes: '1, 2', expected comma-separated positive integers"),
+    (["--microbatch-sizes", "1,,2"], "--microbatch-sizes: '1,,2', expected comma-separated positive integers"),
+    (["--microbatch-sizes", "2,2"], "--microbatch-sizes: '2,2', expected comma-separated positive integers"),
     (["--microbatch-sizes", "1,99999999999"], "--microbatch-sizes: '1,99999999999', expected comma-separated"),
     (["--warmup", "-1"], "--warmup: -1, expected an integer from 0 to 10000"),
     (["--warmup", "100000000000000000000"], "--warmup: '100000000000000000000', expected an integer from 0"),
@@ -486,3 +488,11 @@ def test_calibrate_comms_without_torch_names_the_extra(tmp_path: Path, capsys: p
     monkeypatch.setitem(sys.modules, "torch", None)
     code, err = run_cli(["calibrate-comms", "--out", str(tmp_path)], capsys)
     assert code == 2 and err == ["pipescope: error: calibrate-comms needs torch: pip install 'pipescope[calibration]'"]
+
+
+def test_a_key_given_twice_in_profile_metadata_is_refused(tmp_path: Path) -> None:
+    """json keeps the last of two equal keys silently; a profile's metadata must not change meaning that way."""
+    from pipescope.simulator.profile_schema import ProfileError, read_metadata
+    (tmp_path / "profile.json").write_text('{"schema_version": 1, "precision": "fp32", "precision": "bf16"}')
+    with pytest.raises(ProfileError, match="key 'precision' appears twice"):
+        read_metadata(tmp_path)

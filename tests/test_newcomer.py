@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -80,3 +81,30 @@ def test_precision_defaults_to_what_the_gpu_runs_and_refuses_what_it_cannot() ->
     assert v100.peak_flops_per_device == 125e12
     with pytest.raises(ConfigError, match=r"^model.precision: got 'bf16', expected one of fp16, fp32 on V100"):
         run(load_config(None, ["cluster.topology=p3dn-v100", "model.precision=bf16"]))
+
+
+def test_outputs_must_be_named_and_distinct(cli, tmp_path) -> None:
+    code, _, err = cli(["simulate", *UNIFORM, "--trace", ""])
+    assert code == 2 and "--trace: got ''" in err
+    same = str(tmp_path / "a.csv")
+    code, _, err = cli(["simulate", *UNIFORM, "--csv", same, "--timeline", same])
+    assert code == 2 and "the file --csv writes" in err and not (tmp_path / "a.csv").exists()
+
+
+def test_csv_schedules_count_against_the_run_limit(cli, tmp_path) -> None:
+    csv = tmp_path / "big.csv"
+    m = 300_000  # 2 devices x 300,000 microbatches: 600,000 microbatch-stages, over the 500,000 limit
+    csv.write_text("\n".join(",".join([f"{d}F{i}" for i in range(m)] + [f"{d}B{i}" for i in range(m)])
+                             for d in range(2)) + "\n")
+    code, _, err = cli(["simulate", "--schedule", f"csv:{csv}", *UNIFORM])
+    assert code == 2 and "= 600,000 microbatch-stages, expected at most 500,000" in err
+
+
+def test_an_empty_preset_or_a_topology_file_in_capitals(cli, tmp_path) -> None:
+    code, _, err = cli(["simulate", "--set", "model.preset="])
+    assert code == 2 and "model.preset: got '', expected one of tiny," in err
+    machine = tmp_path / "M.YAML"
+    machine.write_text((Path(__file__).parents[1] / "topologies" / "machines" / "dgx-h100.yaml").read_text())
+    assert cli(["simulate", *UNIFORM, "--set", f"cluster.topology={machine}"])[0] == 0
+    code, _, err = cli(["simulate", *UNIFORM, "--set", f"cluster.topology={tmp_path / 'none.yaml'}"])
+    assert code == 2 and "is not a file, expected a readable YAML file" in err

@@ -68,11 +68,13 @@ def load_machine(name_or_path: str) -> Machine:
     Raises:
         ValueError: one line naming ``cluster.topology``, the file, the key, the value and what was expected.
     """
-    is_file = name_or_path.endswith((".yaml", ".yml"))
+    is_file = name_or_path.lower().endswith((".yaml", ".yml"))
     path = name_or_path if is_file else os.path.join(MACHINES_DIR, f"{name_or_path}.yaml")
+    if is_file and not os.path.isfile(path):
+        raise ValueError(f"cluster.topology: {short_repr(path)} is not a file, expected a readable YAML file")
     if not os.path.isfile(path):
         choices = ", ".join(machine_names())
-        raise ValueError(f"cluster.topology(={name_or_path!r}) is neither a file nor one of {choices}")
+        raise ValueError(f"cluster.topology(={short_repr(name_or_path)}) is neither a .yaml file nor one of {choices}")
     try:
         raw = read_yaml_file(path)
     except YamlError as err:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from pipescope.simulator.csvio import read_csv
 from pipescope.simulator.ir import Schedule
+from pipescope.simulator.units import short_repr
 from pipescope.simulator.schedules.basic import gpipe, one_f_one_b
 from pipescope.simulator.schedules.interleaved import interleaved
 from pipescope.simulator.schedules.pipedream import pipedream, two_bw
@@ -100,7 +101,7 @@ def build_schedule(config: ScheduleConfig, iterations: int | None = None) -> Sch
         gen = generator(config.name)
     except KeyError:
         names = ", ".join(list(GENERATORS) + list(ALIASES) + ["torch:<Name>", "csv:<path>"])
-        raise ValueError(f"schedule.name: got {config.name!r}, expected one of {names}") from None
+        raise ValueError(f"schedule.name: got {short_repr(config.name)}, expected one of {names}") from None
     options: dict[str, object] = {}
     if config.vertical_sync:
         if "vertical_sync" not in gen.options:
