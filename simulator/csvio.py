@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import os
 
 from pipescope.simulator.files import write_atomic
@@ -43,6 +44,9 @@ def _shown(cell: str, limit: int = 40) -> str:
     return repr(cell) if len(cell) <= limit else repr(cell[:limit]) + f"... ({len(cell)} characters)"
 
 
+_ACTION_START = re.compile(r"(?:^|,)[ \t]*[0-9]", re.MULTILINE)
+
+
 def _check_size(text: str) -> None:
     """ValueError if ``text`` is over the bounds or holds a NUL byte (before any parsing)."""
     if len(text) > MAX_CSV_BYTES:
@@ -52,6 +56,10 @@ def _check_size(text: str) -> None:
     if nul >= 0:
         raise ValueError(f"line {text.count(chr(10), 0, nul) + 1} holds a NUL byte, expected a text file of "
                          f"comma-separated actions")
+    actions = len(_ACTION_START.findall(text))  # cells that start with a stage number: one action at least each
+    if actions > MAX_CSV_ACTIONS:
+        raise ValueError(f"{actions} cells hold actions, expected at most {MAX_CSV_ACTIONS} (MAX_CSV_ACTIONS) in a "
+                         f"schedule CSV")
     cells = text.count(",") + text.count("\n") + text.count("\r") + 1  # a bound: quoted commas count too
     if cells > MAX_CSV_CELLS:
         raise ValueError(f"about {cells} cells, expected at most {MAX_CSV_CELLS} (MAX_CSV_CELLS) for a schedule CSV")

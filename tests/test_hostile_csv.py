@@ -78,7 +78,9 @@ def test_too_many_cells_or_actions(tmp_path, monkeypatch, cli) -> None:
     path.write_text("0F0,0B0\n1F0,1B0" + "," * 200 + "\n")
     _one_line_error(cli, path, "about 205 cells, expected at most 100 (MAX_CSV_CELLS)")
     monkeypatch.setattr(csvio, "MAX_CSV_ACTIONS", 3)
-    path.write_text("0F0,0B0\n1F0,1B0\n")
+    path.write_text("0F0,0B0\n1F0,1B0\n")  # refused before parsing: 4 cells start an action
+    _one_line_error(cli, path, "4 cells hold actions, expected at most 3 (MAX_CSV_ACTIONS)")
+    path.write_text('0F0,"0B0"\n1F0,"1B0"\n')  # quoted cells escape the pre-count; the parser counts them
     _one_line_error(cli, path, "row 1: more than 3 actions (MAX_CSV_ACTIONS)")
 
 
