@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Any
 
-from pipescope.simulator.units import parse_size
+from pipescope.simulator.units import parse_size, short_repr
 
 INSTALL_HINT = "pip install 'pipescope[calibration]'"
 MAX_INT = 2**31 - 1  # no count on these command lines needs more, and every product torch forms stays in int64
@@ -49,12 +49,6 @@ def require_torch(command: str) -> None:
         raise UsageError(f"{command} needs torch: {INSTALL_HINT}") from None
 
 
-def _shown(text: object, limit: int = 40) -> str:
-    """``repr(text)``, cut short so a pasted megabyte cannot flood the error line."""
-    shown = repr(text)
-    return shown if len(shown) <= limit else shown[:limit] + "..."
-
-
 def _plain_int(text: str) -> int | None:
     """``text`` as an int when it is plain decimal of at most MAX_DIGITS digits, else None."""
     if not isinstance(text, str) or not _INTEGER.fullmatch(text) or len(text.lstrip("-")) > MAX_DIGITS:
@@ -66,7 +60,7 @@ def integer(key: str, text: str, low: int = 1, high: int = MAX_INT) -> int:
     """``text`` as a plain decimal integer from ``low`` to ``high``."""
     value = _plain_int(text)
     if value is None or not low <= value <= high:
-        shown = _shown(text) if value is None else value
+        shown = short_repr(text, 40) if value is None else value
         raise UsageError(f"{key}: {shown}, expected an integer from {low} to {high}")
     return value
 
@@ -82,7 +76,7 @@ def int_list(key: str, text: str, example: str = "1,2,4,8", high: int = MAX_INT)
     expected = f"expected comma-separated positive integers, e.g. {example}"
     values = [_plain_int(v) for v in text.split(",")]
     if not values or None in values or len(set(values)) < len(values):  # an empty item or a repeat is a typo
-        raise UsageError(f"{key}: {_shown(text)}, {expected}")
+        raise UsageError(f"{key}: {short_repr(text, 40)}, {expected}")
     bad = [v for v in values if not 1 <= v <= high]
     if bad:
         raise UsageError(f"{key}: {bad[0]}, {expected}" + (f" (at most {high})" if bad[0] > 0 else ""))
@@ -93,7 +87,7 @@ def number(key: str, text: str, low: float, high: float) -> float:
     """``text`` as a plain decimal number in (``low``, ``high``]: finite, no ``nan``, ``inf`` or underscores."""
     value = float(text) if isinstance(text, str) and _DECIMAL.fullmatch(text) else None
     if value is None or not math.isfinite(value) or not low < value <= high:
-        shown = _shown(text) if value is None or not math.isfinite(value) else value
+        shown = short_repr(text, 40) if value is None or not math.isfinite(value) else value
         raise UsageError(f"{key}: {shown}, expected a number above {low:g} and at most {high:g}")
     return value
 
@@ -104,14 +98,14 @@ def size_arg(key: str, text: str, low: int = 1, high: int = MAX_MESSAGE_BYTES) -
     flag."""
     expected = f"expected a size from {low} to {high} bytes (1 TiB)"
     if _LONG_EXPONENT.search(text):
-        raise UsageError(f"{key}: {_shown(text)}, {expected}")
+        raise UsageError(f"{key}: {short_repr(text, 40)}, {expected}")
     try:
         size = parse_size(text)
     except ValueError as exc:
         # parse_size says "got <value>, expected ..."; calibration's messages read "<key>: <value>, expected ...".
         raise UsageError(f"{key}: {str(exc).removeprefix('got ')}") from None
     if not low <= size <= high:
-        raise UsageError(f"{key}: {_shown(text)}, {expected}")
+        raise UsageError(f"{key}: {short_repr(text, 40)}, {expected}")
     return size
 
 

@@ -81,13 +81,13 @@ def _check_output_names(args: argparse.Namespace) -> None:
     named: dict[str, str] = {}
     for flag, suffixes in OUTPUT_SUFFIXES.items():
         path = getattr(args, flag)
-        if path is not None and not path.lower().endswith(suffixes):
+        if path is None:
+            continue
+        if not path.lower().endswith(suffixes):
             raise ConfigError(f"--{flag}: got {path!r}, expected a file name ending in {' or '.join(suffixes)}")
-        if path is not None and os.path.abspath(path) in named:
-            raise ConfigError(f"--{flag}: got {path!r}, the file --{named[os.path.abspath(path)]} writes; expected "
-                              f"another name")
-        if path is not None:
-            named[os.path.abspath(path)] = flag
+        other = named.setdefault(os.path.abspath(path), flag)
+        if other != flag:
+            raise ConfigError(f"--{flag}: got {path!r}, the file --{other} writes; expected another name")
     if args.timeline and args.timeline.lower().endswith(".parquet") and importlib.util.find_spec("pyarrow") is None:
         raise ConfigError(f"--timeline: {args.timeline!r} is Parquet, which needs pyarrow: "
                           f"pip install 'pipescope[sweep]' (or write a .csv)")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import csv
 import io
-import re
 import os
+import re
 
 from pipescope.simulator.files import write_atomic
 from pipescope.simulator.ir import COMPUTE_KINDS, Action, Schedule, parse_cell
+from pipescope.simulator.units import short_repr
 
 # Bounds on a schedule CSV, checked before parsing, so a hostile file costs neither gigabytes nor minutes. A
 # 1F1B schedule with p = 2,000 and m = 4 takes 0.2 MB, 16,000 cells; torch's dump of GPipe at that size, with an
@@ -37,11 +38,6 @@ def to_csv_text(schedule: Schedule, compute_only: bool = True) -> str:
 def write_csv(schedule: Schedule, path: str) -> None:
     """Write the compute-only CSV atomically (a killed run never leaves half a file)."""
     write_atomic(path, to_csv_text(schedule))
-
-
-def _shown(cell: str, limit: int = 40) -> str:
-    """A cell as an error message quotes it: on one line, cut to ``limit`` characters."""
-    return repr(cell) if len(cell) <= limit else repr(cell[:limit]) + f"... ({len(cell)} characters)"
 
 
 _ACTION_START = re.compile(r"(?:^|,)[ \t]*[0-9]", re.MULTILINE)
@@ -145,12 +141,12 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
     top, rank, cell, shown = highest[True]
     if top >= num_stages:  # stages must be 0..S-1; list gaps only as far as S+5 (indices may be huge)
         missing = [s for s in range(min(top, num_stages + 5)) if s not in home][:5]
-        raise ValueError(f"row {rank} cell {cell}: {_shown(shown)} uses stage {top} but the file has no compute "
-                         f"action for stage(s) {missing}, expected its {num_stages} stages numbered "
+        raise ValueError(f"row {rank} cell {cell}: {short_repr(shown, 40)} uses stage {top} but the file has no "
+                         f"compute action for stage(s) {missing}, expected its {num_stages} stages numbered "
                          f"0..{num_stages - 1}")
     top, rank, cell, shown = highest.get(False, (-1, 0, 0, ""))
     if top >= num_stages:
-        raise ValueError(f"row {rank} cell {cell}: {_shown(shown)} names stage {top}, expected a stage in "
+        raise ValueError(f"row {rank} cell {cell}: {short_repr(shown, 40)} names stage {top}, expected a stage in "
                          f"0..{num_stages - 1} (the stages the file's compute actions use)")
     return Schedule(
         name=name,

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import NamedTuple
 
+from pipescope.simulator.units import short_repr
+
 
 class ActionKind(StrEnum):
     """What an action does, spelled with torch's letters so ``2F0`` and torch's CSV round-trip.
@@ -130,13 +132,8 @@ def _action_index(text: str, what: str, digits: str) -> int:
     digits = digits.lstrip("0") or "0"  # 5,000 leading zeros are still a small number, and int() refuses them
     if len(digits) > len(str(MAX_ACTION_INDEX)) or int(digits) > MAX_ACTION_INDEX:
         shown = digits if len(digits) <= 20 else f"{digits[:12]}... ({len(digits)} digits)"
-        raise ValueError(f"action {_quoted(text)} has {what} {shown}, expected at most {MAX_ACTION_INDEX}")
+        raise ValueError(f"action {short_repr(text, 40)} has {what} {shown}, expected at most {MAX_ACTION_INDEX}")
     return int(digits)
-
-
-def _quoted(text: str, limit: int = 40) -> str:
-    """``text`` as an error message quotes it: on one line, cut to ``limit`` characters."""
-    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def parse_action(text: str) -> Action:
@@ -152,7 +149,7 @@ def parse_action(text: str) -> Action:
     match = _STAGE_ACTION_RE.match(text.strip())
     if match is not None:
         return Action(_action_index(text, "stage", match.group(1)), ActionKind(match.group(2)), -1)
-    raise ValueError(f"action {_quoted(text)} is not of the form <stage><F|I|W|B|SEND_F|RECV_F|SEND_B|RECV_B>"
+    raise ValueError(f"action {short_repr(text, 40)} is not of the form <stage><F|I|W|B|SEND_F|RECV_F|SEND_B|RECV_B>"
                      f"<microbatch> or <stage><UNSHARD|RESHARD|REDUCE_GRAD>")
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipescope.simulator.models import PRECISIONS
+from pipescope.simulator.units import short_repr
 
 # Bump on any change a reader of the previous version would misread; readers refuse other versions.
 SCHEMA_VERSION = 1
@@ -157,16 +158,7 @@ def check_version(meta: dict, where: str) -> None:
         hint = "written by a newer pipescope; upgrade pipescope"
     else:
         hint = "re-run `pipescope calibrate`"
-    raise ProfileError(f"{where}: schema_version={short(version)}; expected {SCHEMA_VERSION} ({hint})")
-
-
-def short(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut short so one huge value cannot flood the error line."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int too long for repr (over 4300 digits)
-        text = f"<{type(value).__name__} too long to show>"
-    return text if len(text) <= limit else text[:limit] + "..."
+    raise ProfileError(f"{where}: schema_version={short_repr(version)}; expected {SCHEMA_VERSION} ({hint})")
 
 
 def is_count(value: Any) -> bool:
@@ -180,28 +172,28 @@ def check_metadata(meta: dict, where: str) -> None:
     MAX_NUMBER, ``seqs`` and ``microbatch_sizes`` non-empty lists of them, ``precision`` one of PRECISIONS."""
     tables = meta.get("tables")
     if not isinstance(tables, dict):
-        raise ProfileError(f"{where}: tables={short(tables)}; expected a mapping of table names to file names")
+        raise ProfileError(f"{where}: tables={short_repr(tables)}; expected a mapping of table names to file names")
     for table, name in tables.items():
         if not (isinstance(name, str) and name == Path(name).name and name not in ("", ".", "..")
                 and "\\" not in name and name.endswith(TABLE_SUFFIXES)):
-            raise ProfileError(f"{where}: tables.{table}={short(name)}; expected a file name in the profile folder "
-                               "ending in .parquet or .csv")
+            raise ProfileError(f"{where}: tables.{table}={short_repr(name)}; expected a file name in the profile "
+                               "folder ending in .parquet or .csv")
     model = meta.get("model", {})
     if not isinstance(model, dict):
-        raise ProfileError(f"{where}: model={short(model)}; expected a mapping (name, layers, hidden, ...)")
+        raise ProfileError(f"{where}: model={short_repr(model)}; expected a mapping (name, layers, hidden, ...)")
     for key in META_INTEGERS:
         section, _, field = key.rpartition(".")
         owner = model if section == "model" else meta
         if field in owner and not is_count(owner[field]):
-            raise ProfileError(f"{where}: {key}={short(owner[field])}; expected an integer from 1 to {MAX_NUMBER}")
+            raise ProfileError(f"{where}: {key}={short_repr(owner[field])}; expected an integer from 1 to {MAX_NUMBER}")
     for key in META_INTEGER_LISTS:
         values = meta.get(key, [1])
         if not isinstance(values, list) or not values or not all(is_count(v) for v in values):
-            raise ProfileError(f"{where}: {key}={short(values)}; expected a non-empty list of integers from 1 to "
+            raise ProfileError(f"{where}: {key}={short_repr(values)}; expected a non-empty list of integers from 1 to "
                                f"{MAX_NUMBER}")
     precision = meta.get("precision", "fp32")
     if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ProfileError(f"{where}: precision={short(precision)}; expected one of {', '.join(PRECISIONS)}")
+        raise ProfileError(f"{where}: precision={short_repr(precision)}; expected one of {', '.join(PRECISIONS)}")
 
 
 def check_columns(columns: Iterable[str], table: str, where: str) -> None:

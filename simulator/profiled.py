@@ -33,6 +33,7 @@ from pipescope.simulator.costs import (
 )
 from pipescope.simulator.network import Link
 from pipescope.simulator.profile_schema import ProfileError
+from pipescope.simulator.units import short_repr
 
 # The p2p fit must time a transfer of this size (and of every size it measured, and of the stage boundary)
 # within MAX_OP_SECONDS: a slower "link" is a corrupt fit, not a network.
@@ -115,7 +116,7 @@ def check_table(frame: pd.DataFrame, table: str, where: str) -> pd.DataFrame:
         bad = np.flatnonzero(~ok)
         if bad.size:
             row = int(bad[0])
-            raise ProfileError(f"{where}: column {column!r} row {row + 1}: {schema.short(values[row])}; "
+            raise ProfileError(f"{where}: column {column!r} row {row + 1}: {short_repr(values[row])}; "
                                f"expected {expected}")
     return pd.DataFrame(checked)
 
@@ -216,7 +217,7 @@ class ProfiledCosts(PerStageCache):
         """
         for key, value in (("model.microbatch_size", microbatch_size), ("model.seq", seq), ("model.layers", layers)):
             if value is not None and not schema.is_count(value):
-                raise ValueError(f"{key}: {schema.short(value)}, expected a positive integer "
+                raise ValueError(f"{key}: {short_repr(value)}, expected a positive integer "
                                  f"(at most {schema.MAX_NUMBER})")
         meta = schema.read_metadata(profile_dir)
         model = meta.get("model", {})

@@ -25,10 +25,14 @@ BANDWIDTH_UNITS = {"": 1.0, "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "
                    "Gbps": 1e9 / 8, "GiB/s": 2.0**30}
 
 
-def short_repr(value: object) -> str:
-    """``repr(value)`` cut to a readable length, for error messages (a hostile value may be megabytes long)."""
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:40]}... ({len(text):,} characters)"
+def short_repr(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages: a hostile value may be megabytes long (the one
+    helper for this; csv, profile and calibration messages use it too)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int over Python's 4,300-digit conversion limit
+        text = f"<{type(value).__name__} too long to show>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _number_and_unit(value: object, what: str, example: str, pattern: re.Pattern, number: type) -> tuple:
