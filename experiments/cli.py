@@ -232,6 +232,9 @@ def build_parser() -> Parser:
     p.add_argument("--quick", action="store_true", help="only the small case (p=8, m=64)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench)
+    from pipescope.experiments import collective_cmd, topology_cmd
+    topology_cmd.register(sub)
+    collective_cmd.register(sub)
     _register_calibration(sub)
     return parser
 

@@ -23,7 +23,9 @@ from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.safe_yaml import YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig
 from pipescope.simulator.units import parse_size, parse_time, short_repr
-from pipescope.topologies.cluster import PLACEMENTS, ClusterConfig
+from pipescope.simulator.faults import FaultsConfig
+from pipescope.topologies.cluster import COLLECTIVE_ALGORITHMS, ClusterConfig
+from pipescope.topologies.graphs import FABRICS, MAX_NODES, MAX_OVERSUBSCRIPTION
 
 
 class ConfigError(ValueError):
@@ -51,7 +53,9 @@ class Config:
     model: ModelConfig = ModelConfig()
     cluster: ClusterConfig = ClusterConfig()
     costs: CostsConfig = AnalyticCostsConfig()
+    faults: FaultsConfig = FaultsConfig()
     iterations: int | None = None
+    seed: int = 0
 
 
 # Inclusive (low, high) of every integer key; docs/cli.md "Limits". The highs keep every product the simulator
@@ -61,15 +65,19 @@ RANGES: dict[str, tuple[int, int]] = {
     "iterations": (1, 1_000),
     "model.layers": (1, 100_000), "model.hidden": (1, 1 << 20), "model.heads": (1, 1 << 20),
     "model.seq": (1, 1 << 24), "model.vocab": (1, 1 << 24), "model.microbatch_size": (1, 1 << 20),
-    "cluster.nodes": (1, 100_000), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1, 1 << 50),
+    "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1, 1 << 50),
+    "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1),
 }
 TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p"}
 CHOICES = {
     "schedule.vocab": ("naive",),
     "model.precision": tuple(PRECISIONS),
     "model.preset": tuple(PRESETS),
-    "cluster.placement": PLACEMENTS,
+    "cluster.fabric": FABRICS,
+    "cluster.collective": COLLECTIVE_ALGORITHMS,
 }
+# Inclusive (low, high) of every float key that is not a time.
+FLOAT_RANGES = {"cluster.oversubscription": (1.0, MAX_OVERSUBSCRIPTION), "faults.jitter": (0.0, 1.0)}
 
 
 def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
@@ -169,6 +177,9 @@ def _check_value(key: str, value: Any) -> None:
         raise ConfigError(f"{key}: got {short_repr(value)}, expected an integer from {low:,} to {high:,}")
     if key in CHOICES and value not in CHOICES[key]:
         raise ConfigError(f"{key}: got {short_repr(value)}, expected one of {', '.join(CHOICES[key])}")
+    if key in FLOAT_RANGES and not FLOAT_RANGES[key][0] <= value <= FLOAT_RANGES[key][1]:
+        low, high = FLOAT_RANGES[key]
+        raise ConfigError(f"{key}: got {short_repr(value)}, expected a number from {low:g} to {high:g}")
     if key == "costs.efficiency" and not 0 < value <= 1:
         raise ConfigError(f"{key}: got {short_repr(value)}, expected a number in (0, 1]")
     if key in TIME_KEYS and not (value == 0 or 1e-9 <= value <= MAX_OP_SECONDS):

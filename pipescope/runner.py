@@ -16,6 +16,8 @@ from pipescope.simulator.costs import (
 )
 from pipescope.simulator.ir import Schedule
 from pipescope.simulator.models import PRESETS, ModelSpec, layer_work, output_layer_flops
+from pipescope.simulator.faults import ComputeFaults
+from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
 from pipescope.simulator.profiled import ProfiledCosts, ProfiledCostsConfig
 from pipescope.simulator.result import SimResult
@@ -53,15 +55,29 @@ def run(config: Config) -> SimResult:
         _check_layers(config.model.layers or model.layers, schedule.num_stages)
     capacity = config.cluster.memory
     if capacity is None and not isinstance(config.costs, UniformCostsConfig):
-        capacity = cluster.device_spec.memory_bytes
+        capacity = cluster.memory_bytes
     try:
-        return simulate(schedule, costs, _network(config, cluster, costs),
-                        samples_per_microbatch=config.model.microbatch_size,
-                        data_parallel=config.cluster.data_parallel, memory_capacity_bytes=capacity,
+        network, faults = _network(config, cluster, costs), _compute_faults(config, cluster)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        return simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,
+                        data_parallel=config.cluster.data_parallel, grad_sync=config.cluster.grad_sync(),
+                        faults=faults, memory_capacity_bytes=capacity,
                         model_flops_per_iteration=model_flops(model, config, schedule) if analytic else None,
                         peak_flops_per_device=_peak(config, cluster) if analytic else None, config=config)
     except CostError as err:
         raise ConfigError(f"costs: {err}") from None
+    except NetworkError as err:
+        raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
+
+
+def _compute_faults(config: Config, cluster: Cluster) -> ComputeFaults | None:
+    """Stragglers (by GPU rank, as placed) and jitter, or None on a healthy cluster."""
+    slowdown = cluster.slowdown(config.faults)
+    if not slowdown and not config.faults.jitter:
+        return None
+    return ComputeFaults(slowdown, config.faults.jitter, config.seed)
 
 
 def _with_precision(config: Config) -> Config:
@@ -162,16 +178,17 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None) -> CostMod
 
 
 def _network(config: Config, cluster: Cluster, costs: CostModel) -> Network:
-    """Uniform costs: a fixed p2p delay; a profile with a comms fit: the fit's p2p link for every pair (it was
-    measured between two ranks); otherwise the cluster's routed links."""
+    """Uniform costs: a fixed p2p delay (the plain timing model); a profile with a comms fit: the fit's p2p link
+    between every pair (it was measured between two ranks of the machine); otherwise routed, fair-shared flows on
+    the cluster's graph."""
     if isinstance(config.costs, UniformCostsConfig):
         return FifoLinks.fixed_delay(seconds_to_ns(config.costs.p2p))
-    if isinstance(costs, ProfiledCosts) and costs.comms_fit is not None:
+    if isinstance(costs, ProfiledCosts) and costs.p2p_link(1) is not None:
         def timing(src: int, dst: int, nbytes: int) -> tuple[int, int]:
-            link: Link = costs.p2p_link(nbytes) or cluster.link(src, dst)
+            link: Link = costs.p2p_link(nbytes)
             return link_transfer_ns(nbytes, link), link_occupancy_ns(nbytes, link)
         return FifoLinks(timing)
-    return cluster.network()
+    return cluster.network(config.seed, config.cluster.collective, config.faults)
 
 
 def model_flops(model: ModelSpec, config: Config, schedule: Schedule) -> float:
@@ -220,13 +237,14 @@ def _precheck(config: Config) -> Cluster | None:
                           f"iteration they hold; expected no iterations key")
     if s.name.startswith("csv:"):
         return None
-    _check_size(s.p * _chunks(config) * s.m * _iterations(config))
+    _check_size(s.p * _chunks(config) * s.m * _iterations(config) * config.cluster.data_parallel)
     return _cluster(config, s.p)
 
 
 def _check_size(size: int) -> None:
     if size > MAX_MICROBATCH_STAGES:
-        raise ConfigError(f"schedule: stages x chunks x microbatches x iterations = {size:,} microbatch-stages, "
+        raise ConfigError(f"schedule: stages x chunks x microbatches x iterations x data_parallel = {size:,} "
+                          f"microbatch-stages, "
                           f"expected at most {MAX_MICROBATCH_STAGES:,} (about 15 s of simulation)")
 
 

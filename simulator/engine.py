@@ -12,7 +12,7 @@ whose callback fires it, not a generator resume.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -83,6 +83,10 @@ class Engine:
         event.callbacks.append(self._flow_ended)
         self.pending[self.n + flow] = event
 
+    def call_at(self, time: int, callback: Callable[[], None]) -> None:
+        """The network's own wake-up at ``time``."""
+        self.env.timeout(time - self.env.now).callbacks.append(lambda _: callback())
+
     def _flow_ended(self, event: simpy.Event) -> None:
         flow = event.value
         if self.pending[self.n + flow] is event:  # else re-planned: a newer event stands for this flow
@@ -112,13 +116,16 @@ class Engine:
         env, p, fired, times, pending, waiter = self.env, self.p, self.fired, self.times, self.pending, self.waiter
         role, waits, duration, launches, flow_of = p.role, p.waits, p.duration, p.launches, p.flow_of
         start_transfer = self.network.start_transfer
-        compute = Role.COMPUTE
+        compute, joins = Role.COMPUTE, p.joins
         for i in steps:
             if role[i] is compute:
                 for signal in waits[i]:
                     while not fired[signal]:
                         yield self._event_for(signal)
                 times.entry_start[i] = env.now
+                if i in joins:
+                    for flow, offset in joins[i]:
+                        self.call_at(env.now + offset, lambda f=flow: self.join(f))
                 pending[i] = timeout = env.timeout(duration[i])
                 yield timeout
                 fired[i], pending[i] = True, None  # _fire, inlined: this runs once per op
@@ -131,13 +138,17 @@ class Engine:
             for f in launches[i]:  # the SENDs after it: torch's isend, the stream goes on
                 times.flow_start[f] = start_transfer(self, now, f)
 
-    def _collective(self, flow: int):
-        """Join; the last member to arrive starts it; every member waits for its end."""
+    def join(self, flow: int) -> None:
+        """A member joins collective ``flow``; the last one to join starts it."""
         self.joined[flow] += 1
         collective = self.p.flow_collective[flow]
         if self.joined[flow] == len(collective.group):
             self.times.flow_start[flow] = self.network.start_collective(self, self.env.now, flow, collective.kind,
                                                                         collective.group)
+
+    def _collective(self, flow: int):
+        """Join; every member waits for its end."""
+        self.join(flow)
         signal = self.n + flow
         while not self.fired[signal]:
             yield self._event_for(signal)

@@ -95,7 +95,7 @@ class Collective(NamedTuple):
 
     The same value sits in the list of every device of ``group``; the engine starts it when the last member reaches
     it and each member resumes when the network says it ended. ``stage``/``microbatch`` say what it belongs to
-    (-1 when nothing).
+    (-1 when nothing); ``bucket`` numbers the gradient buckets of one stage and iteration.
     """
 
     stage: int
@@ -103,10 +103,12 @@ class Collective(NamedTuple):
     microbatch: int
     group: tuple[int, ...]
     nbytes: int
+    bucket: int = 0
 
     def __str__(self) -> str:
-        members = "+".join(map(str, self.group))
-        return f"{self.stage}{self.kind}{self.microbatch}[{members}:{self.nbytes}B]"
+        members = "+".join(map(str, self.group)) if len(self.group) <= 8 else f"{self.group[0]}+...({len(self.group)})"
+        bucket = f".b{self.bucket}" if self.bucket else ""
+        return f"{self.stage}{self.kind}{self.microbatch}{bucket}[{members}:{self.nbytes}B]"
 
 
 ProgramAction = Action | Collective

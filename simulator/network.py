@@ -2,9 +2,10 @@
 
 The cost model answers only how long compute takes; how long data takes to move is the network's question. A
 ``Network`` is handed a ``Clock`` (the engine, or the test oracle) and calls ``clock.finish_at(flow, time)`` once it
-knows when a flow ends; it may call it again for the same flow with a new time (a fair-share model re-plans every
-flow when another starts or ends), and the clock keeps only the latest. ``FifoLinks`` is the first implementation:
-one FIFO link per directed device pair. Routes over a cluster graph come from ``pipescope.topologies``.
+knows when a flow ends; it may call it again for the same flow with a new time, and the clock keeps only the latest;
+``clock.call_at(time, callback)`` wakes the network for its own events. ``FifoLinks`` is one FIFO link per directed
+device pair (the plain timing model's fixed delay, and a comms profile's fitted p2p link); ``simulator.routed``'s
+``RoutedNetwork`` routes fair-shared flows over the graph of a cluster (docs/network.md).
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class Clock(Protocol):
 
     def finish_at(self, flow: int, time: int) -> None:
         """Flow ``flow`` ends at ``time`` (>= now); a later call for the same flow replaces the earlier one."""
+        ...
+
+    def call_at(self, time: int, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` at ``time`` (>= now), after what is already due then: a network's own events
+        (a flow drained, a collective's next phase)."""
         ...
 
 

@@ -8,6 +8,7 @@ Test and benchmark code: the simulator itself never calls it.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 from pipescope.simulator.engine import RunTimes
 from pipescope.simulator.ir import Role, ScheduleError
@@ -22,10 +23,18 @@ class Oracle:
         self.p, self.network = program, network
         self.heap: list[tuple[int, int]] = []  # (time, signal): op ends are signals < n, flow ends n + flow
         self.due = [-1] * program.num_flows  # a flow's latest planned end: earlier heap entries are stale
+        # The network's wake-ups, as signals past every entry and flow: after what is due at the same time, in order.
+        self.callbacks: dict[int, Callable[[], None]] = {}
+        self.next_callback = program.num_entries + program.num_flows
 
     def finish_at(self, flow: int, time: int) -> None:
         self.due[flow] = time
         heapq.heappush(self.heap, (time, self.p.num_entries + flow))
+
+    def call_at(self, time: int, callback: Callable[[], None]) -> None:
+        self.callbacks[self.next_callback] = callback
+        heapq.heappush(self.heap, (time, self.next_callback))
+        self.next_callback += 1
 
     def run(self) -> RunTimes:
         p, network, heap, due = self.p, self.network, self.heap, self.due
@@ -35,6 +44,7 @@ class Oracle:
         cursor, busy, waiting = [0] * len(steps), [False] * len(steps), {}
         collective, launches, flow_of, start_transfer = Role.COLLECTIVE, p.launches, p.flow_of, network.start_transfer
         entry_start, push = times.entry_start, heapq.heappush
+        first_callback = n + p.num_flows
         network.bind(p.flow_src, p.flow_dst, p.flow_bytes)
 
         def done(d: int, i: int, now: int) -> None:
@@ -44,6 +54,12 @@ class Oracle:
                 times.flow_start[f] = start_transfer(self, now, f)
             advance(d, now)
 
+        def join(f: int, now: int) -> None:
+            joined[f] += 1
+            c = p.flow_collective[f]
+            if joined[f] == len(c.group):
+                times.flow_start[f] = network.start_collective(self, now, f, c.kind, c.group)
+
         def advance(d: int, now: int) -> None:
             if busy[d] or cursor[d] >= len(steps[d]):
                 return
@@ -52,10 +68,7 @@ class Oracle:
                 f = flow_of[i]
                 if entry_start[i] < 0:
                     entry_start[i] = now
-                    joined[f] += 1
-                    c = p.flow_collective[f]
-                    if joined[f] == len(c.group):
-                        times.flow_start[f] = network.start_collective(self, now, f, c.kind, c.group)
+                    join(f, now)
                 if not fired[n + f]:
                     waiting.setdefault(n + f, []).append(d)
                     return
@@ -66,6 +79,8 @@ class Oracle:
                     waiting.setdefault(signal, []).append(d)
                     return
             entry_start[i] = now
+            for f, offset in p.joins.get(i, ()):
+                self.call_at(now + offset, lambda f=f, t=now + offset: join(f, t))
             busy[d] = True
             push(heap, (now + duration[i], i))
 
@@ -73,6 +88,9 @@ class Oracle:
             advance(d, 0)
         while heap:
             now, signal = heapq.heappop(heap)
+            if signal >= first_callback:
+                self.callbacks.pop(signal)()
+                continue
             if signal >= n:
                 if fired[signal] or due[signal - n] != now:
                     continue  # re-planned: a later entry stands for this flow

@@ -231,9 +231,7 @@ class ProfiledCosts(PerStageCache):
             costs.warnings.append(f"costs.profile: measured in {costs.precision}, the model asks for {precision}; "
                                   f"using the measured {costs.precision} costs")
         if (Path(profile_dir) / schema.COMMS_META).is_file():
-            comms_meta = schema.read_metadata(profile_dir, schema.COMMS_META)
-            path = schema.table_path(profile_dir, comms_meta, "comms_fit")
-            costs.comms_fit, costs.files["comms_fit"] = _read_checked(path, "comms_fit"), str(path)
+            costs.comms_fit, costs.files["comms_fit"] = load_comms_fit(profile_dir)
         costs.check()
         return costs
 
@@ -405,6 +403,17 @@ class ProfiledCosts(PerStageCache):
             return None
         below = p2p[p2p["lo_bytes"] <= nbytes]
         return below.iloc[-1] if not below.empty else p2p.iloc[0]
+
+
+def load_comms_fit(profile_dir: str | os.PathLike) -> tuple[pd.DataFrame, str]:
+    """The checked ``comms_fit`` table of a ``pipescope calibrate-comms`` folder, and the file it came from.
+
+    Raises:
+        ProfileError: a missing or malformed comms.json or table.
+    """
+    comms_meta = schema.read_metadata(profile_dir, schema.COMMS_META)
+    path = schema.table_path(profile_dir, comms_meta, "comms_fit")
+    return _read_checked(path, "comms_fit"), str(path)
 
 
 def _read_checked(path: Path, table: str) -> pd.DataFrame:

@@ -64,6 +64,9 @@ class Program:
     flow_bytes: list[int] = field(default_factory=list)
     flow_producer: list[int] = field(default_factory=list)  # transfers: the compute entry whose output it carries
     flow_collective: list[Collective | None] = field(default_factory=list)
+    # Collectives that do not hold the stream (simulator.replicas' gradient all-reduces): per compute entry, the
+    # (flow, ns after the entry's start) at which each of its device's members joins one.
+    joins: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def num_entries(self) -> int:

@@ -14,7 +14,7 @@ import pandas as pd
 from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import Role, Schedule
 from pipescope.simulator.memory import DeviceMemory, ledger
-from pipescope.simulator.timeline import Timeline
+from pipescope.simulator.timeline import Timeline, uncovered_ns
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class DeviceStats:
     peak_memory_bytes: int
     peak_activations: float
     static_memory_bytes: int
+    exposed_comm_s: float = 0.0
+    exposed_allreduce_s: float = 0.0
 
 
 @dataclass
@@ -58,6 +60,9 @@ class SimResult:
     peak_flops_per_device: float | None = None
     warnings: list[str] = field(default_factory=list)
     config: Any = None
+    links: list[dict] = field(default_factory=list)  # per directed edge that carried bytes (RoutedNetwork)
+    network: dict = field(default_factory=dict)  # flows, rate updates, collective algorithms used
+    link_spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # busiest edges: busy spans (ns)
 
     @property
     def iteration_time_s(self) -> float:
@@ -79,6 +84,16 @@ class SimResult:
         achieved = self.model_flops_per_iteration / self.iteration_time_s
         return achieved / (self.peak_flops_per_device * self.schedule.num_devices)
 
+    @property
+    def data_parallel(self) -> int:
+        """Pipeline replicas the run simulated (their devices follow each other: replica r's device d is r*D + d)."""
+        return self.records.num_devices // self.schedule.num_devices
+
+    @property
+    def exposed_allreduce_s(self) -> float:
+        """The most gradient all-reduce time any device spends not hidden behind its compute."""
+        return max((d.exposed_allreduce_s for d in self.devices), default=0.0)
+
     def oom(self) -> list[dict]:
         """Devices whose peak exceeds the device memory: device, needed and available bytes."""
         cap = self.memory_capacity_bytes
@@ -99,6 +114,7 @@ class SimResult:
             "schedule": s.name,
             "stages": s.num_stages,
             "devices": s.num_devices,
+            "data_parallel": self.data_parallel,
             "chunks": s.chunks,
             "microbatches": s.num_microbatches,
             "iterations": s.iterations,
@@ -116,18 +132,24 @@ class SimResult:
             "sim_wall_s": self.sim_wall_s,
             "ops": int(self.records.mask(Role.COMPUTE).sum()),
             "transfers": int(self.records.mask(Role.SEND).sum()),
+            "exposed_allreduce_s": self.exposed_allreduce_s,
+            "network": self.network,
             "warnings": self.warnings,
             "per_device": [{
                 "device": d.device, "busy_s": d.busy_s, "span_s": d.span_s, "idle_fraction": d.idle_fraction,
                 "peak_memory_bytes": d.peak_memory_bytes, "peak_activations": d.peak_activations,
-                "static_memory_bytes": d.static_memory_bytes, "weight_versions": s.versions(d.device),
+                "static_memory_bytes": d.static_memory_bytes,
+                "weight_versions": s.versions(d.device % s.num_devices), "exposed_comm_s": d.exposed_comm_s,
+                "exposed_allreduce_s": d.exposed_allreduce_s,
             } for d in self.devices],
+            "links": self.links,
         }
 
 
 def _iteration_times(schedule: Schedule, microbatch: np.ndarray, start: np.ndarray, end: np.ndarray
                      ) -> tuple[int, int, int]:
-    """(iteration, fill/drain, makespan) in ns from the compute rows; one iteration: iteration = makespan."""
+    """(iteration, fill/drain, makespan) in ns from the compute and collective rows; one iteration: iteration =
+    makespan."""
     makespan = int(end.max() - start.min())
     if schedule.iterations <= 1:
         return makespan, 0, makespan
@@ -139,29 +161,36 @@ def _iteration_times(schedule: Schedule, microbatch: np.ndarray, start: np.ndarr
 
 def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], precision: str,
                  samples_per_iteration: int, **extra: Any) -> SimResult:
-    """Derive every statistic from the timeline's compute rows and the memory ledger.
+    """Derive every statistic from the timeline's compute and collective rows and the memory ledger.
 
     Args:
         schedule: what ran (compute-only or lowered).
-        records: the timeline of a replay or of a measured run.
+        records: the timeline of a replay or of a measured run; with data parallelism, of every replica (replica r's
+            device d is r*D + d; replicas run the same program, so the memory ledger of replica 0 stands for all).
         stage_costs: bytes each stage stashes and holds, for the memory ledger.
         precision: bytes per parameter and activation.
         samples_per_iteration: for throughput.
         **extra: further ``SimResult`` fields (memory capacity, MFU inputs, warnings, config, wall time).
     """
-    compute = records.mask(Role.COMPUTE)
+    compute, collective = records.mask(Role.COMPUTE), records.mask(Role.COLLECTIVE)
     device, start, end = records.device[compute], records.start[compute], records.end[compute]
-    p = schedule.num_devices
+    p, pipeline = records.num_devices, schedule.num_devices
     busy, first, last = np.zeros(p, dtype=np.int64), np.full(p, np.iinfo(np.int64).max), np.zeros(p, dtype=np.int64)
     np.add.at(busy, device, end - start)
     np.minimum.at(first, device, start)
     np.maximum.at(last, device, end)
     span = np.where(np.bincount(device, minlength=p) > 0, last - first, 0)
     max_span = int(span.max()) or 1
-    memory, static = ledger(schedule, records, stage_costs, precision)
-    devices = [DeviceStats(d, busy[d] / 1e9, span[d] / 1e9, 1.0 - busy[d] / max_span, memory[d].peak_bytes,
-                           memory[d].peak_activations, static[d]) for d in range(p)]
-    iteration, fill_drain, makespan = _iteration_times(schedule, records.microbatch[compute], start, end)
+    replica0 = records if p == pipeline else records.subset(records.device < pipeline, pipeline)
+    memory, static = ledger(schedule, replica0, stage_costs, precision)
+    comm = records.mask(Role.SEND) | records.mask(Role.RECV) | collective
+    exposed_comm, exposed_allreduce = uncovered_ns(records, comm, compute), uncovered_ns(records, collective, compute)
+    devices = [DeviceStats(d, busy[d] / 1e9, span[d] / 1e9, 1.0 - busy[d] / max_span, memory[d % pipeline].peak_bytes,
+                           memory[d % pipeline].peak_activations, static[d % pipeline], exposed_comm[d] / 1e9,
+                           exposed_allreduce[d] / 1e9) for d in range(p)]
+    timed = compute | collective
+    iteration, fill_drain, makespan = _iteration_times(schedule, records.microbatch[timed], records.start[timed],
+                                                       records.end[timed])
     bubble = 1.0 - int(busy.sum()) / (p * max_span)
     return SimResult(schedule, records, devices, memory, iteration, fill_drain, makespan, bubble,
                      samples_per_iteration, **extra)

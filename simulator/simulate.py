@@ -5,19 +5,26 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pipescope.simulator import replicas
 from pipescope.simulator.check import structure_problems
 from pipescope.simulator.costs import CostModel, StageCost, check_stage_costs
 from pipescope.simulator.engine import Engine, gc_paused
+from pipescope.simulator.faults import ComputeFaults
+from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
 from pipescope.simulator.lowering import lower
+from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.network import FifoLinks, Network
 from pipescope.simulator.program import Program, compile_program, op_durations
+from pipescope.simulator.replicas import GradSync
 from pipescope.simulator.result import SimResult, build_result
+from pipescope.simulator.routed import RoutedNetwork
 from pipescope.simulator.timeline import replay_timeline
 
 
 def simulate(schedule: Schedule, costs: CostModel, network: Network | None = None, *, samples_per_microbatch: int = 1,
-             data_parallel: int = 1, **extra: Any) -> SimResult:
+             data_parallel: int = 1, grad_sync: GradSync | None = None, faults: ComputeFaults | None = None,
+             **extra: Any) -> SimResult:
     """Check, lower, compile and replay ``schedule``.
 
     Args:
@@ -25,13 +32,18 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         costs: compute durations and bytes per stage.
         network: moves the data; None means free, instantaneous transfers (the plain timing model with zero p2p).
         samples_per_microbatch: the microbatch size, for throughput.
-        data_parallel: pipeline replicas, for throughput.
+        data_parallel: pipeline replicas w. With a network and gradients to move, all w replicas are simulated
+            (device r*D + d is replica r's device d) with their gradient all-reduces (``simulator.replicas``);
+            otherwise they only multiply the throughput.
+        grad_sync: bucket size and overlap of the gradient all-reduce (default: DDP's).
+        faults: stragglers and per-op jitter (``simulator.faults``).
         **extra: further ``SimResult`` fields: ``memory_capacity_bytes`` (to report OOM),
             ``model_flops_per_iteration`` and ``peak_flops_per_device`` (MFU), ``config`` (what it came from).
 
     Raises:
         ScheduleError: malformed or deadlocking schedule, naming the actions. Structure is checked first;
             deadlocks are found by the lowering or the engine itself, naming each stuck action.
+        NetworkError: a transfer or collective has no route (a failed link), naming it.
     """
     wall = time.perf_counter()
     with gc_paused():
@@ -39,10 +51,24 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         if problems:
             raise ScheduleError(problems)
         program, stage_costs = prepare(schedule, costs)
-        times = Engine(program, network or FifoLinks.fixed_delay(0)).run()
+        grads = [c.params * PRECISIONS[costs.precision].grad_bytes for c in stage_costs]
+        width = data_parallel if network is not None and any(grads) else 1
+        if width > 1:
+            program = replicas.data_parallel(program, schedule, width, grads, grad_sync or GradSync())
+        if faults is not None:
+            faults.apply(program)
+        network = network or FifoLinks.fixed_delay(0)
+        try:
+            times = Engine(program, network).run()
+        except NetworkError as err:
+            raise NetworkError(f"{err} for {program.actions[program.flow_of.index(err.flow)]}", err.flow) from None
         samples = schedule.num_microbatches * samples_per_microbatch * data_parallel
-        result = build_result(schedule, replay_timeline(program, times, schedule.num_devices), stage_costs,
-                              costs.precision, samples, warnings=costs.notes() + _run_notes(schedule), **extra)
+        records = replay_timeline(program, times, schedule.num_devices * width, schedule.num_devices)
+        result = build_result(schedule, records, stage_costs, costs.precision, samples,
+                              warnings=costs.notes() + _run_notes(schedule), **extra)
+    if isinstance(network, RoutedNetwork):
+        result.links, result.network = network.link_stats(result.makespan_ns), network.counters()
+        result.link_spans = network.busy_spans()
     result.sim_wall_s = time.perf_counter() - wall
     return result
 

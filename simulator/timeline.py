@@ -7,6 +7,7 @@ one row per member). ``SimResult`` is built from a timeline, so a real run's tim
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,7 @@ class Timeline:
     kind: np.ndarray
     stage: np.ndarray
     microbatch: np.ndarray
+    pipeline_devices: int = 0  # devices of one pipeline replica (0: all of them), for the chunk of a stage
 
     @classmethod
     def of(cls, actions: list[ProgramAction], device: np.ndarray, start: np.ndarray, end: np.ndarray,
@@ -47,6 +49,14 @@ class Timeline:
 
     def __len__(self) -> int:
         return len(self.actions)
+
+    def subset(self, rows: np.ndarray, num_devices: int) -> Timeline:
+        """The rows where ``rows`` (a boolean mask) is true, on ``num_devices`` devices."""
+        keep = np.flatnonzero(rows)
+        actions = [self.actions[i] for i in keep.tolist()]
+        return Timeline(actions, self.device[keep], self.start[keep], self.end[keep], self.peer[keep],
+                        self.nbytes[keep], num_devices, self.kind[keep], self.stage[keep], self.microbatch[keep],
+                        self.pipeline_devices)
 
     def mask(self, role: Role) -> np.ndarray:
         return ROLE_CODE[self.kind] == role
@@ -62,12 +72,28 @@ class Timeline:
             "action": [str(a) for a in self.actions],
             "kind": [KINDS[k].value for k in self.kind],
             "stage": self.stage,
-            "chunk": self.stage // max(1, self.num_devices),
+            "chunk": self.stage // max(1, self.pipeline_devices or self.num_devices),
             "microbatch": self.microbatch,
             "start_ns": self.start,
             "end_ns": self.end,
             "bytes": self.nbytes,
         }, columns=list(COLUMNS))
+
+
+def uncovered_ns(records: Timeline, rows: np.ndarray, cover: np.ndarray) -> np.ndarray:
+    """Per device, the ns during which one of its ``rows`` runs and none of its ``cover`` rows does (e.g. transfers
+    not hidden behind compute): a sweep over the sorted span edges of all devices at once."""
+    parts = []
+    for mask, weight in ((rows, 1), (cover, 1 << 32)):  # counts of both kinds in one int64
+        device, start, end = records.device[mask], records.start[mask], records.end[mask]
+        parts.append((np.concatenate([device, device]), np.concatenate([start, end]),
+                      np.concatenate([np.full(len(start), weight), np.full(len(end), -weight)])))
+    device, time, delta = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    order = np.lexsort((delta, time, device))  # ends before starts at one instant: touching spans do not overlap
+    device, time, level = device[order], time[order], np.cumsum(delta[order])
+    length = np.append(np.diff(time), 0)  # until the next edge; the last edge of a device closes its spans
+    counted = ((level & 0xFFFFFFFF) > 0) & ((level >> 32) == 0) & np.append(device[1:] == device[:-1], False)
+    return np.bincount(device[counted], length[counted], minlength=records.num_devices).astype(np.int64)
 
 
 def _stream(role: Role, peer: int) -> str:
@@ -94,7 +120,7 @@ def _checked_times(times: RunTimes) -> tuple[np.ndarray, ...]:
     return arrays
 
 
-def replay_timeline(program: Program, times: RunTimes, num_devices: int) -> Timeline:
+def replay_timeline(program: Program, times: RunTimes, num_devices: int, pipeline_devices: int = 0) -> Timeline:
     """The timeline of a replay: compute entries with their own times; SEND, RECV and collectives with their flow's."""
     cols = program.columns
     keep = np.flatnonzero(cols.role != Role.STAGE)
@@ -113,4 +139,5 @@ def replay_timeline(program: Program, times: RunTimes, num_devices: int) -> Time
     everything = len(keep) == program.num_entries
     actions = program.actions if everything else [program.actions[i] for i in keep.tolist()]
     kept = Columns(cols.stage[keep], cols.kind[keep], cols.microbatch[keep], cols.device[keep], role)
-    return Timeline.of(actions, kept.device, start, end, peer, nbytes, num_devices, kept)
+    timeline = Timeline.of(actions, kept.device, start, end, peer, nbytes, num_devices, kept)
+    return dataclasses.replace(timeline, pipeline_devices=pipeline_devices) if pipeline_devices else timeline

@@ -22,7 +22,7 @@ from pipescope.config import Config, ConfigError, load_config
 from pipescope.runner import run
 from pipescope.simulator.ir import ScheduleError
 from pipescope.simulator.safe_yaml import MAX_YAML_BYTES, YamlError, parse_yaml
-from pipescope.topologies.cluster import load_machine
+from pipescope.topologies.topology_io import load_topology
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SMALL = ["costs.kind=uniform", "schedule.stages=2", "schedule.microbatches=4"]
@@ -126,12 +126,13 @@ def test_any_machine_file_is_a_machine_or_a_one_line_error_naming_the_file(path,
     file = tmp_path_factory.mktemp("machine") / "m.yaml"
     file.write_text(yaml.safe_dump(machine))
     try:
-        loaded = load_machine(str(file))
+        loaded = load_topology(str(file))
     except ValueError as err:
         _one_line(err)
         assert str(file) in str(err)
         return
-    assert 1 <= loaded.gpus_per_node <= 256 and loaded.intra_bandwidth > 0 and loaded.inter_latency_ns >= 0
+    assert 1 <= loaded.graph["gpus_per_node"] <= 256
+    assert all(e["bandwidth"] > 0 and e["latency_ns"] >= 0 for _, _, e in loaded.edges(data=True))
 
 
 @pytest.mark.parametrize("text", [
@@ -181,7 +182,7 @@ def test_an_oversized_or_undecodable_config_file_is_refused_naming_it(tmp_path) 
      "costs: the run would last beyond"),
     (["--set", "model.seq=16777216", "--set", "model.hidden=16", "--set", "model.heads=1"],
      "costs: stage 0: activation_bytes would be"),
-    (["--set", "cluster.data_parallel=30000", "--set", "cluster.nodes=20000"], "= 120,000 GPUs, expected at most"),
+    (["--set", "cluster.data_parallel=30000", "--microbatches", "1"], "= 120,000 GPUs, expected at most"),
     (["--set", "model.hidden=" + "1" * 19], "model.hidden: got '1111111111111111111', expected a plain decimal"),
 ])
 def test_hostile_numbers_are_one_line_errors_at_once(args: list[str], expected: str, cli) -> None:

@@ -88,4 +88,5 @@ def test_make_demo_command(tmp_path) -> None:
     assert "1f1b: p=4 m=8" in proc.stdout and "iteration time" in proc.stdout and "bubble rate" in proc.stdout
     assert (out / "gantt.png").read_bytes()[:8] == PNG_MAGIC
     trace = json.loads(gzip.decompress((out / "trace.json.gz").read_bytes()))
-    assert sum(1 for e in trace["traceEvents"] if e["name"] == "process_name") == 4
+    processes = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
+    assert processes == ["device 0", "device 1", "device 2", "device 3", "network"]

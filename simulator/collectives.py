@@ -1,0 +1,168 @@
+"""Collectives as phases of flows on the graph, and the algorithm NCCL would pick (docs/network.md).
+
+A collective over a group of devices is a list of phases; a phase is a set of transfers that run at once and
+end together. Pipelined algorithms (NCCL's ring and tree move the buffer in chunks, every link busy at once) are
+modelled in bulk: each link of the ring or tree carries, as one flow, all the bytes it carries over the whole
+collective, and the phase ends ``steps - 1`` path latencies after its last flow arrived (the flow's own
+arrival counts the first), so a ring all-reduce on equal links takes 2(n-1)/n * S/B + 2(n-1) latencies, the
+textbook figure, and any flow that shares a link with others slows the whole collective down.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pipescope.simulator.flows import FlowFabric, NetworkError, max_min_rates
+from pipescope.simulator.ir import ActionKind
+from pipescope.simulator.network import Clock
+
+K = ActionKind
+ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Transfers (src device, dst device, bytes) that run together; ``steps`` latency-bound steps."""
+
+    transfers: tuple[tuple[int, int, int], ...]
+    steps: int
+
+
+def _ring_pairs(group: Sequence[int]) -> list[tuple[int, int]]:
+    return list(zip(group, list(group[1:]) + list(group[:1])))
+
+
+def ring(kind: ActionKind, group: Sequence[int], nbytes: int) -> list[Phase]:
+    """Ring all-reduce (reduce-scatter then all-gather: 2(n-1) steps of S/n), all-gather and reduce-scatter (n-1
+    steps of S/n); broadcast as a pipelined chain from ``group[0]`` (n-1 hops of the whole buffer)."""
+    n = len(group)
+    if n < 2:
+        return []
+    if kind is K.BROADCAST:
+        return [Phase(tuple((a, b, nbytes) for a, b in zip(group, group[1:])), n - 1)]
+    steps = 2 * (n - 1) if kind is K.ALL_REDUCE else n - 1
+    per_link = math.ceil(steps * nbytes / n)
+    return [Phase(tuple((a, b, per_link) for a, b in _ring_pairs(group)), steps)]
+
+
+def tree(kind: ActionKind, group: Sequence[int], nbytes: int) -> list[Phase]:
+    """NCCL's double binary tree all-reduce: two binary trees (the second over the group shifted by one, so a
+    rank interior in one is a leaf in the other) each reduce half the buffer up and broadcast it down, pipelined:
+    every tree edge carries its half both ways at once, over 2 x depth latency steps."""
+    n = len(group)
+    if n < 2:
+        return []
+    if kind is not K.ALL_REDUCE:
+        return ring(kind, group, nbytes)
+    half = math.ceil(nbytes / 2)
+    transfers = []
+    for order in (list(group), list(group[1:]) + list(group[:1])):
+        for child in range(1, n):
+            parent = (child - 1) // 2
+            transfers += [(order[child], order[parent], half), (order[parent], order[child], half)]
+    return [Phase(tuple(transfers), 2 * max(1, int(math.log2(n))))]
+
+
+def hierarchical(kind: ActionKind, group: Sequence[int], nbytes: int, server_of: Sequence[int]) -> list[Phase] | None:
+    """Intra-server reduce-scatter, an all-reduce of each 1/g slice across servers (g rings at once), intra-server
+    all-gather. None unless the group spans several servers with the same number (> 1) of members on each."""
+    servers: dict[int, list[int]] = {}
+    for d in group:
+        servers.setdefault(server_of[d], []).append(d)
+    local = list(servers.values())
+    g = len(local[0])
+    if kind is not K.ALL_REDUCE or len(local) < 2 or g < 2 or any(len(members) != g for members in local):
+        return None
+
+    def within(part: ActionKind) -> Phase:
+        phases = [ring(part, members, nbytes)[0] for members in local]
+        return Phase(tuple(t for ph in phases for t in ph.transfers), phases[0].steps)
+
+    across = [ring(K.ALL_REDUCE, [members[j] for members in local], math.ceil(nbytes / g))[0] for j in range(g)]
+    return [within(K.REDUCE_SCATTER), Phase(tuple(t for ph in across for t in ph.transfers), across[0].steps),
+            within(K.ALL_GATHER)]
+
+
+def plans(kind: ActionKind, group: Sequence[int], nbytes: int, server_of: Sequence[int]) -> dict[str, list[Phase]]:
+    """Every algorithm that applies to this collective, by name."""
+    found = {"ring": ring(kind, group, nbytes)}
+    if kind is K.ALL_REDUCE and len(group) > 2:
+        found["tree"] = tree(kind, group, nbytes)
+    layered = hierarchical(kind, group, nbytes, server_of)
+    if layered is not None:
+        found["hierarchical"] = layered
+    return found
+
+
+class Collectives:
+    """Runs collectives as flows on a ``FlowFabric`` with a chosen or forced algorithm.
+
+    ``auto`` prices every algorithm that applies on the idle network (fair-share rates of its own flows, plus its
+    latency steps) and takes the fastest: NCCL's tuner does the same with its latency/bandwidth model per
+    algorithm, so small buffers go to the tree (fewer latency steps) and large ones to the ring or the
+    hierarchical algorithm. A forced algorithm that does not apply (a tree for a broadcast, hierarchical inside
+    one server) falls back to the ring.
+    """
+
+    def __init__(self, fabric: FlowFabric, algorithm: str = "auto"):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"got {algorithm!r}, expected one of {', '.join(ALGORITHMS)}")
+        self.fabric, self.algorithm = fabric, algorithm
+        self.server_of = [fabric.graph.nodes[node].get("node", 0) for node in fabric.endpoints]
+        self._chosen: dict[tuple, tuple[str, list[Phase]]] = {}
+
+    def choose(self, kind: ActionKind, group: Sequence[int], nbytes: int) -> tuple[str, list[Phase]]:
+        """(algorithm name, phases) for this collective."""
+        key = (kind, tuple(group), nbytes)
+        known = self._chosen.get(key)
+        if known is None:
+            options = plans(kind, group, nbytes, self.server_of)
+            if self.algorithm != "auto":
+                name = self.algorithm if self.algorithm in options else "ring"
+            else:
+                name = min(options, key=lambda a: (self.estimate_ns(options[a]), a))
+            known = self._chosen[key] = (name, options[name])
+        return known
+
+    def estimate_ns(self, phases: list[Phase], key: int = 0) -> float:
+        """The phases' time on an otherwise idle network."""
+        total = 0.0
+        for phase in phases:
+            paths = [self._path(src, dst, key, i) for i, (src, dst, _) in enumerate(phase.transfers)]
+            rates = max_min_rates([p[0] for p in paths], self.fabric.capacity)
+            hop = max(p[1] for p in paths)
+            total += max(nb / rate + p[1] for (_, _, nb), rate, p in zip(phase.transfers, rates, paths))
+            total += (phase.steps - 1) * hop
+        return total
+
+    def _path(self, src: int, dst: int, key: int, index: int) -> tuple[tuple[int, ...], int]:
+        path = self.fabric.route(src, dst, key * 1_000_003 + index)
+        if path is None:
+            raise NetworkError(f"no route from device {src} ({self.fabric.endpoints[src]}) to device {dst} "
+                               f"({self.fabric.endpoints[dst]}) for a collective", key)
+        return path
+
+    def run(self, clock: Clock, now: int, key: int, phases: list[Phase], done: Callable[[int], None]) -> None:
+        """Start the phases one after another from ``now``; ``done(end)`` once the last one ends."""
+        if not phases:
+            done(now)
+            return
+        phase, rest = phases[0], phases[1:]
+        paths = [self._path(src, dst, key, i) for i, (src, dst, _) in enumerate(phase.transfers)]
+        extra = (phase.steps - 1) * max(p[1] for p in paths)
+        state = {"left": len(paths), "last": now}
+
+        def arrived(time: int) -> None:
+            state["left"] -= 1
+            state["last"] = max(state["last"], time)
+            if not state["left"]:
+                end = state["last"] + extra
+                if rest:
+                    clock.call_at(end, lambda: self.run(clock, end, key, rest, done))
+                else:
+                    done(end)
+
+        for path, (_, _, nb) in zip(paths, phase.transfers):
+            self.fabric.start(clock, now, path, nb, arrived)

@@ -1,0 +1,153 @@
+"""Data parallelism: w copies of a compiled pipeline program, each stage's replicas all-reducing its gradients.
+
+Replica r's device d is device ``r * D + d``; its entries and transfers are the base program's, shifted. Every stage
+all-reduces its gradients among its w replicas once per iteration, in DDP-like buckets: with ``overlap`` (DDP's
+default) bucket j of K is ready (j+1)/K of the way through the stage's last weight-gradient op of the iteration (W,
+or a fused B: the backward fills buckets from the output layer back) and starts as soon as every replica has it;
+without, every bucket starts after the device's last op of the iteration. A collective does not hold its
+members' compute streams (it runs on the communication stream, as DDP's does); the iteration ends when its
+collectives end (the optimizer step waits for them), and for schedules that span iterations (PipeDream, 2BW) a
+stage's first forward of iteration k+2 waits for iteration k's all-reduce: 2BW's update W(t+1) = W(t) - lr *
+grad f(W(t-1)) is applied one iteration late, so that is when the new weights are first needed.
+docs/network.md has the rules and what they leave out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipescope.simulator.ir import ActionKind, Collective, Role, Schedule
+from pipescope.simulator.program import KIND_CODE, Columns, Program
+
+K = ActionKind
+DDP_BUCKET_BYTES = 25 << 20  # torch DDP's bucket_cap_mb default
+LAG_WITHOUT_FLUSH = 2  # iterations between a gradient all-reduce and the first forward that needs its update
+
+
+@dataclass(frozen=True)
+class GradSync:
+    """How replicas synchronise gradients: bucket size in bytes, overlapped with the backward or all at the end."""
+
+    bucket_bytes: int = DDP_BUCKET_BYTES
+    overlap: bool = True
+
+
+@dataclass
+class _Sync:
+    """One bucket's all-reduce: the base entry whose start launches it, when after that start, and its bytes."""
+
+    trigger: int
+    offset: int
+    collective: Collective
+    blocks: list[int] = field(default_factory=list)  # base entries (later forwards) that wait for its end
+
+
+def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: list[int], sync: GradSync) -> Program:
+    """The program of ``width`` replicas of ``base`` with bucketed gradient all-reduces (see the module doc).
+
+    Args:
+        base: one pipeline's compiled program, without collectives.
+        schedule: what ``base`` was compiled from (stage map, microbatches per iteration, weight-update rule).
+        width: data-parallel replicas w >= 1.
+        grad_bytes: per stage, the bytes of its gradients.
+        sync: bucket size and overlap.
+    """
+    syncs = _syncs(base, schedule, width, grad_bytes, sync)
+    return _replicate(base, width, syncs)
+
+
+def _syncs(base: Program, schedule: Schedule, width: int, grad_bytes: list[int], sync: GradSync) -> list[_Sync]:
+    """Every bucket all-reduce of every stage and iteration, in a fixed order."""
+    if width < 2:
+        return []
+    cols, m, devices = base.columns, schedule.num_microbatches, schedule.num_devices
+    iteration = cols.microbatch // m
+    compute = cols.role == Role.COMPUTE
+    grads = compute & np.isin(cols.kind, [KIND_CODE[K.W], KIND_CODE[K.B]])
+    forwards = compute & (cols.kind == KIND_CODE[K.F])
+    lag = LAG_WITHOUT_FLUSH if schedule.iterations > 1 else schedule.iterations
+    found = []
+    for stage, nbytes in enumerate(grad_bytes):
+        if nbytes <= 0:
+            continue
+        home = schedule.stage_to_device[stage]
+        group = tuple(r * devices + home for r in range(width))
+        buckets = _split(nbytes, sync.bucket_bytes)
+        for k in range(schedule.iterations):
+            if sync.overlap:
+                trigger = int(np.flatnonzero(grads & (cols.stage == stage) & (iteration == k)).max())
+                offsets = [base.duration[trigger] * (j + 1) // len(buckets) for j in range(len(buckets))]
+            else:
+                trigger = int(np.flatnonzero(compute & (cols.device == home) & (iteration == k)).max())
+                offsets = [base.duration[trigger]] * len(buckets)
+            later = np.flatnonzero(forwards & (cols.stage == stage) & (iteration == k + lag))
+            blocks = [int(later.min())] if len(later) else []
+            last_microbatch = (k + 1) * m - 1
+            for j, (size, offset) in enumerate(zip(buckets, offsets)):
+                collective = Collective(stage, K.ALL_REDUCE, last_microbatch, group, size, j)
+                found.append(_Sync(trigger, offset, collective, blocks))
+    return found
+
+
+def _split(nbytes: int, bucket: int) -> list[int]:
+    """``nbytes`` in buckets of at most ``bucket`` bytes (the last one smaller)."""
+    count = max(1, math.ceil(nbytes / bucket))
+    return [bucket] * (count - 1) + [nbytes - bucket * (count - 1)]
+
+
+def _replicate(base: Program, width: int, syncs: list[_Sync]) -> Program:
+    """Entries: each replica's copy of the base entries, then each replica's member entries of the syncs. Flows:
+    each replica's transfers, then one flow per sync shared by its replicas."""
+    if base.flow_collective and any(c is not None for c in base.flow_collective):
+        raise ValueError("data_parallel expects a pipeline program without collectives")
+    n, flows, devices = base.num_entries, base.num_flows, len(base.device_steps)
+    members = len(syncs)
+    total = width * (n + members)
+    first_sync_flow = width * flows
+
+    def signal(s: int, r: int) -> int:  # a base signal in replica r
+        return s + r * n if s < n else total + r * flows + (s - n)
+
+    out = Program(actions=[], device=[], role=[], device_steps=[], launches=[], duration=[], waits=[], flow_of=[],
+                  columns=base.columns)
+    blocked: dict[int, list[int]] = {}
+    for c, s in enumerate(syncs):
+        for entry in s.blocks:
+            blocked.setdefault(entry, []).append(total + first_sync_flow + c)
+    for r in range(width):
+        out.actions += base.actions
+        out.device += [d + r * devices for d in base.device]
+        out.role += base.role
+        out.launches += [tuple(f + r * flows for f in fs) for fs in base.launches]
+        out.duration += base.duration
+        out.waits += [[signal(s, r) for s in w] + blocked.get(i, []) for i, w in enumerate(base.waits)]
+        out.flow_of += [f + r * flows if f >= 0 else -1 for f in base.flow_of]
+        out.device_steps += [[i + r * n for i in steps] for steps in base.device_steps]
+    for r in range(width):
+        out.actions += [s.collective for s in syncs]
+        out.device += [base.device[s.trigger] + r * devices for s in syncs]
+        out.role += [Role.COLLECTIVE] * members
+        out.launches += [()] * members
+        out.duration += [0] * members
+        out.waits += [[] for _ in syncs]
+        out.flow_of += [first_sync_flow + c for c in range(members)]
+    out.joins = {}
+    for c, s in enumerate(syncs):
+        for r in range(width):
+            out.joins.setdefault(s.trigger + r * n, []).append((first_sync_flow + c, s.offset))
+    for r in range(width):
+        out.flow_src += [d + r * devices for d in base.flow_src]
+        out.flow_dst += [d + r * devices for d in base.flow_dst]
+        out.flow_bytes += base.flow_bytes
+        out.flow_producer += [i + r * n for i in base.flow_producer]
+        out.flow_collective += [None] * flows
+    out.flow_src += [-1] * members
+    out.flow_dst += [-1] * members
+    out.flow_bytes += [s.collective.nbytes for s in syncs]
+    out.flow_producer += [-1] * members
+    out.flow_collective += [s.collective for s in syncs]
+    out.columns = Columns.of(out.actions, np.asarray(out.device, dtype=np.int64))
+    return out
