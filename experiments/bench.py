@@ -1,4 +1,5 @@
-"""``pipescope bench``: the engine's speed against the heapq floor (``simulator.oracle``).
+"""``pipescope bench``: the engine's speed against the heapq floor (``simulator.oracle``), and with ``--network`` a
+whole run over routed flows at 64, 256 and 1,024 GPUs.
 
 Both replay the same compiled program (durations, inputs, FIFO transfers) over the same network, so the ratio
 measures the price of SimPy processes and events alone. The oracle also cross-checks the engine: every action must
@@ -67,10 +68,33 @@ def bench_case(p: int, m: int, repeat: int) -> dict:
             "ratio_engine_to_floor": times["engine_run_s"] / times["floor_s"]}
 
 
-def run_bench(repeat: int = 5, quick: bool = False, as_json: bool = False) -> int:
+# (label, topology, nodes, fabric, p, w, m): issue 10's cases, 64 -> 256 -> 1024 GPUs, bucketed all-reduce.
+NETWORK_CASES = (("64 GPUs", "dgx-h100", 8, "rail", 8, 8, 32), ("256 GPUs", "dgx-h100", 32, "fat-tree", 16, 16, 64),
+                 ("1024 GPUs", "dgx-h100", 128, "fat-tree", 16, 64, 64))
+
+
+def bench_network(label: str, topology: str, nodes: int, fabric: str, p: int, w: int, m: int, repeat: int) -> dict:
+    """A whole ``pipescope.run`` of 1F1B over routed flows with w replicas (topology build included): wall time,
+    flows and fair-share rate updates."""
+    from pipescope import load_config, run
+
+    config = load_config(None, [f"cluster.topology={topology}", f"cluster.nodes={nodes}", f"cluster.fabric={fabric}",
+                                f"cluster.data_parallel={w}", f"schedule.stages={p}", f"schedule.microbatches={m}",
+                                "model.microbatch_size=1"])
+    results = []
+    wall = _median_time(lambda: results.append(run(config)), repeat)
+    result = results[-1]
+    counters = result.network
+    return {"case": label, "gpus": p * w, "p": p, "w": w, "m": m, "wall_s": wall, "flows": counters["flows"],
+            "rate_updates": counters["rate_updates"], "rate_updates_per_s": counters["rate_updates"] / wall,
+            "iteration_time_s": result.iteration_time_s, "exposed_allreduce_s": result.exposed_allreduce_s}
+
+
+def run_bench(repeat: int = 5, quick: bool = False, as_json: bool = False, with_network: bool = False) -> int:
     rows = [bench_case(p, m, repeat) for p, m in (CASES[:1] if quick else CASES)]
+    network = [bench_network(*case, repeat=min(repeat, 3)) for case in NETWORK_CASES] if with_network else []
     if as_json:
-        print(json.dumps(rows))
+        print(json.dumps(rows + network))
         return 0
     print(f"{'case':>14} {'ops':>7} {'xfers':>7} {'engine run':>11} {'floor':>8} {'ratio':>6} "
           f"{'ops/s':>9} {'check':>7} {'compile':>8} {'result':>7} {'simulate':>9}")
@@ -83,4 +107,11 @@ def run_bench(repeat: int = 5, quick: bool = False, as_json: bool = False) -> in
     print(f"medians of {repeat} runs; 'simulate' is the whole simulate() call (structure check, lowering, compile, "
           f"engine, result); 'compile' includes lowering; 'check' is the structure check plus the engine's "
           f"unit-time replay, as `pipescope check` runs it")
+    if network:
+        print(f"\n{'network case':>12} {'GPUs':>5} {'wall':>8} {'flows':>8} {'rate updates':>13} {'updates/s':>10}")
+        for r in network:
+            print(f"{r['case']:>12} {r['gpus']:>5} {r['wall_s']:>7.2f}s {r['flows']:>8} {r['rate_updates']:>13} "
+                  f"{r['rate_updates_per_s']:>10.0f}")
+        print(f"1F1B, w replicas with bucketed all-reduce on dgx-h100 nodes (topology build included); medians of "
+              f"{min(repeat, 3)} runs")
     return 0

@@ -203,7 +203,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pipescope.experiments.bench import run_bench
     if not 1 <= args.repeat <= 1000:
         return usage_error(f"--repeat: got {args.repeat}, expected an integer from 1 to 1000")
-    return run_bench(args.repeat, args.quick, args.json)
+    return run_bench(args.repeat, args.quick, args.json, args.network)
 
 
 def build_parser() -> Parser:
@@ -230,6 +230,8 @@ def build_parser() -> Parser:
     p = sub.add_parser("bench", help="time the engine against a heapq list-scheduler floor")
     p.add_argument("--repeat", type=decimal, default=5, help="runs per case; medians are reported (default 5)")
     p.add_argument("--quick", action="store_true", help="only the small case (p=8, m=64)")
+    p.add_argument("--network", action="store_true", help="also time whole runs over routed flows with data "
+                   "parallelism: 64, 256 and 1,024 GPUs (about a minute)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench)
     from pipescope.experiments import collective_cmd, topology_cmd

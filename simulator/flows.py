@@ -7,19 +7,19 @@ arrives its path's latency after its last byte drained, so one flow alone takes 
 
 Rates are re-planned when a flow starts or ends, and only for the flows that share an edge with it, directly or
 through other flows (the "component"): a p2p transfer on its own path touches nothing else, and a collective's
-flows start together in one re-plan. Re-planning a component is progressive filling with a heap of edges,
-O((E + L) log E) for E edges and L path hops of its flows; docs/network.md says what keeps a run sub-quadratic.
+flows start together in one re-plan. Re-planning a component is progressive filling over all its (flow, edge)
+pairs in numpy (``max_min_rates``); docs/network.md says what keeps a run sub-quadratic.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import count
+from itertools import chain, count
 
 import networkx as nx
+import numpy as np
 
 from pipescope.simulator.network import Clock
 
@@ -40,37 +40,40 @@ def max_min_rates(paths: Sequence[Sequence[int]], capacity: Sequence[float]) -> 
     """Max-min fair rates of flows over directed edges (progressive filling).
 
     Args:
-        paths: per flow, the edge ids it crosses (a flow crosses an edge at most once).
+        paths: per flow, the edge ids it crosses; an edge listed k times carries k times the flow's rate (a
+            collective's lockstep links, ``simulator.collectives``).
         capacity: per edge id, its bandwidth (any unit; rates come out in it).
 
     Returns:
         Per flow its rate: the smallest fair share over its edges once the flows bottlenecked elsewhere keep
         theirs. A flow with no edges gets ``inf``.
+
+    Each round freezes every flow through the edges with the lowest share, in numpy over all (flow, edge) pairs,
+    so a solve costs O(levels x pairs) in C: the distinct bottleneck levels are few (a collective's links share
+    one, replicas are alike), where a heap of edges cost a Python step per pair.
     """
-    users: dict[int, list[int]] = {}
-    for i, path in enumerate(paths):
-        for e in path:
-            users.setdefault(e, []).append(i)
-    residual = {e: float(capacity[e]) for e in users}
-    left = {e: len(flows) for e, flows in users.items()}
-    heap = [(residual[e] / left[e], e) for e in users]
-    heapq.heapify(heap)
-    rate = [math.inf if not path else -1.0 for path in paths]
-    while heap:
-        share, e = heapq.heappop(heap)
-        if not left[e] or share != residual[e] / left[e]:
-            continue  # stale: the edge's share changed since this entry was pushed
-        share = max(share, MIN_RATE)
-        for i in users[e]:
-            if rate[i] >= 0:
-                continue
-            rate[i] = share
-            for other in paths[i]:
-                residual[other] -= share
-                left[other] -= 1
-                if left[other] and other != e:
-                    heapq.heappush(heap, (residual[other] / left[other], other))
-    return rate
+    lengths = np.fromiter(map(len, paths), dtype=np.int64, count=len(paths))
+    rate = np.where(lengths == 0, np.inf, -1.0)
+    if not lengths.any():
+        return rate.tolist()
+    flow = np.repeat(np.arange(len(paths)), lengths)
+    edges, local = np.unique(np.fromiter(chain.from_iterable(paths), dtype=np.int64, count=int(lengths.sum())),
+                             return_inverse=True)
+    residual = np.asarray(capacity, dtype=np.float64)[edges]
+    weight = np.bincount(local, minlength=len(edges)).astype(np.float64)
+    live = np.ones(len(flow), dtype=bool)  # (flow, edge) pairs of flows not frozen yet
+    while live.any():
+        share = np.divide(residual, weight, out=np.full(len(edges), np.inf), where=weight > 0)
+        level = max(float(share.min()), MIN_RATE)
+        bottleneck = share <= level * (1 + 1e-12)  # equal levels up to rounding freeze together
+        frozen = np.zeros(len(paths), dtype=bool)
+        frozen[flow[live & bottleneck[local]]] = True
+        rate[frozen] = level
+        pairs = live & frozen[flow]
+        np.subtract.at(residual, local[pairs], level)
+        np.subtract.at(weight, local[pairs], 1.0)
+        live &= ~pairs
+    return rate.tolist()
 
 
 @dataclass(eq=False)
@@ -123,7 +126,6 @@ class FlowFabric:
         self._routing = nx.DiGraph()
         self._routing.add_weighted_edges_from((a, b, round(lat) * HOP_WEIGHT + 1)
                                               for (a, b), lat in zip(self.names, self.latency))
-        self._preds: dict[str, tuple[dict[str, list[str]], dict[str, int], int]] = {}  # source: preds, dist, cutoff
         self._routes: dict[tuple[int, int], list[tuple[tuple[int, ...], int]]] = {}
         self.reset()
 
@@ -150,39 +152,36 @@ class FlowFabric:
         return known
 
     def _find_routes(self, source: str, target: str) -> list[tuple[tuple[int, ...], int]]:
+        """Up to MAX_ECMP_PATHS shortest paths, found between two half-radius balls.
+
+        A Dijkstra ball of the whole distance d around every GPU would cover most of a fat-tree (the spines, every
+        leaf) and dominate a 1,024-GPU run; any node on a shortest path is within d/2 of one end, so a ball of
+        radius d/2 around each end holds every such node with its exact distance to that end. A walk from the
+        source along edges that keep (length so far + distance left) = d then yields exactly the shortest paths.
+        """
         if source == target:
             return [((), 0)]
-        preds = self._predecessors(source, target)
-        if preds is None:
-            return []
-        paths: list[tuple[int, ...]] = []
-        stack: list[tuple[str, tuple[int, ...]]] = [(target, ())]
-        while stack and len(paths) < MAX_ECMP_PATHS:  # walk the predecessor DAG back from the target, in order
-            node, tail = stack.pop()
-            if node == source:
-                paths.append(tail)
-                continue
-            for pred in reversed(preds[node]):
-                stack.append((pred, (self.edge_ids[pred, node],) + tail))
-        return [(p, round(sum(self.latency[e] for e in p))) for p in paths]
-
-    def _predecessors(self, source: str, target: str) -> dict[str, list[str]] | None:
-        """Every shortest-path predecessor of the nodes up to ``target``'s distance from ``source`` (None: no path).
-
-        One Dijkstra per source, cut off at the farthest destination asked for so far: a full one per GPU costs
-        O(V log V) each, which dominates a 1,024-GPU run, while most destinations (pipeline neighbours, replicas on
-        the same rail) are near."""
-        known = self._preds.get(source)
-        if known is not None and target in known[1]:
-            return known[0]
         try:
             distance = nx.bidirectional_dijkstra(self._routing, source, target)[0]
         except nx.NetworkXNoPath:
-            return None
-        cutoff = max(distance, known[2] if known is not None else 0)
-        preds, dist = nx.dijkstra_predecessor_and_distance(self._routing, source, cutoff=cutoff)
-        self._preds[source] = (preds, dist, cutoff)
-        return preds
+            return []
+        half = distance // 2
+        near_source = nx.single_source_dijkstra_path_length(self._routing, source, cutoff=half)
+        near_target = nx.single_source_dijkstra_path_length(self._routing.reverse(copy=False), target,
+                                                            cutoff=distance - half)
+        succ, paths = self._routing.succ, []
+        stack: list[tuple[str, int, tuple[int, ...]]] = [(source, 0, ())]
+        while stack and len(paths) < MAX_ECMP_PATHS:
+            node, length, edges = stack.pop()
+            if node == target:
+                paths.append(edges)
+                continue
+            for nxt, data in reversed(list(succ[node].items())):
+                far = length + data["weight"]
+                left = near_target.get(nxt)
+                if (far + left == distance) if left is not None else near_source.get(nxt) == far:
+                    stack.append((nxt, far, edges + (self.edge_ids[node, nxt],)))
+        return [(p, round(sum(self.latency[e] for e in p))) for p in paths]
 
     def route(self, src: int, dst: int, key: int) -> tuple[tuple[int, ...], int] | None:
         """The path flow ``key`` takes: one of the equal paths by a seeded hash of the flow (None: no route)."""
