@@ -46,7 +46,7 @@ def run(config: Config) -> SimResult:
         _check_layers(model.layers, config.schedule.p * _chunks(config))  # before building a schedule that big
     schedule = _schedule(config)
     if cluster is None:  # a CSV schedule: its size was in the file
-        _check_size(schedule.num_stages * schedule.total_microbatches)
+        _check_size(schedule.num_stages * schedule.total_microbatches * config.cluster.data_parallel)
         cluster = _cluster(config, schedule.num_devices)
     costs = _costs(config, cluster, model)
     if isinstance(costs, ProfiledCosts):

@@ -117,4 +117,4 @@ def _edges(graph: nx.DiGraph, key: str, name: str) -> list[tuple[str, str]]:
             if graph.has_edge(a, b):
                 return [(a, b), (b, a)] if both and graph.has_edge(b, a) else [(a, b)]
     raise ValueError(f"{key}: {short_repr(name)} is not a link of the topology, expected A-B or A>B with A and B "
-                     f"joined by an edge (see 'pipescope topology NAME --json')")
+                     f"joined by an edge (see 'pipescope topology NAME --save FILE.yaml')")

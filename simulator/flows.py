@@ -104,7 +104,7 @@ class EdgeStats:
 class FlowFabric:
     """The graph as arrays, routes between its nodes, and the flows in flight with their fair-share rates.
 
-    Collective algorithms (``simulator.collectives``) and the engine-facing ``FlowNetwork`` both start flows here.
+    Collective algorithms (``simulator.collectives``) and the engine-facing ``RoutedNetwork`` (``simulator.routed``) both start flows here.
     ``endpoints[d]`` is the graph node of device d.
     """
 
@@ -124,6 +124,7 @@ class FlowFabric:
         # Routing weight: latency in whole ns, then hop count, as one exact integer. Ties stay exact (ECMP needs
         # equal sums), fewer hops win among equal latencies, and a 0 ns edge cannot close a cycle of equal paths.
         self._routing = nx.DiGraph()
+        self._routing.add_nodes_from(self.graph)  # a GPU whose links all failed is still a node, just unreachable
         self._routing.add_weighted_edges_from((a, b, round(lat) * HOP_WEIGHT + 1)
                                               for (a, b), lat in zip(self.names, self.latency))
         self._routes: dict[tuple[int, int], list[tuple[tuple[int, ...], int]]] = {}

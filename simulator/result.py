@@ -184,7 +184,7 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
     replica0 = records if p == pipeline else records.subset(records.device < pipeline, pipeline)
     memory, static = ledger(schedule, replica0, stage_costs, precision)
     comm = records.mask(Role.SEND) | records.mask(Role.RECV) | collective
-    exposed_comm, exposed_allreduce = uncovered_ns(records, comm, compute), uncovered_ns(records, collective, compute)
+    exposed_comm, exposed_allreduce = uncovered_ns(records, [comm, collective], compute)
     devices = [DeviceStats(d, busy[d] / 1e9, span[d] / 1e9, 1.0 - busy[d] / max_span, memory[d % pipeline].peak_bytes,
                            memory[d % pipeline].peak_activations, static[d % pipeline], exposed_comm[d] / 1e9,
                            exposed_allreduce[d] / 1e9) for d in range(p)]

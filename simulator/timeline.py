@@ -8,6 +8,7 @@ one row per member). ``SimResult`` is built from a timeline, so a real run's tim
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,11 +81,16 @@ class Timeline:
         }, columns=list(COLUMNS))
 
 
-def uncovered_ns(records: Timeline, rows: np.ndarray, cover: np.ndarray) -> np.ndarray:
-    """Per device, the ns during which one of its ``rows`` runs and none of its ``cover`` rows does (e.g. transfers
-    not hidden behind compute): a sweep over the sorted span edges of all devices at once."""
+FIELD_BITS = 20  # a device runs fewer than 2**20 spans of one kind at once: each kind's count fits its field
+
+
+def uncovered_ns(records: Timeline, masks: Sequence[np.ndarray], cover: np.ndarray) -> list[np.ndarray]:
+    """Per mask, per device: the ns during which one of the device's rows in the mask runs and none of its ``cover``
+    rows does (e.g. transfers not hidden behind compute). One sweep over the sorted span edges of every device and
+    mask at once: each mask counts its open spans in its own bit field of one int64 level."""
     parts = []
-    for mask, weight in ((rows, 1), (cover, 1 << 32)):  # counts of both kinds in one int64
+    for field, mask in enumerate([*masks, cover]):
+        weight = 1 << (FIELD_BITS * field)
         device, start, end = records.device[mask], records.start[mask], records.end[mask]
         parts.append((np.concatenate([device, device]), np.concatenate([start, end]),
                       np.concatenate([np.full(len(start), weight), np.full(len(end), -weight)])))
@@ -92,8 +98,10 @@ def uncovered_ns(records: Timeline, rows: np.ndarray, cover: np.ndarray) -> np.n
     order = np.lexsort((delta, time, device))  # ends before starts at one instant: touching spans do not overlap
     device, time, level = device[order], time[order], np.cumsum(delta[order])
     length = np.append(np.diff(time), 0)  # until the next edge; the last edge of a device closes its spans
-    counted = ((level & 0xFFFFFFFF) > 0) & ((level >> 32) == 0) & np.append(device[1:] == device[:-1], False)
-    return np.bincount(device[counted], length[counted], minlength=records.num_devices).astype(np.int64)
+    uncovered = (level >> (FIELD_BITS * len(masks)) == 0) & np.append(device[1:] == device[:-1], False)
+    field_mask = (1 << FIELD_BITS) - 1
+    return [np.bincount(device[hit], length[hit], minlength=records.num_devices).astype(np.int64)
+            for hit in (uncovered & ((level >> (FIELD_BITS * i)) & field_mask > 0) for i in range(len(masks)))]
 
 
 def _stream(role: Role, peer: int) -> str:
