@@ -256,3 +256,52 @@ def test_results_carry_links_and_exposed_time():
     assert collective.sum() > 0 and len(summary["per_device"]) == 16
     assert math.isclose(sum(d["exposed_allreduce_s"] for d in summary["per_device"]) / 16,
                         sum(d.exposed_allreduce_s for d in result.devices) / 16)
+
+
+# Commands ---------------------------------------------------------------------------------------------------------
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    from pipescope.experiments.cli import main
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_collective_command_reports_nccl_tests_numbers(capsys):
+    code, out, _ = _cli(capsys, "collective", "--topology", "dgx-h100", "--op", "all_reduce", "--bytes", "1GiB",
+                        "--ranks", "0-7", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["algorithm"] == "ring" and report["ranks"] == list(range(8))
+    assert report["algbw_GBps"] == pytest.approx(report["bytes"] / report["time_s"] / 1e9)
+    assert report["busbw_GBps"] == pytest.approx(report["algbw_GBps"] * 2 * 7 / 8)
+    code, out, _ = _cli(capsys, "collective", "--topology", "dgx-h100", "--nodes", "2", "--bytes", "1GiB", "--json")
+    assert code == 0 and json.loads(out)["algorithm"] == "hierarchical"
+    for bad, message in ((["--ranks", "0-99"], "--ranks: '0-99' is not within 0-7"),
+                         (["--op", "gather"], "--op: got 'gather', expected one of all_reduce"),
+                         (["--bytes", "lots"], "--bytes:"), (["--algorithm", "magic"], "--algorithm: got 'magic'")):
+        code, _, err = _cli(capsys, "collective", *bad)
+        assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_collective_command_uses_a_comms_profile(tmp_path, capsys):
+    from pipescope.simulator.profile_schema import SCHEMA_VERSION
+    (tmp_path / "comms_fit.csv").write_text(
+        "collective,world_size,lo_bytes,hi_bytes,latency_ns,bandwidth,points\n"
+        "all_reduce,8,0,1099511627776,20000,2e11,5\n"
+        "p2p,2,0,1099511627776,8000,1e11,5\n")
+    (tmp_path / "comms.json").write_text(json.dumps({"schema_version": SCHEMA_VERSION, "kind": "comms",
+                                                     "tables": {"comms_fit": "comms_fit.csv"}}))
+    code, out, _ = _cli(capsys, "collective", "--profile", str(tmp_path), "--bytes", "1GiB", "--json")
+    assert code == 0 and json.loads(out)["time_s"] == pytest.approx((20_000 + (1 << 30) * 1e9 / 2e11) / 1e9)
+    code, out, _ = _cli(capsys, "collective", "--profile", str(tmp_path), "--bytes", "1GiB", "--ranks", "0-3",
+                        "--json")
+    # no 4-rank all-reduce fit: a ring of the fitted p2p link, 2(n-1)/n * S/B + 2(n-1) latencies
+    expected = (2 * 3 / 4 * (1 << 30) * 1e9 / 1e11 + 6 * 8_000) / 1e9
+    assert code == 0 and json.loads(out)["time_s"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_topology_command_is_wired(capsys, tmp_path):
+    code, out, _ = _cli(capsys, "topology", "dgx-h100", "--nodes", "2", "--json")
+    assert code == 0 and json.loads(out)["gpus"] == 16
+    code, _, err = _cli(capsys, "topology", "moon")
+    assert code == 2 and err.startswith("pipescope: error:") and err.count("\n") == 1
