@@ -20,6 +20,7 @@ from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
 from pipescope.simulator.profiled import ProfiledCosts, ProfiledCostsConfig
+from pipescope.simulator.replicas import SyncError
 from pipescope.simulator.result import SimResult
 from pipescope.simulator.schedules import ALIASES, GENERATORS, build_schedule, generator
 from pipescope.simulator.schedules.pipedream import DEFAULT_ITERATIONS
@@ -68,6 +69,8 @@ def run(config: Config) -> SimResult:
                         peak_flops_per_device=_peak(config, cluster) if analytic else None, config=config)
     except CostError as err:
         raise ConfigError(f"costs: {err}") from None
+    except SyncError as err:
+        raise ConfigError(str(err)) from None
     except NetworkError as err:
         raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
 

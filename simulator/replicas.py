@@ -25,6 +25,11 @@ from pipescope.simulator.program import KIND_CODE, Columns, Program
 K = ActionKind
 DDP_BUCKET_BYTES = 25 << 20  # torch DDP's bucket_cap_mb default
 LAG_WITHOUT_FLUSH = 2  # iterations between a gradient all-reduce and the first forward that needs its update
+MAX_BUCKETS = 4096  # per stage and iteration: DDP's 25 MiB cuts a 100 GB stage into 4,000; more is a typo
+
+
+class SyncError(ValueError):
+    """A gradient sync the simulator refuses (too many buckets); the message names the key."""
 
 
 @dataclass(frozen=True)
@@ -93,8 +98,11 @@ def _syncs(base: Program, schedule: Schedule, width: int, grad_bytes: list[int],
 
 
 def _split(nbytes: int, bucket: int) -> list[int]:
-    """``nbytes`` in buckets of at most ``bucket`` bytes (the last one smaller)."""
+    """``nbytes`` in buckets of at most ``bucket`` bytes (the last one smaller); SyncError past MAX_BUCKETS."""
     count = max(1, math.ceil(nbytes / bucket))
+    if count > MAX_BUCKETS:
+        raise SyncError(f"cluster.bucket_size: got {bucket:,} bytes, which cuts a stage's {nbytes:,} gradient bytes "
+                        f"into {count:,} buckets; expected at most {MAX_BUCKETS:,} buckets (DDP's default is 25MiB)")
     return [bucket] * (count - 1) + [nbytes - bucket * (count - 1)]
 
 

@@ -305,3 +305,8 @@ def test_topology_command_is_wired(capsys, tmp_path):
     assert code == 0 and json.loads(out)["gpus"] == 16
     code, _, err = _cli(capsys, "topology", "moon")
     assert code == 2 and err.startswith("pipescope: error:") and err.count("\n") == 1
+
+
+def test_a_bucket_size_that_makes_millions_of_buckets_is_refused_at_once():
+    with pytest.raises(ConfigError, match=r"cluster.bucket_size: got 1 bytes, .* expected at most 4,096 buckets"):
+        run(load_config(None, ["cluster.data_parallel=2", "cluster.bucket_size=1"]))
