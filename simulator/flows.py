@@ -104,8 +104,8 @@ class EdgeStats:
 class FlowFabric:
     """The graph as arrays, routes between its nodes, and the flows in flight with their fair-share rates.
 
-    Collective algorithms (``simulator.collectives``) and the engine-facing ``RoutedNetwork`` (``simulator.routed``) both start flows here.
-    ``endpoints[d]`` is the graph node of device d.
+    Collective algorithms (``simulator.collectives``) and the engine-facing ``RoutedNetwork`` (``simulator.routed``)
+    both start flows here. ``endpoints[d]`` is the graph node of device d.
     """
 
     graph: nx.DiGraph
