@@ -416,7 +416,7 @@ def test_comms_calibration_under_torchrun_with_gloo(profile: Calibrated, tmp_pat
     assert reduce["busbw_gbps"].tolist() == pytest.approx(reduce["algbw_gbps"].tolist())  # 2(n-1)/n = 1 for n = 2
     assert gather["busbw_gbps"].tolist() == pytest.approx((gather["algbw_gbps"] / 2).tolist())
     fit = read_table(out / meta["tables"]["comms_fit"])
-    assert (fit["bandwidth"] > 0).all() and (fit["latency_ns"] >= 0).all()
+    assert (fit["bandwidth"] > 0).all() and (fit["latency_ns"] > 0).all()  # a real latency (commfit.fit_latency)
     p2p = fit[fit["collective"] == "p2p"].iloc[0]
     expected = round(p2p["latency_ns"]) + math.ceil(65536 * 1e9 / p2p["bandwidth"])
     assert link_transfer_ns(65536, ProfiledCosts.load(out, MICROBATCH).p2p_link(65536)) == expected
