@@ -33,6 +33,7 @@ from pipescope.calibration.model import Block, Embedding, OutputLayer
 from pipescope.calibration.presets import Shape
 from pipescope.simulator.ir import Action, ActionKind, Schedule, WeightUpdate
 from pipescope.simulator.lowering import lower
+from pipescope.simulator.models import stage_layers
 
 K = ActionKind
 KINDS = tuple(ActionKind)
@@ -69,14 +70,6 @@ class RunError(RuntimeError):
 
 
 # The model, cut into stages ------------------------------------------------------------------------------------------
-
-def stage_layers(layers: int, stages: int, layers_per_stage: Sequence[int] | None = None) -> list[int]:
-    """Blocks per stage: the list given, else the simulator's equal split (remainder on the earliest stages)."""
-    if layers_per_stage is not None:
-        return list(layers_per_stage)
-    base, extra = divmod(layers, stages)
-    return [base + (1 if s < extra else 0) for s in range(stages)]
-
 
 def build_modules(shape: Shape, seed: int, wanted: set[int] | None = None) -> dict[int, nn.Module]:
     """Module index -> module (0 the embedding, 1..L the blocks, L+1 the output layer), each from its own seed, so any
@@ -244,13 +237,18 @@ def _tag(send: Action) -> int:
 
 
 def _worker(rank: int, world: int, port: int, specs: list[RunSpec], out: str, progress) -> None:
-    torch.set_num_threads(1)  # two threads per rank on two cores run 2-6x slower
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    for index, spec in enumerate(specs):
-        progress[2 * rank] = index
-        _run_spec(rank, spec, os.path.join(out, f"{index}.{rank}.pt"), progress)
-    dist.barrier()
-    dist.destroy_process_group()
+    """One rank: every spec in turn. An exception is written, one line, for the supervisor to report."""
+    try:
+        torch.set_num_threads(1)  # two threads per rank on two cores run 2-6x slower
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        for index, spec in enumerate(specs):
+            progress[2 * rank] = index
+            _run_spec(rank, spec, os.path.join(out, f"{index}.{rank}.pt"), progress)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as err:  # noqa: BLE001 (the rank ends here either way; the reason must reach the parent)
+        Path(out, f"error.{rank}").write_text(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        os._exit(1)
 
 
 def _run_spec(rank: int, spec: RunSpec, path: str, progress) -> None:
@@ -313,7 +311,7 @@ def execute_all(specs: list[RunSpec]) -> list[RunResult]:
         for process in ranks:
             process.start()
         try:
-            _supervise(ranks, progress, specs)
+            _supervise(ranks, progress, specs, Path(out))
         finally:
             for process in ranks:
                 if process.is_alive():
@@ -329,7 +327,7 @@ def _collect(out: Path, index: int, spec: RunSpec, world: int) -> RunResult:
     return RunResult(rows, sum(part["loss"] for part in parts), grads, world)
 
 
-def _supervise(ranks: list, progress, specs: list[RunSpec]) -> None:
+def _supervise(ranks: list, progress, specs: list[RunSpec], out: Path) -> None:
     """Wait for every rank; RunError naming the first that died, or a stuck one when nothing moves for the
     spec's timeout."""
     programs = [lower(spec.schedule) for spec in specs]
@@ -338,7 +336,8 @@ def _supervise(ranks: list, progress, specs: list[RunSpec]) -> None:
         index, step = progress[2 * r], progress[2 * r + 1]
         actions = [a for a in programs[index].device_actions[r] if a is not None]
         what = f"step {step}, {actions[step]}" if step < len(actions) else "the end of its program"
-        return f"{what} of {specs[index].schedule.name}"
+        error = out / f"error.{r}"
+        return f"{what} of {specs[index].schedule.name}" + (f": {error.read_text()}" if error.is_file() else "")
 
     last, moved = list(progress), time.monotonic()
     while any(p.is_alive() for p in ranks):

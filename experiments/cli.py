@@ -234,9 +234,10 @@ def build_parser() -> Parser:
                    "parallelism: 64, 256 and 1,024 GPUs (about a minute)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench)
-    from pipescope.experiments import collective_cmd, topology_cmd
+    from pipescope.experiments import collective_cmd, topology_cmd, validate_cmd
     topology_cmd.register(sub)
     collective_cmd.register(sub)
+    validate_cmd.register(sub)
     _register_calibration(sub)
     return parser
 

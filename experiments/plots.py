@@ -144,3 +144,35 @@ def write_gantt(result: SimResult, path: str, title: str | None = None) -> None:
     fig.savefig(buffer, format=path.rsplit(".", 1)[-1].lower() if "." in path else "png", dpi=150)
     plt.close(fig)
     write_atomic(path, buffer.getvalue())
+
+
+def write_overlay_gantt(predicted, measured, path: str, name: str) -> None:
+    """Predicted (top) and measured (bottom) compute rows of one iteration on one time axis (``pipescope validate``).
+
+    Both frames have device, kind, start_ns, end_ns; ``measured`` may hold several iterations (the first is drawn).
+    """
+    if "iteration" in measured:
+        measured = measured[measured["iteration"] == measured["iteration"].min()]
+    devices = int(max(predicted["device"].max(), measured["device"].max())) + 1
+    fig, axes = plt.subplots(2, 1, sharex=True, figsize=(14, 1.6 + 0.6 * devices))
+    origin = predicted["start_ns"].min()
+    span = max(predicted["end_ns"].max() - origin, measured["end_ns"].max())
+    unit, scale = _time_unit(span)
+    for ax, frame, label, shift in ((axes[0], predicted, "predicted", origin), (axes[1], measured, "measured", 0)):
+        for (device, kind), group in frame.groupby(["device", "kind"]):
+            bars = list(zip((group["start_ns"] - shift) / scale, (group["end_ns"] - group["start_ns"]) / scale))
+            ax.broken_barh(bars, (device - 0.4, 0.8), facecolors=COLORS.get(kind, "grey"), edgecolor="white",
+                           linewidth=0.3)
+        ax.set_yticks(range(devices), [f"device {d}" for d in range(devices)])
+        ax.invert_yaxis()
+        ax.set_ylabel(label)
+    kinds = [k for k in COLORS if k in set(predicted["kind"]) | set(measured["kind"])]
+    axes[0].legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in kinds], loc="center left",
+                   bbox_to_anchor=(1.0, 0.0), frameon=False)
+    axes[1].set_xlabel(f"time ({unit})")
+    axes[0].set_title(f"{name}: predicted (top) and measured (bottom)")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.rsplit(".", 1)[-1].lower() if "." in path else "png", dpi=150)
+    plt.close(fig)
+    write_atomic(path, buffer.getvalue())

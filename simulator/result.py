@@ -120,6 +120,7 @@ class SimResult:
             "iterations": s.iterations,
             "weight_update": s.weight_update,
             "recompute": s.recompute,
+            "layers_per_stage": _layer_split(self.config),
             "iteration_time_s": self.iteration_time_s,
             "fill_drain_s": self.fill_drain_ns / 1e9,
             "makespan_s": self.makespan_ns / 1e9,
@@ -144,6 +145,12 @@ class SimResult:
             } for d in self.devices],
             "links": self.links,
         }
+
+
+def _layer_split(config: Any) -> list[int] | None:
+    """The transformer blocks per stage the run used (analytic and profile costs), else None."""
+    split = getattr(getattr(config, "model", None), "layers_per_stage", None)
+    return list(split) if split is not None else None
 
 
 def _iteration_times(schedule: Schedule, microbatch: np.ndarray, start: np.ndarray, end: np.ndarray

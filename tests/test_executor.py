@@ -20,6 +20,7 @@ FLUSH = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 
 
 def test_flush_schedules_give_the_loss_and_gradients_of_one_process():
     specs = [RunSpec(build(name, 2, 4, chunks=chunks), SHAPE, microbatch_size=2, seed=3) for name, chunks in FLUSH]
+    specs.append(RunSpec(build("1f1b", 2, 4), SHAPE, microbatch_size=2, layers_per_stage=(1, 3), seed=3))
     results = execute_all(specs)
     for spec, result in zip(specs, results):
         loss, grads = reference_step(spec)
@@ -62,3 +63,27 @@ def _children() -> list[int]:
             except (OSError, ValueError, IndexError):
                 continue
     return found
+
+
+def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path, capsys):
+    """Calibrate tiny on this CPU, simulate 1F1B p=2 m=4 on the profile, run it for real, compare (a generous
+    threshold: the point is the harness; docs/validation.md has the measured errors)."""
+    import json
+    import math
+
+    from pipescope.experiments.cli import main
+    gantt = tmp_path / "overlay.png"
+    code = main(["validate", "--schedule", "1f1b", "--iterations", "2", "--json", "--gantt", str(gantt),
+                 "--max-error", "100"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    for key in ("predicted_iteration_time_s", "measured_iteration_time_s", "iteration_time_error",
+                "op_duration_error_median", "op_start_error_median", "memory_error", "per_device"):
+        assert key in report
+    assert report["measured_iteration_time_s"] > 0 and math.isfinite(report["iteration_time_error"])
+    assert abs(report["iteration_time_error"]) < 100 and len(report["per_device"]) == 2
+    assert [line.split(":")[1].strip().split()[0] for line in err.splitlines()] == ["calibrate", "simulate", "run"]
+    assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code = main(["validate", "--device", "cuda"])
+    assert code == 2 and "--device: got 'cuda'" in capsys.readouterr().err

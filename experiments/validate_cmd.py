@@ -1,0 +1,204 @@
+"""``pipescope validate``: calibrate (or load a profile), simulate, run the same program for real, report the error.
+
+The real run is ``calibration.executor`` (gloo ranks on this machine, one thread each); the prediction is
+``pipescope.run`` on the profile. Warm-up iterations are dropped and the median of the measured ones is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pandas as pd
+
+from pipescope.config import ConfigError, load_config
+from pipescope.simulator.ir import COMPUTE_KINDS
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="run a schedule for real on this machine and compare with the prediction",
+                       description="Calibrate the model on this machine (or load --profile), simulate the schedule on "
+                       "that profile, run the same lowered program over real torch.distributed ranks (gloo on CPU, "
+                       "one thread each), and report the predicted against the measured iteration time, busy time "
+                       "and per-op durations. Warm-up iterations are dropped; the median of --iterations is used.")
+    p.add_argument("--schedule", default="1f1b", help="flush schedules: gpipe, 1f1b, interleaved, zb-h1, zb-h2, "
+                   "zb-v, v-half (default 1f1b)")
+    p.add_argument("--stages", default="2", help="pipeline devices p = ranks (default 2)")
+    p.add_argument("--microbatches", default="4", help="microbatches m (default 4)")
+    p.add_argument("--chunks", help="stages per device v (default: the schedule's)")
+    p.add_argument("--model", default="tiny", help="preset (default tiny; see 'pipescope calibrate --help')")
+    p.add_argument("--microbatch-size", default="1", help="samples per microbatch (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu (cuda runs are not implemented yet)")
+    p.add_argument("--profile", metavar="DIR", help="a 'pipescope calibrate' folder to use instead of calibrating")
+    p.add_argument("--iterations", default="3", help="measured iterations (default 3, after 1 warm-up)")
+    p.add_argument("--timeout", default="120", help="seconds without progress before the run is stopped")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--gantt", metavar="FILE", help="overlay Gantt: predicted above measured (.png, .svg, .pdf)")
+    p.add_argument("--max-error", help="exit 1 when |iteration_time_error| is above this (e.g. 0.1)")
+    p.set_defaults(func=cmd_validate)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    try:
+        limit = _number("--max-error", args.max_error) if args.max_error is not None else None
+        report, predicted, measured = validate(args)
+    except (ConfigError, ValueError) as err:
+        print(f"pipescope: error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:  # a rank died or hung (RunError), or calibration failed
+        print(f"pipescope: error: {err}", file=sys.stderr)
+        return 1
+    if args.gantt:
+        from pipescope.experiments.plots import write_overlay_gantt
+        write_overlay_gantt(predicted, measured, args.gantt, report["schedule"])
+    print(json.dumps(report) if args.json else _table(report))
+    if limit is not None and abs(report["iteration_time_error"]) > limit:
+        print(f"pipescope: iteration time error {report['iteration_time_error']:+.1%} is above --max-error "
+              f"{limit:g}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
+    """(report, predicted compute rows, measured compute rows)."""
+    if args.device != "cpu":
+        raise ValueError(f"--device: got {args.device!r}, expected cpu (the CUDA executor is not implemented yet)")
+    iterations, timeout = _integer("--iterations", args.iterations, 1, 100), _integer("--timeout", args.timeout, 1,
+                                                                                       3600)
+    with tempfile.TemporaryDirectory() as folder:
+        profile = args.profile or _calibrate(args, folder)
+        config = load_config(None, _sets(args, profile))
+        _phase("simulate")
+        from pipescope.runner import run
+        result = run(config)
+        _phase(f"run ({result.schedule.num_devices} gloo ranks, 1 warm-up + {iterations} iterations)")
+        measured = _measure(result, result.config, iterations, timeout)
+    predicted = _compute_rows(result.timeline)
+    return _report(result, predicted, measured), predicted, measured
+
+
+def _sets(args: argparse.Namespace, profile: str) -> list[str]:
+    sets = [f"schedule.name={json.dumps(args.schedule)}", f"schedule.stages={args.stages}",
+            f"schedule.microbatches={args.microbatches}", "costs.kind=profile", f"costs.profile={json.dumps(profile)}",
+            f"model.microbatch_size={args.microbatch_size}"]
+    return sets + ([f"schedule.chunks={args.chunks}"] if args.chunks else [])
+
+
+def _calibrate(args: argparse.Namespace, folder: str) -> str:
+    _phase(f"calibrate {args.model} on cpu")
+    command = [sys.executable, "-m", "pipescope.calibration.commands", "calibrate", "--model", args.model,
+               "--device", "cpu", "--out", folder, "--microbatch-sizes", str(args.microbatch_size),
+               "--vocab-shards", "1", "--budget-s", "0.3"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"calibrate failed: {done.stderr.strip().splitlines()[-1:]}")
+    return folder
+
+
+def _measure(result, config, iterations: int, timeout: int) -> pd.DataFrame:
+    """Measured compute rows of every iteration (columns as the timeline's, times from the iteration's start)."""
+    from pipescope.calibration.executor import RunSpec, execute
+    from pipescope.calibration.presets import Shape
+
+    m = config.model
+    shape = Shape(m.preset or "custom", m.layers, m.hidden, m.heads, m.seq, m.vocab)
+    split = tuple(m.layers_per_stage) if m.layers_per_stage else None
+    run = execute(RunSpec(result.schedule, shape, m.microbatch_size, split, iterations=iterations, warmup=1,
+                          seed=config.seed, timeout_s=timeout))
+    frames = []
+    for index, ranks in enumerate(run.rows):
+        rows = [(device, *row) for device, device_rows in enumerate(ranks) for row in device_rows]
+        frame = pd.DataFrame(rows, columns=["device", "action", "kind", "stage", "microbatch", "start_ns", "end_ns"])
+        frame = _compute_rows(frame)
+        origin = frame["start_ns"].min()
+        frames.append(frame.assign(start_ns=frame["start_ns"] - origin, end_ns=frame["end_ns"] - origin,
+                                   iteration=index))
+    return pd.concat(frames, ignore_index=True)
+
+
+def _compute_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    kinds = {k.value for k in COMPUTE_KINDS}
+    rows = frame[frame["kind"].isin(kinds)]
+    return rows[["device", "action", "kind", "stage", "microbatch", "start_ns", "end_ns"]].reset_index(drop=True)
+
+
+def _report(result, predicted: pd.DataFrame, measured: pd.DataFrame) -> dict:
+    """Iteration, busy and bubble errors per device, and per-op duration and start errors (signed, relative)."""
+    spans = measured.groupby("iteration")["end_ns"].max()
+    median_iteration = statistics.median(spans.tolist())
+    typical = int((spans - median_iteration).abs().idxmin())  # the measured iteration closest to the median
+    real = measured[measured["iteration"] == typical]
+    predicted_s, measured_s = result.iteration_time_s, median_iteration / 1e9
+    joined = predicted.merge(real, on=["device", "action"], suffixes=("_p", "_m"))
+    duration_p = joined["end_ns_p"] - joined["start_ns_p"]
+    duration_m = (joined["end_ns_m"] - joined["start_ns_m"]).clip(lower=1)
+    duration_error = (duration_p - duration_m) / duration_m
+    start_error = ((joined["start_ns_p"] - predicted["start_ns"].min()) - joined["start_ns_m"]) / median_iteration
+    devices = []
+    for d in sorted(set(predicted["device"])):
+        busy_p = _busy(predicted, d) / 1e9
+        busy_m = _busy(real, d) / 1e9
+        devices.append({"device": d, "predicted_busy_s": busy_p, "measured_busy_s": busy_m,
+                        "busy_error": _relative(busy_p, busy_m),
+                        "predicted_bubble": 1 - busy_p / predicted_s, "measured_bubble": 1 - busy_m / measured_s})
+    return {"schedule": result.schedule.name, "stages": result.schedule.num_devices,
+            "microbatches": result.schedule.num_microbatches, "iterations_measured": int(spans.size),
+            "predicted_iteration_time_s": predicted_s, "measured_iteration_time_s": measured_s,
+            "iteration_time_error": _relative(predicted_s, measured_s),
+            "op_duration_error_median": float(duration_error.median()),
+            "op_duration_error_p90": float(duration_error.abs().quantile(0.9)),
+            "op_start_error_median": float(start_error.median()),
+            "op_start_error_p90": float(start_error.abs().quantile(0.9)),
+            "memory_error": None, "per_device": devices}
+
+
+def _busy(frame: pd.DataFrame, device: int) -> int:
+    rows = frame[frame["device"] == device]
+    return int((rows["end_ns"] - rows["start_ns"]).sum())
+
+
+def _relative(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured if measured else math.inf
+
+
+def _table(report: dict) -> str:
+    lines = [f"{report['schedule']}: p={report['stages']} m={report['microbatches']}, median of "
+             f"{report['iterations_measured']} measured iterations",
+             f"iteration time  predicted {report['predicted_iteration_time_s'] * 1e3:.3f} ms  measured "
+             f"{report['measured_iteration_time_s'] * 1e3:.3f} ms  error {report['iteration_time_error']:+.1%}",
+             f"op durations    error median {report['op_duration_error_median']:+.1%}, p90 |error| "
+             f"{report['op_duration_error_p90']:.1%}",
+             f"op starts       error median {report['op_start_error_median']:+.1%} of the iteration, p90 |error| "
+             f"{report['op_start_error_p90']:.1%}",
+             "memory          not measured on CPU yet",
+             "device  busy predicted  busy measured   error  bubble predicted  measured"]
+    for d in report["per_device"]:
+        lines.append(f"{d['device']:>6} {d['predicted_busy_s'] * 1e3:>12.3f} ms {d['measured_busy_s'] * 1e3:>11.3f} ms "
+                     f"{d['busy_error']:>+7.1%} {d['predicted_bubble']:>16.1%} {d['measured_bubble']:>9.1%}")
+    return "\n".join(lines)
+
+
+def _phase(text: str) -> None:
+    print(f"pipescope validate: {text}", file=sys.stderr, flush=True)
+
+
+def _integer(flag: str, text: str, low: int, high: int) -> int:
+    if not str(text).isdigit() or not low <= int(text) <= high:
+        raise ValueError(f"{flag}: got {text!r}, expected an integer from {low} to {high}")
+    return int(text)
+
+
+def _number(flag: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not np.isfinite(value) or value < 0:
+        raise ValueError(f"{flag}: got {text!r}, expected a non-negative number")
+    return value
