@@ -25,6 +25,8 @@ MAX_WARMUP = 10_000
 MAX_REPS = 100_000  # min_reps is not bounded by --budget-s, so it needs a bound of its own
 MAX_BUDGET_S = 86_400.0  # a day per measured op
 MAX_MESSAGE_BYTES = 1 << 40  # calibrate-comms sizes: 1 TiB, beyond any device's memory
+MAX_SPREAD = 1000.0  # p90 / median: beyond this no measurement is re-made, so a larger bound means nothing
+MAX_RETRIES = 100
 
 _INTEGER = re.compile(r"-?[0-9]+")
 _LONG_EXPONENT = re.compile(r"[eE][-+]?[0-9]{3,}")  # 1e999999999 as an exact size would take minutes and gigabytes
@@ -63,6 +65,19 @@ def integer(key: str, text: str, low: int = 1, high: int = MAX_INT) -> int:
         shown = short_repr(text, 40) if value is None else value
         raise UsageError(f"{key}: {shown}, expected an integer from {low} to {high}")
     return value
+
+
+def thread_count(text: str | None, cpus: int) -> int | None:
+    """``--threads``: None when not given (calibrate's default: 1 on CPU), 0 for ``auto`` (torch's own choice),
+    else an integer from 1 to ``cpus``."""
+    if text is None:
+        return None
+    if text == "auto":
+        return 0
+    try:
+        return integer("--threads", text, 1, cpus)
+    except UsageError as exc:
+        raise UsageError(f"{exc}, or auto") from None
 
 
 def optional_int(key: str, text: str | None, low: int = 1, high: int = MAX_INT) -> int | None:
@@ -121,8 +136,25 @@ def add_timing_args(parser: argparse.ArgumentParser, budget: float) -> None:
                        help=f"wall-time budget per measured op in seconds (default {budget})")
 
 
-def timing_config(args: argparse.Namespace, flush_l2: bool = True, command: str = "calibrate") -> Any:
-    """TimingConfig from the shared timing flags. Checked last of a command's flags: it needs torch (UsageError
+def add_spread_args(parser: argparse.ArgumentParser) -> None:
+    """``calibrate``'s flags for re-measuring noisy rows (checked by ``timing_config(..., remeasure=True)``)."""
+    group = parser.add_argument_group("noisy machines")
+    group.add_argument("--max-spread", type=str, default="2",
+                       help="re-measure a row whose p90/median is above this, and warn if it stays so (default 2)")
+    group.add_argument("--retries", type=str, default="2",
+                       help="re-measurements at most per noisy row (default 2; 0: warn only)")
+
+
+def spread_values(args: argparse.Namespace) -> dict[str, Any]:
+    """``--max-spread`` (above 1, at most MAX_SPREAD) and ``--retries`` (0 to MAX_RETRIES)."""
+    return {"max_spread": number("--max-spread", args.max_spread, 1.0, MAX_SPREAD),
+            "retries": integer("--retries", args.retries, 0, MAX_RETRIES)}
+
+
+def timing_config(args: argparse.Namespace, flush_l2: bool = True, command: str = "calibrate",
+                  remeasure: bool = False) -> Any:
+    """TimingConfig from the shared timing flags, and with ``remeasure`` the ``add_spread_args`` ones (without
+    it nothing is re-measured: ``retries`` 0). Checked last of a command's flags: it needs torch (UsageError
     naming the extra to install, for ``command``, when torch is missing)."""
     values = {"warmup": integer("--warmup", args.warmup, 0, MAX_WARMUP),
               "min_reps": integer("--min-reps", args.min_reps, 1, MAX_REPS),
@@ -131,6 +163,7 @@ def timing_config(args: argparse.Namespace, flush_l2: bool = True, command: str 
               "budget_s": number("--budget-s", args.budget_s, 0.0, MAX_BUDGET_S)}
     if values["max_reps"] < values["min_reps"]:
         raise UsageError(f"--max-reps: {values['max_reps']}, expected at least --min-reps {values['min_reps']}")
+    values.update(spread_values(args) if remeasure else {"retries": 0})
     require_torch(command)
     from pipescope.calibration.timing import TimingConfig
 

@@ -16,10 +16,12 @@ from pathlib import Path
 
 from pipescope.calibration.args import (
     UsageError,
+    add_spread_args,
     add_timing_args,
     int_list,
     integer,
     optional_int,
+    thread_count,
     timing_config,
     usage_error,
 )
@@ -45,8 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cal.add_argument("--device", help="cuda, cuda:N or cpu (default cuda when available)")
     cal.add_argument("--out", help="profile folder to write (created if missing)")
     cal.add_argument("--vocab-shards", default="8", help="time vocabulary-parallel S/T for 1..P shards (default 8)")
-    cal.add_argument("--threads", help="CPU threads for torch (default: torch's choice); recorded in the profile")
+    cal.add_argument("--threads", help="CPU threads torch measures with: N, or auto for torch's choice (default: 1 "
+                     "on cpu, torch's choice on cuda); recorded in the profile")
     add_timing_args(cal, budget=2.0)
+    add_spread_args(cal)
     cal.set_defaults(func=calibrate_command)
     comms = subparsers.add_parser("calibrate-comms", help="time collectives and p2p under torchrun",
                                   description="Run under torchrun: torchrun --nproc-per-node N "
@@ -72,8 +76,8 @@ def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
     if not args.out:
         raise UsageError("--out: missing, expected a folder to write the profile to")
     shards = integer("--vocab-shards", args.vocab_shards, 1, MAX_VOCAB_SHARDS)
-    threads = optional_int("--threads", args.threads, 1, os.cpu_count() or 1)
-    timing = timing_config(args)  # last of the flags: it needs torch
+    threads = thread_count(args.threads, os.cpu_count() or 1)
+    timing = timing_config(args, remeasure=True)  # last of the flags: it needs torch
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

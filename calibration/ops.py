@@ -18,7 +18,7 @@ from torch import nn
 from pipescope.calibration.memory import peak_backward_bytes, saved_tensor_bytes
 from pipescope.calibration.model import Block, Embedding, OutputLayer, shard_backward, shard_forward, shard_size
 from pipescope.simulator.profile_schema import EMBEDDING, LAYER, OPTIMIZER, OUTPUT, OUTPUT_SHARD
-from pipescope.calibration.timing import Bench, Stats, Timer
+from pipescope.calibration.timing import Bench, Stats, Timer, spread
 
 Row = dict[str, object]
 
@@ -28,7 +28,17 @@ def timing_row(component: str, op: str, mb: int, seq: int, stats: Stats, params:
     """One row of the timings table."""
     return {"component": component, "op": op, "microbatch_size": mb, "seq": seq, "shards": shards,
             "params": params, "tensors": tensors, "median_ns": stats.median_ns, "p10_ns": stats.p10_ns,
-            "p90_ns": stats.p90_ns, "min_ns": stats.min_ns, "reps": stats.reps}
+            "p90_ns": stats.p90_ns, "min_ns": stats.min_ns, "reps": stats.reps, "attempts": stats.attempts}
+
+
+NOISY_KEYS = ("component", "op", "microbatch_size", "seq", "shards", "median_ns", "p90_ns", "attempts")
+
+
+def noisy_rows(rows: list[Row], max_spread: float) -> list[Row]:
+    """The timing rows whose p90 / median is above ``max_spread`` (what stayed noisy after every re-measurement):
+    where they were measured, median, p90, attempts and the spread, rounded to 4 decimals."""
+    return [{**{k: row[k] for k in NOISY_KEYS}, "spread": round(ratio, 4)} for row in rows
+            if (ratio := spread(row["median_ns"], row["p90_ns"])) > max_spread]
 
 
 def memory_row(component: str, mb: int, seq: int, module: nn.Module, activation: int, weight_grad: int,

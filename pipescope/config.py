@@ -76,11 +76,16 @@ CHOICES = {
     "cluster.fabric": FABRICS,
     "cluster.collective": COLLECTIVE_ALGORITHMS,
 }
+# Integer-list keys: (low, high) of each entry; a list of more than MAX_LIST_ENTRIES is refused before converting.
+LIST_RANGES: dict[str, tuple[int, int]] = {"model.layers_per_stage": (1, 100_000)}
+MAX_LIST_ENTRIES = 100_000  # one entry per stage, and stages x chunks <= model.layers <= 100,000
 # Inclusive (low, high) of every float key that is not a time.
 FLOAT_RANGES = {"cluster.oversubscription": (1.0, MAX_OVERSUBSCRIPTION), "faults.jitter": (0.0, 1.0)}
 
 
 def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
+    if typing.get_origin(kind) is tuple:
+        return _convert_ints(key, value)
     if unit == "time":
         return parse_time(value)
     if unit == "size":
@@ -109,6 +114,34 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
             raise ValueError(f"got {short_repr(value)}, expected a finite number")
         return number
     return str(value)
+
+
+def _convert_ints(key: str, value: Any) -> tuple[int, ...]:
+    """A ``tuple[int, ...]`` key from a YAML list, a comma-separated string (``5,6,6,5``) or one integer; each entry
+    a plain decimal integer within ``LIST_RANGES[key]``."""
+    low, high = LIST_RANGES[key]
+    converted = []
+    for index, item in enumerate(_list_items(value)):
+        try:
+            number = _convert_scalar(key, int, item, None)
+        except ValueError:
+            number = None
+        if number is None or not low <= number <= high:
+            shown = short_repr(item) if number is None else number
+            raise ValueError(f"got {shown} at entry {index + 1}, expected an integer from {low:,} to {high:,}")
+        converted.append(number)
+    return tuple(converted)
+
+
+def _list_items(value: Any) -> list:
+    """The entries of a list value, counted before anything is split or converted (at most MAX_LIST_ENTRIES)."""
+    count = value.count(",") + 1 if isinstance(value, str) else len(value) if isinstance(value, list) else 1
+    if count > MAX_LIST_ENTRIES:
+        raise ValueError(f"got {count:,} entries, expected at most {MAX_LIST_ENTRIES:,}")
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else [value]
+    if not items or items == [""]:
+        raise ValueError(f"got {short_repr(value)}, expected a list of integers such as 5,6,6,5")
+    return items
 
 
 def _field_type(hint: Any) -> tuple[type, bool]:

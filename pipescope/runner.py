@@ -15,7 +15,7 @@ from pipescope.simulator.costs import (
     seconds_to_ns,
 )
 from pipescope.simulator.ir import Schedule
-from pipescope.simulator.models import PRESETS, ModelSpec, layer_work, output_layer_flops
+from pipescope.simulator.models import PRESETS, ModelSpec, layer_work, output_layer_flops, stage_layers
 from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
@@ -54,6 +54,7 @@ def run(config: Config) -> SimResult:
         config = _with_profile_model(config, costs)
     if not isinstance(config.costs, UniformCostsConfig):
         _check_layers(config.model.layers or model.layers, schedule.num_stages)
+        config = _with_layer_split(config, schedule.num_stages)
     capacity = config.cluster.memory
     if capacity is None and not isinstance(config.costs, UniformCostsConfig):
         capacity = cluster.memory_bytes
@@ -126,6 +127,19 @@ def _with_profile_model(config: Config, costs: ProfiledCosts) -> Config:
 FIXED_BY_PROFILE = ("hidden", "heads", "vocab")
 
 
+def _with_layer_split(config: Config, num_stages: int) -> Config:
+    """``model.layers_per_stage`` checked against the schedule's stage count and the model's layers, and resolved
+    (the equal split when unset) so the result's config says which split ran. Analytic and profile costs only:
+    uniform costs take no layers (like ``model.layers``, the key is not read there)."""
+    m = config.model
+    try:
+        split = stage_layers(m.layers if m.layers is not None else _model(config).layers, num_stages,
+                             m.layers_per_stage)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return dataclasses.replace(config, model=dataclasses.replace(m, layers_per_stage=tuple(split)))
+
+
 def _model(config: Config) -> ModelSpec:
     try:
         return config.model.spec()
@@ -170,11 +184,13 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None) -> CostMod
     if isinstance(c, UniformCostsConfig):
         return c.costs(m.precision)
     if isinstance(c, AnalyticCostsConfig):
-        return AnalyticCosts(model, _peak(config, cluster), m.microbatch_size, m.precision, c.efficiency)
+        return AnalyticCosts(model, _peak(config, cluster), m.microbatch_size, m.precision, c.efficiency,
+                             layers_per_stage=m.layers_per_stage)
     if not c.profile:
         raise ConfigError("costs.profile: missing, expected a profile folder written by 'pipescope calibrate'")
     try:
-        return ProfiledCosts.load(c.profile, m.microbatch_size, seq=m.seq, layers=m.layers, precision=m.precision)
+        return ProfiledCosts.load(c.profile, m.microbatch_size, seq=m.seq, layers=m.layers, precision=m.precision,
+                                  layers_per_stage=m.layers_per_stage)
     except (OSError, ValueError) as err:
         message = str(err).removeprefix("costs.profile: ")
         raise ConfigError(f"costs.profile: {c.profile!r}: {message}") from None

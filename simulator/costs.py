@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from pipescope.simulator.models import ModelSpec, layer_work, output_activation_bytes, output_layer_flops
+from pipescope.simulator.models import (
+    ModelSpec,
+    layer_work,
+    output_activation_bytes,
+    output_layer_flops,
+    stage_layers,
+)
 
 
 @dataclass(frozen=True)
@@ -121,7 +127,8 @@ class AnalyticCostsConfig:
 class UniformCosts:
     """Fixed F, I and W times per whole device-stage (seconds), for theory and paper checks.
 
-    A chunk op takes its share (1/v); a fused B takes I + W. ``activation_bytes``/``weight_bytes`` optionally give
+    A chunk op takes its share (1/v); a fused B takes I + W. Costs are per stage and do not depend on layers, so
+    ``model.layers_per_stage`` changes nothing here. ``activation_bytes``/``weight_bytes`` optionally give
     memory a scale. The p2p time of uniform runs is the network's (``FifoLinks.fixed_delay``).
     """
 
@@ -152,10 +159,12 @@ class UniformCosts:
 class PerStageCache:
     """``stage_cost`` memoised per (stage, num_stages), for cost models whose ``_compute`` is costly.
 
-    Chunks need no key: they are already counted in ``num_stages``. Subclasses declare a ``_cache`` dict field.
+    Chunks need no key: they are already counted in ``num_stages``. Subclasses declare a ``_cache`` dict field and
+    a ``layers_per_stage`` field (None: the equal split).
     """
 
     _cache: dict
+    layers_per_stage: tuple[int, ...] | None
 
     def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
         key = (stage, num_stages)
@@ -166,11 +175,17 @@ class PerStageCache:
     def _compute(self, stage: int, num_stages: int) -> StageCost:
         raise NotImplementedError
 
+    def _layers_of(self, stage: int, num_stages: int, layers: int) -> int:
+        """Transformer blocks of ``stage`` (``models.stage_layers``), the split resolved once per stage count."""
+        key = ("split", num_stages)
+        if key not in self._cache:
+            self._cache[key] = stage_layers(layers, num_stages, self.layers_per_stage)
+        return self._cache[key][stage]
+
 
 def split_layers(layers: int, num_stages: int) -> list[int]:
-    """Transformer blocks per stage: equal slices, the remainder on the earliest stages."""
-    base, extra = divmod(layers, num_stages)
-    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+    """The equal split; kept for old callers, ``models.stage_layers`` is the one home of the layer split."""
+    return stage_layers(layers, num_stages)
 
 
 @dataclass(frozen=True)
@@ -178,7 +193,8 @@ class AnalyticCosts(PerStageCache):
     """FLOPs and bytes of each stage against a datasheet peak times an efficiency factor.
 
     The input embedding sits on the first stage and the output layer (logits, softmax,
-    cross-entropy) on the last, as in a naive pipeline (no vocabulary parallelism).
+    cross-entropy) on the last, as in a naive pipeline (no vocabulary parallelism). Each stage holds its share of
+    transformer blocks (``layers_per_stage``, else the equal split; ``models.stage_layers``).
     """
 
     model: ModelSpec
@@ -186,6 +202,7 @@ class AnalyticCosts(PerStageCache):
     microbatch_size: int = 1
     precision: str = "bf16"
     efficiency: float = 0.5
+    layers_per_stage: tuple[int, ...] | None = None
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def _flops_ns(self, flops: float) -> int:
@@ -193,7 +210,7 @@ class AnalyticCosts(PerStageCache):
         return seconds_to_ns(flops / rate)
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
-        n = split_layers(self.model.layers, num_stages)[stage]
+        n = self._layers_of(stage, num_stages, self.model.layers)
         work = layer_work(self.model, self.microbatch_size, self.precision)
         f, i, w = n * work.forward_flops, n * work.input_grad_flops, n * work.weight_grad_flops
         params, stash = n * self.model.layer_params(), n * work.activation_bytes

@@ -3,7 +3,10 @@ table, and ``ModelConfig``, the model section of the config."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+from pipescope.simulator.units import short_repr
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,37 @@ def preset(name: str, **overrides: int) -> ModelSpec:
     return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
 
 
+LAYERS_PER_STAGE = "model.layers_per_stage"
+
+
+def stage_layers(layers: int, num_stages: int, layers_per_stage: Sequence[int] | None = None) -> list[int]:
+    """Transformer blocks on each stage, in stage order (with v chunks per device, one entry per chunk-stage of
+    the schedule). Every cost model, the memory ledger (through them) and the real executor read the split here.
+
+    ``layers_per_stage`` unset: equal slices, the remainder on the earliest stages. Given (Megatron-style uneven
+    splits, e.g. fewer layers beside the embedding and the output layer): checked and returned as a list.
+
+    Raises:
+        ValueError: one line naming ``model.layers_per_stage``: a length other than ``num_stages``, an entry that
+            is not an integer of at least 1, or a sum other than ``layers``.
+    """
+    if layers_per_stage is None:
+        base, extra = divmod(layers, num_stages)
+        return [base + (1 if s < extra else 0) for s in range(num_stages)]
+    split = list(layers_per_stage)
+    if len(split) != num_stages:
+        raise ValueError(f"{LAYERS_PER_STAGE}: got {short_repr(split)}, expected {num_stages} entries "
+                         f"(one per stage: schedule.stages x chunks)")
+    for index, count in enumerate(split):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{LAYERS_PER_STAGE}: got {short_repr(count)} at entry {index + 1}, "
+                             f"expected an integer of at least 1")
+    if sum(split) != layers:
+        raise ValueError(f"{LAYERS_PER_STAGE}: {short_repr(split)} sums to {sum(split)}, "
+                         f"expected model.layers = {layers}")
+    return split
+
+
 @dataclass(frozen=True)
 class LayerWork:
     """FLOPs and activation bytes of one transformer block for one microbatch (ZB paper, Table 1)."""
@@ -117,7 +151,8 @@ SHAPE_KEYS = ("layers", "hidden", "heads", "seq", "vocab")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The ``model`` section: a preset, optionally with some dimensions replaced, the microbatch and precision.
+    """The ``model`` section: a preset, optionally with some dimensions replaced, the microbatch and precision, and
+    optionally the transformer blocks of each stage (``layers_per_stage``, checked by ``stage_layers``).
 
     ``preset`` unset means ``DEFAULT_PRESET``, except under profiled costs, where the profile's model is the run's.
     """
@@ -130,6 +165,7 @@ class ModelConfig:
     vocab: int | None = None
     microbatch_size: int = 1
     precision: str | None = None  # None: the GPU's own (bf16, or fp16 on GPUs without bf16 such as V100)
+    layers_per_stage: tuple[int, ...] | None = None  # None: the equal split (``stage_layers``)
 
     def spec(self) -> ModelSpec:
         """The model's shape; ValueError naming the key when the preset is unknown or heads do not divide hidden."""

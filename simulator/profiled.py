@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numbers
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,6 @@ from pipescope.simulator.costs import (
     PerStageCache,
     StageCost,
     seconds_to_ns,
-    split_layers,
 )
 from pipescope.simulator.network import Link
 from pipescope.simulator.profile_schema import ProfileError
@@ -180,7 +180,8 @@ def interp1(xs: list[float], ys: list[float], x: float) -> tuple[float, bool]:
 class ProfiledCosts(PerStageCache):
     """A ``CostModel`` from a calibration profile (see ``calibration/profiles/README.md``).
 
-    Per stage: its share of transformer layers (``split_layers``) times the per-layer F, I, W and recompute
+    Per stage: its share of transformer layers (``layers_per_stage``, else the equal split; ``models.stage_layers``)
+    times the per-layer F, I, W and recompute
     times, plus the embedding on the first stage (F, and its backward as W) and the output layer on the last
     (F, I, W). Bytes: activation (M_B) from the saved-tensor count per layer; weight-grad (M_W) from the bytes
     the deferred Linears' W still holds after I (their inputs and output grads; see the README).
@@ -194,13 +195,15 @@ class ProfiledCosts(PerStageCache):
     layers: int
     precision: str
     comms_fit: pd.DataFrame | None = None
+    layers_per_stage: tuple[int, ...] | None = None  # None: the equal split
     warnings: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # table name -> the file it was read from (for errors)
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def load(cls, profile_dir: str | os.PathLike, microbatch_size: int, seq: int | None = None,
-             layers: int | None = None, precision: str | None = None) -> ProfiledCosts:
+             layers: int | None = None, precision: str | None = None,
+             layers_per_stage: Sequence[int] | None = None) -> ProfiledCosts:
         """Read and check ``profile_dir`` (and its comms profile when there is one), before any simulation.
 
         Args:
@@ -209,6 +212,8 @@ class ProfiledCosts(PerStageCache):
             seq: sequence length (default: the longest measured).
             layers: transformer layers of the model (default: the profiled model's).
             precision: the simulation's precision; a mismatch with the profile's is warned about.
+            layers_per_stage: transformer layers of each stage (default: the equal split); checked against the
+                stage count when a stage's cost is asked for (``models.stage_layers``).
 
         Raises:
             ProfileError: a missing, unreadable or malformed file, another schema version, a missing column, a
@@ -226,10 +231,12 @@ class ProfiledCosts(PerStageCache):
         paths = {table: schema.table_path(profile_dir, meta, table) for table in ("timings", "memory")}
         costs = cls(_read_checked(paths["timings"], "timings"), _read_checked(paths["memory"], "memory"), meta,
                     microbatch_size, seq, layers, meta.get("precision", "fp32"),
+                    layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
                     files={table: str(path) for table, path in paths.items()})
         if precision is not None and precision != costs.precision:
             costs.warnings.append(f"costs.profile: measured in {costs.precision}, the model asks for {precision}; "
                                   f"using the measured {costs.precision} costs")
+        costs.warnings += _noisy_note(meta)
         if (Path(profile_dir) / schema.COMMS_META).is_file():
             costs.comms_fit, costs.files["comms_fit"] = load_comms_fit(profile_dir)
         costs.check()
@@ -253,7 +260,7 @@ class ProfiledCosts(PerStageCache):
             if not (memory["component"] == component).any():
                 raise ProfileError(f"{self.files['memory']}: no row with component={component!r}; "
                                    "expected a complete profile")
-        whole = self.stage_cost(0, 1, 1)
+        whole = self._stage(self.layers, 0, 1)
         for name in ("activation_bytes", "weight_grad_bytes", "boundary_bytes", "params"):
             value = getattr(whole, name)
             if value > MAX_BYTES:
@@ -335,7 +342,10 @@ class ProfiledCosts(PerStageCache):
         return int(rows["params"].iloc[0]) if not rows.empty else 0
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
-        n = split_layers(self.layers, num_stages)[stage]
+        return self._stage(self._layers_of(stage, num_stages, self.layers), stage, num_stages)
+
+    def _stage(self, n: int, stage: int, num_stages: int) -> StageCost:
+        """Costs of ``stage`` of ``num_stages`` holding ``n`` transformer layers."""
         parts = {"layer": n}
         if stage == 0:
             parts["embedding"] = 1
@@ -403,6 +413,17 @@ class ProfiledCosts(PerStageCache):
             return None
         below = p2p[p2p["lo_bytes"] <= nbytes]
         return below.iloc[-1] if not below.empty else p2p.iloc[0]
+
+
+def _noisy_note(meta: dict) -> list[str]:
+    """A warning when calibration left rows noisy (only their count is read, so a hostile list cannot break it)."""
+    noisy = meta.get("noisy_rows")
+    if not isinstance(noisy, list) or not noisy:
+        return []
+    timing = meta.get("timing") if isinstance(meta.get("timing"), dict) else {}
+    return [f"costs.profile: {len(noisy)} timing rows stayed noisy when calibrated (p90/median above "
+            f"{short_repr(timing.get('max_spread'))}, listed under noisy_rows in profile.json); their times may be "
+            f"too high: re-calibrate on a quiet machine"]
 
 
 def load_comms_fit(profile_dir: str | os.PathLike) -> tuple[pd.DataFrame, str]:
