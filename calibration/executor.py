@@ -145,6 +145,7 @@ class Rank:
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.received: dict[Action, tuple[torch.Tensor, object]] = {}
+        self.arrived: dict[Action, torch.Tensor] = {}
         self.sends: list[object] = []
         self.weight_work: dict[tuple[int, int], list] = {}
         self.loss = 0.0
@@ -153,6 +154,16 @@ class Rank:
 
     def run(self, action: Action) -> None:
         getattr(self, f"_{action.kind.value.lower()}", _nothing)(action)
+
+    def wait_inputs(self, action: Action) -> None:
+        """Wait for the transfer ``action`` consumes, before its timer starts: an op's time is its compute, and
+        the wait shows as the gap before it, as in the simulator's timeline."""
+        kind = {K.F: K.RECV_F, K.I: K.RECV_B, K.B: K.RECV_B}.get(action.kind)
+        recv = Action(action.stage, kind, action.microbatch) if kind is not None else None
+        if recv in self.received:
+            buffer, work = self.received.pop(recv)
+            work.wait()
+            self.arrived[recv] = buffer
 
     def _f(self, a: Action) -> None:
         ids, targets = self.data[a.microbatch]
@@ -200,11 +211,15 @@ class Rank:
 
     def _send_f(self, a: Action) -> None:
         out = self.outputs[a.stage, a.microbatch]
-        self.sends.append(dist.isend(out.detach().contiguous(), self.home[a.stage + 1], tag=_tag(a)))
+        self._send(out.detach().contiguous(), self.home[a.stage + 1], a)
 
     def _send_b(self, a: Action) -> None:
         grad = self.inputs.pop((a.stage, a.microbatch)).grad
-        self.sends.append(dist.isend(grad.contiguous(), self.home[a.stage - 1], tag=_tag(a)))
+        self._send(grad.contiguous(), self.home[a.stage - 1], a)
+
+    def _send(self, tensor: torch.Tensor, peer: int, a: Action) -> None:
+        """torch's isend: the rank goes on, and every send is waited for at the end of the iteration."""
+        self.sends.append(dist.isend(tensor, peer, tag=_tag(a)))
 
     def _recv_f(self, a: Action) -> None:
         self._post(a, Action(a.stage - 1, K.SEND_F, a.microbatch), self.home[a.stage - 1])
@@ -218,9 +233,7 @@ class Rank:
         self.received[a] = (buffer, dist.irecv(buffer, peer, tag=_tag(send)))
 
     def _wait(self, recv: Action) -> torch.Tensor:
-        buffer, work = self.received.pop(recv)
-        work.wait()
-        return buffer
+        return self.arrived.pop(recv)
 
     def finish(self) -> None:
         for work in self.sends:
@@ -264,6 +277,7 @@ def _run_spec(rank: int, spec: RunSpec, path: str, progress) -> None:
         for step, action in enumerate(actions):
             progress[2 * rank + 1] = step
             _maybe_fail(spec, rank, step)
+            state.wait_inputs(action)
             start = time.perf_counter_ns()
             state.run(action)
             rows.append((str(action), action.kind.value, action.stage, action.microbatch, start,
@@ -305,7 +319,7 @@ def execute_all(specs: list[RunSpec]) -> list[RunResult]:
     context = mp.get_context("spawn")
     progress = context.Array("i", 2 * world, lock=False)  # per rank: (spec index, step)
     with tempfile.TemporaryDirectory() as out:
-        port = _free_port()
+        port = free_port()
         ranks = [context.Process(target=_worker, args=(r, world, port, specs, out, progress), daemon=True)
                  for r in range(world)]
         for process in ranks:
@@ -355,7 +369,7 @@ def _supervise(ranks: list, progress, specs: list[RunSpec], out: Path) -> None:
             raise RunError(f"rank {r} died (exit code {process.exitcode}) at {where(r)}")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

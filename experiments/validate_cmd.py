@@ -95,10 +95,25 @@ def _calibrate(args: argparse.Namespace, folder: str) -> str:
     command = [sys.executable, "-m", "pipescope.calibration.commands", "calibrate", "--model", args.model,
                "--device", "cpu", "--out", folder, "--microbatch-sizes", str(args.microbatch_size),
                "--vocab-shards", "1", "--budget-s", "0.3"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"calibrate failed: {done.stderr.strip().splitlines()[-1:]}")
+    _run_step("calibrate", command)
+    _phase(f"calibrate-comms (p2p and collectives over {args.stages} gloo ranks)")
+    from pipescope.calibration.executor import free_port
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.stages),
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    _run_step("calibrate-comms", torchrun + ["-m", "pipescope.calibration.comms", "--out", folder,
+                                             "--min-bytes", "4KiB", "--max-bytes", "1MiB"])
     return folder
+
+
+def _run_step(name: str, command: list[str]) -> None:
+    """Run one calibration command (one thread per process, as the executor's ranks); RuntimeError with its last
+    line if it fails."""
+    import os
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ,
+                                                                                      "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{name} failed: {last}")
 
 
 def _measure(result, config, iterations: int, timeout: int) -> pd.DataFrame:

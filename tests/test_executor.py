@@ -83,7 +83,8 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
         assert key in report
     assert report["measured_iteration_time_s"] > 0 and math.isfinite(report["iteration_time_error"])
     assert abs(report["iteration_time_error"]) < 100 and len(report["per_device"]) == 2
-    assert [line.split(":")[1].strip().split()[0] for line in err.splitlines()] == ["calibrate", "simulate", "run"]
+    phases = [line.split(":")[1].strip().split()[0] for line in err.splitlines()]
+    assert phases == ["calibrate", "calibrate-comms", "simulate", "run"]
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code = main(["validate", "--device", "cuda"])
     assert code == 2 and "--device: got 'cuda'" in capsys.readouterr().err
