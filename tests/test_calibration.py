@@ -40,7 +40,9 @@ MICROBATCH = 4
 def calibrate_args(out: Path, *extra: str) -> list[str]:
     shape = [arg for key, value in SHAPE.items() for arg in (f"--{key}", str(value))]
     return ["calibrate", *shape, "--microbatch-sizes", f"2,{MICROBATCH}", "--device", "cpu", "--threads", "1",
-            "--vocab-shards", "2", "--budget-s", "0.5", "--out", str(out), *extra]
+            "--vocab-shards", "2", "--budget-s", "0.5", "--max-spread", "1000", "--out", str(out), *extra]
+    # --max-spread 1000: these tests are about the profile, not this shared machine's noise (that warning has its
+    # own tests in tests/test_noisy_calibration.py)
 
 
 class TrainingLoop:
@@ -99,8 +101,7 @@ def test_cpu_calibration_finishes_within_a_minute_and_loads(profile: Calibrated)
     assert profile.seconds < 60
     costs = ProfiledCosts.load(profile.out, MICROBATCH)
     assert costs.stage_cost(0, 1, 1).forward_ns > 0
-    # On this shared machine some rows may stay noisy; that warning is the only one a measured point may give.
-    assert [note for note in costs.notes() if "stayed noisy" not in note] == []
+    assert costs.notes() == []
 
 
 def predicted_over_measured(profile: Calibrated) -> float:
