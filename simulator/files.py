@@ -1,13 +1,35 @@
-"""Writing result and profile files atomically (standard library only).
+"""Reading small text files a user hands us, and writing result and profile files atomically (standard library
+only).
 
 Every writer in pipescope (schedule CSVs, traces, plots, tables, calibration profiles) goes through
-``write_atomic``, so they share one rule for temporary files, permissions and error messages.
+``write_atomic``, so they share one rule for temporary files, permissions and error messages; YAML and GraphML files
+are read through ``read_small_text``, which never reads more than its limit.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+
+
+def read_small_text(path: str, limit: int, where: str, too_big: str, kind: str) -> str:
+    """The UTF-8 text of ``path``, refused past ``limit`` bytes (never reading more than the limit).
+
+    Raises:
+        ValueError: ``{where}: ...``: unreadable, larger than ``limit`` (``expected {too_big}``), or a byte that is
+            not UTF-8 (``expected a UTF-8 {kind} file``).
+    """
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as err:
+        raise ValueError(f"{where}: cannot read it ({err.strerror})") from None
+    if len(data) > limit:
+        raise ValueError(f"{where}: larger than {limit:,} bytes, expected {too_big}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: byte {err.start} is not UTF-8, expected a UTF-8 {kind} file") from None
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from pipescope.simulator.files import read_small_text
+
 MAX_YAML_BYTES = 1 << 20  # a config or machine file is a few hundred bytes; 1 MiB leaves room for comments
 MAX_YAML_DEPTH = 32  # the deepest config section is two levels; 32 is far below Python's recursion limit
 
@@ -113,16 +115,9 @@ def read_yaml_file(path: str) -> Any:
         YamlError: missing, unreadable, too big, not UTF-8, or refused by ``parse_yaml``.
     """
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_YAML_BYTES + 1)
-    except OSError as err:
-        raise YamlError(f"{path!r}: cannot read it ({err.strerror})") from None
-    if len(data) > MAX_YAML_BYTES:
-        raise YamlError(f"{path!r}: larger than {MAX_YAML_BYTES:,} bytes, expected a short YAML file")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise YamlError(f"{path!r}: byte {err.start} is not UTF-8, expected a UTF-8 text file") from None
+        text = read_small_text(path, MAX_YAML_BYTES, repr(path), "a short YAML file", "text")
+    except ValueError as err:
+        raise YamlError(str(err)) from None
     try:
         return parse_yaml(text)
     except YamlError as err:

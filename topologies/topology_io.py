@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 import networkx as nx
 import yaml
 
-from pipescope.simulator.files import write_atomic
+from pipescope.simulator.files import read_small_text, write_atomic
 from pipescope.simulator.safe_yaml import MAX_YAML_BYTES, YamlError, read_yaml_file
 from pipescope.simulator.units import parse_bandwidth, parse_size, parse_time, short_repr
 from pipescope.topologies.devices import DEVICES
@@ -358,17 +358,7 @@ def _full_graph(raw: dict, where: str) -> nx.DiGraph:
 
 def _read_graphml(path: str, where: str) -> nx.DiGraph:
     """A GraphML file, refused before parsing if too big, not UTF-8, or declaring a DOCTYPE or ENTITY."""
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_GRAPHML_BYTES + 1)
-    except OSError as err:
-        raise ValueError(f"{where}: cannot read it ({err.strerror})") from None
-    if len(data) > MAX_GRAPHML_BYTES:
-        raise ValueError(f"{where}: larger than {MAX_GRAPHML_BYTES:,} bytes, expected a GraphML file of at most that")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{where}: byte {err.start} is not UTF-8, expected a UTF-8 GraphML file") from None
+    text = read_small_text(path, MAX_GRAPHML_BYTES, where, "a GraphML file of at most that", "GraphML")
     lowered = text.lower()
     if "<!doctype" in lowered or "<!entity" in lowered:  # entity expansion ("billion laughs") and external entities
         raise ValueError(f"{where}: has a <!DOCTYPE or <!ENTITY declaration, expected plain GraphML (refused)")
