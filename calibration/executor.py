@@ -36,7 +36,6 @@ from pipescope.simulator.lowering import lower
 from pipescope.simulator.models import stage_layers
 
 K = ActionKind
-KINDS = tuple(ActionKind)
 
 
 @dataclass(frozen=True)
@@ -353,20 +352,31 @@ def _supervise(ranks: list, progress, specs: list[RunSpec], out: Path) -> None:
         error = out / f"error.{r}"
         return f"{what} of {specs[index].schedule.name}" + (f": {error.read_text()}" if error.is_file() else "")
 
+    def died() -> RunError | None:
+        """The rank that caused a failure: one that ended without raising (exited or killed) before one that
+        raised, and among those that raised the first to write its error; its peers only fail after it (a
+        connection reset). None while every rank is alive or ended well."""
+        dead = [r for r, p in enumerate(ranks) if p.exitcode not in (None, 0)]
+        if not dead:
+            return None
+        time.sleep(0.2)  # the peers of a dead rank fail within moments; wait for them before choosing
+        errors = {r: out / f"error.{r}" for r in dead}
+        first = min(dead, key=lambda r: (errors[r].is_file(),
+                                          errors[r].stat().st_mtime_ns if errors[r].is_file() else 0, r))
+        return RunError(f"rank {first} died (exit code {ranks[first].exitcode}) at {where(first)}")
+
     last, moved = list(progress), time.monotonic()
     while any(p.is_alive() for p in ranks):
-        for r, process in enumerate(ranks):
-            if process.exitcode not in (None, 0):
-                raise RunError(f"rank {r} died (exit code {process.exitcode}) at {where(r)}")
+        if (error := died()) is not None:
+            raise error
         if list(progress) != last:
             last, moved = list(progress), time.monotonic()
         elif time.monotonic() - moved > specs[progress[0]].timeout_s:
             stuck = "; ".join(f"rank {r} at {where(r)}" for r, p in enumerate(ranks) if p.is_alive())
             raise RunError(f"hung: no rank made progress for {specs[progress[0]].timeout_s:g} s: {stuck}")
         time.sleep(0.05)
-    for r, process in enumerate(ranks):
-        if process.exitcode != 0:
-            raise RunError(f"rank {r} died (exit code {process.exitcode}) at {where(r)}")
+    if (error := died()) is not None:
+        raise error
 
 
 def free_port() -> int:

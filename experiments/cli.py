@@ -15,6 +15,7 @@ from pipescope.config import ConfigError, load_config
 if TYPE_CHECKING:
     from pipescope.simulator.result import SimResult
 from pipescope.simulator.ir import ScheduleError
+from pipescope.simulator.units import short_repr
 
 
 class Parser(argparse.ArgumentParser):
@@ -38,6 +39,14 @@ def decimal(text: str) -> int:
     """An argparse type: a plain decimal integer (Python's int() would also take ``1_6`` and spaces)."""
     if not re.fullmatch(r"[0-9]{1,18}", text):
         raise argparse.ArgumentTypeError(f"got {text!r}, expected a plain decimal integer")
+    return int(text)
+
+
+def integer_flag(flag: str, text: str, low: int, high: int) -> int:
+    """A plain decimal flag value from ``low`` to ``high``, for commands that check their own flags (``collective``,
+    ``validate``); ValueError naming the flag."""
+    if not re.fullmatch(r"[0-9]{1,19}", str(text)) or not low <= int(text) <= high:
+        raise ValueError(f"{flag}: got {short_repr(text)}, expected an integer from {low} to {high}")
     return int(text)
 
 

@@ -9,6 +9,7 @@ import re
 import sys
 
 from pipescope.calibration.commfit import bus_factor
+from pipescope.experiments.cli import integer_flag
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.routed import RoutedNetwork, time_alone
 from pipescope.simulator.units import parse_size, short_repr
@@ -62,7 +63,7 @@ def collective_report(args: argparse.Namespace) -> dict:
 
     op = _choice("--op", args.op, tuple(OPS))
     nbytes = _size(args.bytes)
-    graph = load_topology(args.topology, _integer("--nodes", args.nodes, 1, 4096), args.fabric,
+    graph = load_topology(args.topology, integer_flag("--nodes", args.nodes, 1, 4096), args.fabric,
                           None if args.oversubscription is None else _number("--oversubscription",
                                                                              args.oversubscription))
     gpus = gpu_nodes(graph)
@@ -70,7 +71,7 @@ def collective_report(args: argparse.Namespace) -> dict:
     if args.profile:
         seconds, algorithm = _profiled(args.profile, op, ranks, nbytes)
     else:
-        network = RoutedNetwork(graph, [gpus[r] for r in ranks], _integer("--seed", args.seed, 0, 2**63 - 1),
+        network = RoutedNetwork(graph, [gpus[r] for r in ranks], integer_flag("--seed", args.seed, 0, 2**63 - 1),
                                 _choice("--algorithm", args.algorithm, ("auto", "ring", "tree", "hierarchical")))
         members = list(range(len(ranks)))
         algorithm = network.collectives.choose(OPS[op], members, nbytes)[0]
@@ -142,12 +143,6 @@ def _size(text: str) -> int:
     if not 1 <= nbytes <= 1 << 50:
         raise ValueError(f"--bytes: got {short_repr(text)}, expected 1 B to 1 PiB")
     return nbytes
-
-
-def _integer(flag: str, text: str, low: int, high: int) -> int:
-    if not re.fullmatch(r"[0-9]{1,19}", str(text)) or not low <= int(text) <= high:
-        raise ValueError(f"{flag}: got {short_repr(text)}, expected an integer from {low} to {high}")
-    return int(text)
 
 
 def _number(flag: str, text: str) -> float:

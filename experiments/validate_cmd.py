@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from pipescope.config import ConfigError, load_config
+from pipescope.experiments.cli import integer_flag
 from pipescope.simulator.ir import COMPUTE_KINDS
 
 
@@ -69,8 +71,8 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
     """(report, predicted compute rows, measured compute rows)."""
     if args.device != "cpu":
         raise ValueError(f"--device: got {args.device!r}, expected cpu (the CUDA executor is not implemented yet)")
-    iterations, timeout = _integer("--iterations", args.iterations, 1, 100), _integer("--timeout", args.timeout, 1,
-                                                                                       3600)
+    iterations = integer_flag("--iterations", args.iterations, 1, 100)
+    timeout = integer_flag("--timeout", args.timeout, 1, 3600)
     with tempfile.TemporaryDirectory() as folder:
         profile = args.profile or _calibrate(args, folder)
         config = load_config(None, _sets(args, profile))
@@ -108,7 +110,6 @@ def _calibrate(args: argparse.Namespace, folder: str) -> str:
 def _run_step(name: str, command: list[str]) -> None:
     """Run one calibration command (one thread per process, as the executor's ranks); RuntimeError with its last
     line if it fails."""
-    import os
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ,
                                                                                       "OMP_NUM_THREADS": "1"})
     if done.returncode != 0:
@@ -201,12 +202,6 @@ def _table(report: dict) -> str:
 
 def _phase(text: str) -> None:
     print(f"pipescope validate: {text}", file=sys.stderr, flush=True)
-
-
-def _integer(flag: str, text: str, low: int, high: int) -> int:
-    if not str(text).isdigit() or not low <= int(text) <= high:
-        raise ValueError(f"{flag}: got {text!r}, expected an integer from {low} to {high}")
-    return int(text)
 
 
 def _number(flag: str, text: str) -> float:

@@ -48,15 +48,13 @@ def ring(kind: ActionKind, group: Sequence[int], nbytes: int) -> list[Phase]:
     return [Phase(tuple((a, b, per_link) for a, b in _ring_pairs(group)), steps)]
 
 
-def tree(kind: ActionKind, group: Sequence[int], nbytes: int) -> list[Phase]:
+def tree(group: Sequence[int], nbytes: int) -> list[Phase]:
     """NCCL's double binary tree all-reduce: two binary trees (the second over the group shifted by one, so a
     rank interior in one is a leaf in the other) each reduce half the buffer up and broadcast it down, pipelined:
     every tree edge carries its half both ways at once, over 2 x depth latency steps."""
     n = len(group)
     if n < 2:
         return []
-    if kind is not K.ALL_REDUCE:
-        return ring(kind, group, nbytes)
     half = math.ceil(nbytes / 2)
     transfers = []
     for order in (list(group), list(group[1:]) + list(group[:1])):
@@ -90,7 +88,7 @@ def plans(kind: ActionKind, group: Sequence[int], nbytes: int, server_of: Sequen
     """Every algorithm that applies to this collective, by name."""
     found = {"ring": ring(kind, group, nbytes)}
     if kind is K.ALL_REDUCE and len(group) > 2:
-        found["tree"] = tree(kind, group, nbytes)
+        found["tree"] = tree(group, nbytes)
     layered = hierarchical(kind, group, nbytes, server_of)
     if layered is not None:
         found["hierarchical"] = layered

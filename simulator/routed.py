@@ -92,7 +92,6 @@ class IdleClock:
     """A clock for flows with nothing else running: ``pipescope collective`` and the network's own tests."""
 
     def __init__(self) -> None:
-        self.now = 0
         self.ends: dict[int, int] = {}
         self._heap: list[tuple[int, int, Callable[[], None]]] = []
         self._order = count()
@@ -106,7 +105,7 @@ class IdleClock:
     def run(self) -> dict[int, int]:
         """Run every wake-up in time order; returns each flow's end."""
         while self._heap:
-            self.now, _, callback = heapq.heappop(self._heap)
+            _, _, callback = heapq.heappop(self._heap)
             callback()
         return self.ends
 

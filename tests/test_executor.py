@@ -52,13 +52,15 @@ def test_a_dead_or_hung_rank_ends_the_run_with_one_line_and_no_process_left(faul
 
 
 def _children() -> list[int]:
-    """PIDs whose parent is this process (from /proc: the ranks it spawned)."""
+    """PIDs whose parent is this process (from /proc: the ranks it spawned), but multiprocessing's resource
+    tracker, which the first spawn starts and which lives as long as this process."""
     mine, found = os.getpid(), []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == mine:
+                with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    if (int(stat.read().rsplit(")", 1)[1].split()[1]) == mine
+                            and b"resource_tracker" not in cmdline.read()):
                         found.append(int(entry))
             except (OSError, ValueError, IndexError):
                 continue

@@ -41,6 +41,17 @@ def star(n: int, bandwidth: float = 100 * GB, latency_ns: float = 1000) -> Route
     return RoutedNetwork(graph, [f"g{i}" for i in range(n)], algorithm="ring")
 
 
+def leaf_spine(spines: int) -> nx.DiGraph:
+    """Host a on leaf0 and host b on leaf1, the leaves joined through ``spines`` spines of 1 GB/s: equal paths."""
+    graph = nx.DiGraph()
+    for spine in range(spines):
+        link(graph, "leaf0", f"spine{spine}", 1 * GB, 100)
+        link(graph, "leaf1", f"spine{spine}", 1 * GB, 100)
+    link(graph, "a", "leaf0", 100 * GB, 0)
+    link(graph, "b", "leaf1", 100 * GB, 0)
+    return graph
+
+
 def servers(nodes: int, per_node: int, nvlink: float, nic: float) -> RoutedNetwork:
     """Servers of GPUs on an NVLink switch, each GPU with its own NIC on one fabric switch."""
     graph = nx.DiGraph()
@@ -93,12 +104,7 @@ def test_three_flows_on_two_edges_get_the_max_min_rates():
 
 
 def test_equal_cost_paths_are_spread_by_the_seed():
-    graph = nx.DiGraph()
-    for spine in range(4):
-        link(graph, "leaf0", f"spine{spine}", 1 * GB, 100)
-        link(graph, "leaf1", f"spine{spine}", 1 * GB, 100)
-    link(graph, "a", "leaf0", 100 * GB, 0)
-    link(graph, "b", "leaf1", 100 * GB, 0)
+    graph = leaf_spine(4)
     network = RoutedNetwork(graph, ["a", "b"], seed=7)
     assert len(network.fabric.routes(0, 1)) == 4
     chosen = {network.fabric.route(0, 1, flow) for flow in range(64)}
@@ -231,12 +237,7 @@ def test_a_failed_link_without_another_route_names_the_transfer():
 
 
 def test_a_failed_link_with_another_route_is_routed_around():
-    graph = nx.DiGraph()
-    for spine in range(2):
-        link(graph, "leaf0", f"spine{spine}", 1 * GB, 100)
-        link(graph, "leaf1", f"spine{spine}", 1 * GB, 100)
-    link(graph, "a", "leaf0", 100 * GB, 0)
-    link(graph, "b", "leaf1", 100 * GB, 0)
+    graph = leaf_spine(2)
     both = time_alone(RoutedNetwork(graph, ["a", "b"]), [(0, 1, 10**6, 0), (0, 1, 10**6, 0), (0, 1, 10**6, 0)])
     graph.remove_edges_from([("leaf0", "spine0"), ("spine0", "leaf0")])
     one = time_alone(RoutedNetwork(graph, ["a", "b"]), [(0, 1, 10**6, 0), (0, 1, 10**6, 0), (0, 1, 10**6, 0)])
