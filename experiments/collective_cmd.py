@@ -10,6 +10,7 @@ import sys
 
 from pipescope.calibration.commfit import bus_factor
 from pipescope.experiments.cli import integer_flag
+from pipescope.experiments.topology_cmd import OVERSUBSCRIPTION, decimal_flag
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.routed import RoutedNetwork, time_alone
 from pipescope.simulator.units import parse_size, short_repr
@@ -64,8 +65,7 @@ def collective_report(args: argparse.Namespace) -> dict:
     op = _choice("--op", args.op, tuple(OPS))
     nbytes = _size(args.bytes)
     graph = load_topology(args.topology, integer_flag("--nodes", args.nodes, 1, 4096), args.fabric,
-                          None if args.oversubscription is None else _number("--oversubscription",
-                                                                             args.oversubscription))
+                          decimal_flag(args.oversubscription, "--oversubscription", OVERSUBSCRIPTION, float))
     gpus = gpu_nodes(graph)
     ranks = parse_ranks(args.ranks, len(gpus))
     if args.profile:
@@ -143,10 +143,3 @@ def _size(text: str) -> int:
     if not 1 <= nbytes <= 1 << 50:
         raise ValueError(f"--bytes: got {short_repr(text)}, expected 1 B to 1 PiB")
     return nbytes
-
-
-def _number(flag: str, text: str) -> float:
-    try:
-        return float(text) if re.fullmatch(r"[0-9.eE+-]{1,30}", text) else float("nan")
-    except ValueError:
-        return float("nan")

@@ -41,7 +41,10 @@ def _error(message: str) -> int:
     return EXIT_USAGE
 
 
-def _number(text: str | None, flag: str, pattern: str, convert: type) -> int | float | None:
+OVERSUBSCRIPTION = r"[0-9]{1,6}(\.[0-9]{1,6})?"  # plain decimal: no nan, inf, 1e3 or 1_0
+
+
+def decimal_flag(text: str | None, flag: str, pattern: str, convert: type) -> int | float | None:
     """A plain decimal flag value (argparse's int/float would take ``1_6``, ``nan`` and ``inf``)."""
     if text is None:
         return None
@@ -53,8 +56,8 @@ def _number(text: str | None, flag: str, pattern: str, convert: type) -> int | f
 def cmd_topology(args: argparse.Namespace) -> int:
     """Print the summary (or JSON), then write --png and --save; exit 2 with one line on bad input."""
     try:
-        nodes = _number(args.nodes, "--nodes", r"[0-9]{1,6}", int)
-        ratio = _number(args.oversubscription, "--oversubscription", r"[0-9]{1,6}(\.[0-9]{1,6})?", float)
+        nodes = decimal_flag(args.nodes, "--nodes", r"[0-9]{1,6}", int)
+        ratio = decimal_flag(args.oversubscription, "--oversubscription", OVERSUBSCRIPTION, float)
         for flag, path, suffixes in (("--png", args.png, DRAW_SUFFIXES), ("--save", args.save, SAVE_SUFFIXES)):
             if path is not None and not path.lower().endswith(suffixes):
                 raise ValueError(f"{flag}: got {path[:200]!r}, expected a file name ending in {', '.join(suffixes)}")
