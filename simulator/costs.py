@@ -32,6 +32,8 @@ class StageCost:
         weight_grad_bytes: M_W, what a deferred W still holds after I.
         input_bytes: the stage input, all that F keeps under recompute.
         params: parameters of the stage.
+        optimizer_ns: the stage's optimizer step (AdamW with gradient norm and clipping), once per iteration after
+            its last backward (0: not modelled, as in the closed forms).
     """
 
     forward_ns: int
@@ -43,6 +45,7 @@ class StageCost:
     weight_grad_bytes: int = 0
     input_bytes: int = 0
     params: int = 0
+    optimizer_ns: int = 0
 
 
 class CostModel(Protocol):
