@@ -23,7 +23,9 @@ class ActionKind(StrEnum):
     """What an action does, spelled with torch's letters so ``2F0`` and torch's CSV round-trip.
 
     F forward, I input-grad, W weight-grad, B fused backward (I + W); SEND_*/RECV_* the p2p transfers lowering adds;
-    torch's per-stage UNSHARD/RESHARD/REDUCE_GRAD (kept, no work here); collectives over a group of devices.
+    torch's per-stage UNSHARD/RESHARD/REDUCE_GRAD (kept, no work here); collectives over a group of devices; OPT a
+    stage's optimizer step, once per iteration (``lowering.add_optimizer_steps``; ``3OPT7`` is stage 3's step after
+    the iteration whose last microbatch is 7).
     """
 
     F = "F"
@@ -41,6 +43,7 @@ class ActionKind(StrEnum):
     ALL_GATHER = "ALL_GATHER"
     REDUCE_SCATTER = "REDUCE_SCATTER"
     BROADCAST = "BROADCAST"
+    OPT = "OPT"
 
 
 class Role(IntEnum):
@@ -61,8 +64,11 @@ ROLE: dict[ActionKind, Role] = {
     ActionKind.UNSHARD: Role.STAGE, ActionKind.RESHARD: Role.STAGE, ActionKind.REDUCE_GRAD: Role.STAGE,
     ActionKind.ALL_REDUCE: Role.COLLECTIVE, ActionKind.ALL_GATHER: Role.COLLECTIVE,
     ActionKind.REDUCE_SCATTER: Role.COLLECTIVE, ActionKind.BROADCAST: Role.COLLECTIVE,
+    ActionKind.OPT: Role.COMPUTE,
 }
-COMPUTE_KINDS = frozenset(k for k, r in ROLE.items() if r is Role.COMPUTE)
+# The per-microbatch ops schedules are made of. OPT takes compute time too, but no schedule or CSV holds it: the
+# simulator adds it to the program it runs.
+COMPUTE_KINDS = frozenset(k for k, r in ROLE.items() if r is Role.COMPUTE) - {ActionKind.OPT}
 COMM_KINDS = frozenset(k for k, r in ROLE.items() if r in (Role.SEND, Role.RECV))
 STAGE_KINDS = frozenset(k for k, r in ROLE.items() if r is Role.STAGE)
 COLLECTIVE_KINDS = frozenset(k for k, r in ROLE.items() if r is Role.COLLECTIVE)

@@ -173,3 +173,39 @@ def program_inputs(action: Action, home: Sequence[int], num_stages: int, present
         pair = comm_pair(producer, home) if home[producer.stage] != here else None
         inputs.append(producer if pair is None else pair[1])
     return inputs
+
+
+LAG_WITHOUT_FLUSH = 2  # iterations between a gradient and the first forward that needs its update (2BW, PipeDream)
+
+
+def add_optimizer_steps(program: Schedule) -> Schedule:
+    """``program`` with each stage's optimizer step (``sOPTk``, k the iteration's last microbatch) on its device.
+
+    A flush schedule steps after the device's last op, stages in order, as a training loop calls ``step()`` after
+    the backward. Schedules that span iterations (PipeDream, 2BW) step as late as they can: just before the stage's
+    first forward that needs the update, that of iteration k + 2 (``LAG_WITHOUT_FLUSH``; the rule
+    ``simulator.replicas`` applies to their gradient all-reduce), or at the device's end when there is none. So the
+    step's time lands on the device's stream without stalling it on an all-reduce still in flight.
+    """
+    m, iterations = program.num_microbatches, program.iterations
+    lag = LAG_WITHOUT_FLUSH if iterations > 1 else 1
+    lists = [[a for a in acts if a is not None] for acts in program.device_actions]
+    before: dict[Action, list[Action]] = {}  # first forward of a stage's iteration k + lag -> the steps before it
+    tails: list[list[Action]] = [[] for _ in lists]
+    for stage, device in enumerate(program.stage_to_device):
+        firsts = _first_forwards(lists[device], stage, m)
+        for k in range(iterations):
+            step = Action(stage, K.OPT, (k + 1) * m - 1)
+            needs = firsts.get(k + lag)
+            (before.setdefault(needs, []) if needs is not None else tails[device]).append(step)
+    out = [[step for a in acts for step in [*before.get(a, ()), a]] + tail for acts, tail in zip(lists, tails)]
+    return dataclasses.replace(program, device_actions=tuple(tuple(acts) for acts in out))
+
+
+def _first_forwards(actions: list[Action], stage: int, m: int) -> dict[int, Action]:
+    """Iteration -> the first forward of ``stage`` in it, in list order."""
+    firsts: dict[int, Action] = {}
+    for a in actions:
+        if a.kind is K.F and a.stage == stage:
+            firsts.setdefault(a.microbatch // m, a)
+    return firsts

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipescope.simulator.ir import ActionKind, Collective, Role, Schedule
+from pipescope.simulator.lowering import LAG_WITHOUT_FLUSH
 from pipescope.simulator.program import KIND_CODE, Columns, Program
 
 K = ActionKind
 DDP_BUCKET_BYTES = 25 << 20  # torch DDP's bucket_cap_mb default
-LAG_WITHOUT_FLUSH = 2  # iterations between a gradient all-reduce and the first forward that needs its update
 MAX_BUCKETS = 4096  # per stage and iteration: DDP's 25 MiB cuts a 100 GB stage into 4,000; more is a typo
 
 
@@ -70,7 +70,8 @@ def _syncs(base: Program, schedule: Schedule, width: int, grad_bytes: list[int],
         return []
     cols, m, devices = base.columns, schedule.num_microbatches, schedule.num_devices
     iteration = cols.microbatch // m
-    compute = cols.role == Role.COMPUTE
+    steps = cols.kind == KIND_CODE[K.OPT]
+    compute = (cols.role == Role.COMPUTE) & ~steps  # the optimizer step waits for the all-reduce: never its trigger
     grads = compute & np.isin(cols.kind, [KIND_CODE[K.W], KIND_CODE[K.B]])
     forwards = compute & (cols.kind == KIND_CODE[K.F])
     lag = LAG_WITHOUT_FLUSH if schedule.iterations > 1 else schedule.iterations
@@ -89,7 +90,9 @@ def _syncs(base: Program, schedule: Schedule, width: int, grad_bytes: list[int],
                 trigger = int(np.flatnonzero(compute & (cols.device == home) & (iteration == k)).max())
                 offsets = [base.duration[trigger]] * len(buckets)
             later = np.flatnonzero(forwards & (cols.stage == stage) & (iteration == k + lag))
+            step = np.flatnonzero(steps & (cols.stage == stage) & (iteration == k))
             blocks = [int(later.min())] if len(later) else []
+            blocks += step.tolist()  # the optimizer step applies the reduced gradients
             last_microbatch = (k + 1) * m - 1
             for j, (size, offset) in enumerate(zip(buckets, offsets)):
                 collective = Collective(stage, K.ALL_REDUCE, last_microbatch, group, size, j)

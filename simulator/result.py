@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 
 from pipescope.simulator.costs import StageCost
-from pipescope.simulator.ir import Role, Schedule
+from pipescope.simulator.ir import ActionKind, Role, Schedule
+from pipescope.simulator.program import KIND_CODE
 from pipescope.simulator.memory import DeviceMemory, ledger
 from pipescope.simulator.timeline import Timeline, uncovered_ns
 
@@ -153,11 +154,11 @@ def _layer_split(config: Any) -> list[int] | None:
     return list(split) if split is not None else None
 
 
-def _iteration_times(schedule: Schedule, microbatch: np.ndarray, start: np.ndarray, end: np.ndarray
+def _iteration_times(schedule: Schedule, microbatch: np.ndarray, end: np.ndarray, first: int, last: int
                      ) -> tuple[int, int, int]:
-    """(iteration, fill/drain, makespan) in ns from the compute and collective rows; one iteration: iteration =
-    makespan."""
-    makespan = int(end.max() - start.min())
+    """(iteration, fill/drain, makespan) in ns: iteration k ends with the last of its rows (``microbatch``, ``end``),
+    the run spans ``first`` to ``last``; one iteration: iteration = makespan."""
+    makespan = last - first
     if schedule.iterations <= 1:
         return makespan, 0, makespan
     ends = np.zeros(schedule.iterations, dtype=np.int64)
@@ -196,8 +197,11 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
                            memory[d % pipeline].peak_activations, static[d % pipeline], exposed_comm[d] / 1e9,
                            exposed_allreduce[d] / 1e9) for d in range(p)]
     timed = compute | collective
-    iteration, fill_drain, makespan = _iteration_times(schedule, records.microbatch[timed], records.start[timed],
-                                                       records.end[timed])
+    # Steps that span iterations run late (before the forward that needs them): an iteration ends with its backwards
+    steps = records.kind == KIND_CODE[ActionKind.OPT]
+    ends = timed & ~steps if schedule.iterations > 1 else timed
+    iteration, fill_drain, makespan = _iteration_times(schedule, records.microbatch[ends], records.end[ends],
+                                                       int(records.start[timed].min()), int(records.end[timed].max()))
     bubble = 1.0 - int(busy.sum()) / (p * max_span)
     return SimResult(schedule, records, devices, memory, iteration, fill_drain, makespan, bubble,
                      samples_per_iteration, **extra)

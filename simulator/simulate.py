@@ -12,7 +12,7 @@ from pipescope.simulator.engine import Engine, gc_paused
 from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
-from pipescope.simulator.lowering import lower
+from pipescope.simulator.lowering import add_optimizer_steps, lower
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.network import FifoLinks, Network
 from pipescope.simulator.program import Program, compile_program, op_durations
@@ -77,7 +77,10 @@ def prepare(schedule: Schedule, costs: CostModel) -> tuple[Program, list[StageCo
     """The lowered, compiled program of ``schedule`` under ``costs``, and the per-stage costs it used."""
     stage_costs = [costs.stage_cost(s, schedule.num_stages, schedule.chunks) for s in range(schedule.num_stages)]
     check_stage_costs(stage_costs)
-    program = compile_program(lower(schedule), op_durations(stage_costs, schedule.recompute),
+    program = lower(schedule)
+    if any(c.optimizer_ns for c in stage_costs):  # none under the closed forms' costs: their programs stay as they are
+        program = add_optimizer_steps(program)
+    program = compile_program(program, op_durations(stage_costs, schedule.recompute),
                               [c.boundary_bytes for c in stage_costs])
     return program, stage_costs
 
