@@ -17,7 +17,7 @@ KIND_NAMES = {"F": "forward", "I": "input-grad", "W": "weight-grad", "B": "backw
               "SEND_F": "send activation", "SEND_B": "send gradient",
               "RECV_F": "receive activation", "RECV_B": "receive gradient",
               "ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
-              "BROADCAST": "broadcast"}
+              "BROADCAST": "broadcast", "OPT": "optimizer step"}
 
 
 def _lane_names(result: SimResult) -> list[str]:
