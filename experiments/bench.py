@@ -1,5 +1,5 @@
-"""``pipescope bench``: the engine's speed against the heapq floor (``simulator.oracle``), and with ``--network`` a
-whole run over routed flows at 64, 256 and 1,024 GPUs.
+"""``pipescope bench``: the engine's speed against the heapq floor (``simulator.oracle``), with ``--network`` a
+whole run over routed flows at 64, 256 and 1,024 GPUs, and ``bench_sweep``: a sweep's throughput and per-run overhead.
 
 Both replay the same compiled program (durations, inputs, FIFO transfers) over the same network, so the ratio
 measures the price of SimPy processes and events alone. The oracle also cross-checks the engine: every action must
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 import time
 
 from pipescope.simulator.check import check
@@ -90,11 +91,47 @@ def bench_network(label: str, topology: str, nodes: int, fabric: str, p: int, w:
             "iteration_time_s": result.iteration_time_s, "exposed_allreduce_s": result.exposed_allreduce_s}
 
 
-def run_bench(repeat: int = 5, quick: bool = False, as_json: bool = False, with_network: bool = False) -> int:
+# 4 schedules x 2 depths x 5 microbatch counts x 5 seeds = 200 small uniform-cost runs (2 to 45 ms each).
+SWEEP_EXPERIMENT = {
+    "costs": {"kind": "uniform", "forward": "1ms", "backward_input": "1ms", "backward_weight": "1ms", "p2p": "10us"},
+    "sweep": {"schedule.name": ["gpipe", "1f1b", "zb-h1", "zb-h2"], "schedule.stages": [2, 4],
+              "schedule.microbatches": [4, 8, 16, 32, 64], "seed": [0, 1, 2, 3, 4]},
+}
+
+
+def bench_sweep(workers: int = 2, dask: bool = False) -> dict:
+    """``SWEEP_EXPERIMENT`` swept over a process pool (or a Dask LocalCluster) of ``workers``, from executor start to
+    the written results: runs per second, and the overhead per run, the worker time not spent inside ``run()``:
+    (wall x workers - sum of run times) / runs. ``serial_runs_per_s`` is the same runs in this process, no pool."""
+    from pipescope import run
+    from pipescope.experiments.sweep import dask_executor, expand, run_sweep
+
+    plan = expand(SWEEP_EXPERIMENT)
+    serial_s = _median_time(lambda: [run(item.config) for item in plan.runs], 1)
+    with tempfile.TemporaryDirectory() as out:
+        started = time.perf_counter()
+        if dask:
+            with dask_executor("local", workers) as (executor, threads):
+                report = run_sweep(plan, out, executor, threads, progress=False)
+                wall = time.perf_counter() - started
+        else:
+            report = run_sweep(plan, out, workers=workers, progress=False)
+            wall = time.perf_counter() - started
+    runs, run_s = len(plan.runs), float(report.frame["run_wall_s"].sum())
+    if report.lost or (report.frame["status"] != "ok").any():
+        raise AssertionError(f"sweep benchmark: {len(report.lost)} runs lost, some failed")
+    return {"case": f"sweep {runs} runs", "executor": "dask local" if dask else "process pool", "workers": workers,
+            "runs": runs, "wall_s": wall, "runs_per_s": runs / wall, "mean_run_s": run_s / runs,
+            "overhead_per_run_s": (wall * workers - run_s) / runs, "serial_runs_per_s": runs / serial_s}
+
+
+def run_bench(repeat: int = 5, quick: bool = False, as_json: bool = False, with_network: bool = False,
+              with_sweep: bool = False) -> int:
     rows = [bench_case(p, m, repeat) for p, m in (CASES[:1] if quick else CASES)]
     network = [bench_network(*case, repeat=min(repeat, 3)) for case in NETWORK_CASES] if with_network else []
+    sweeps = [bench_sweep(dask=dask) for dask in (False, True)] if with_sweep else []
     if as_json:
-        print(json.dumps(rows + network))
+        print(json.dumps(rows + network + sweeps))
         return 0
     print(f"{'case':>14} {'ops':>7} {'xfers':>7} {'engine run':>11} {'floor':>8} {'ratio':>6} "
           f"{'ops/s':>9} {'check':>7} {'compile':>8} {'result':>7} {'simulate':>9}")
@@ -114,4 +151,13 @@ def run_bench(repeat: int = 5, quick: bool = False, as_json: bool = False, with_
                   f"{r['rate_updates_per_s']:>10.0f}")
         print(f"1F1B, w replicas with bucketed all-reduce on dgx-h100 nodes (topology build included); medians of "
               f"{min(repeat, 3)} runs")
+    if sweeps:
+        print(f"\n{'sweep':>16} {'workers':>7} {'runs':>5} {'wall':>7} {'runs/s':>7} {'mean run':>9} "
+              f"{'overhead/run':>13} {'serial runs/s':>14}")
+        for r in sweeps:
+            print(f"{r['executor']:>16} {r['workers']:>7} {r['runs']:>5} {r['wall_s']:>6.2f}s {r['runs_per_s']:>7.1f} "
+                  f"{r['mean_run_s'] * 1e3:>7.1f}ms {r['overhead_per_run_s'] * 1e3:>11.1f}ms "
+                  f"{r['serial_runs_per_s']:>14.1f}")
+        print("200 uniform-cost runs, executor start to results written; overhead/run is (wall x workers - sum of "
+              "run times) / runs; serial: the same runs one after another in this process")
     return 0

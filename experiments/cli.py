@@ -212,7 +212,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pipescope.experiments.bench import run_bench
     if not 1 <= args.repeat <= 1000:
         return usage_error(f"--repeat: got {args.repeat}, expected an integer from 1 to 1000")
-    return run_bench(args.repeat, args.quick, args.json, args.network)
+    return run_bench(args.repeat, args.quick, args.json, args.network, args.sweep)
 
 
 def build_parser() -> Parser:
@@ -241,12 +241,16 @@ def build_parser() -> Parser:
     p.add_argument("--quick", action="store_true", help="only the small case (p=8, m=64)")
     p.add_argument("--network", action="store_true", help="also time whole runs over routed flows with data "
                    "parallelism: 64, 256 and 1,024 GPUs (about a minute)")
+    p.add_argument("--sweep", action="store_true", help="also time a sweep of 200 small runs on a process pool and "
+                   "on a local Dask cluster, 2 workers each (runs/s and overhead per run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench)
-    from pipescope.experiments import collective_cmd, topology_cmd, validate_cmd
+    from pipescope.experiments import collective_cmd, plot_cmd, sweep_cmd, topology_cmd, validate_cmd
     topology_cmd.register(sub)
     collective_cmd.register(sub)
     validate_cmd.register(sub)
+    sweep_cmd.register(sub)
+    plot_cmd.register(sub)
     _register_calibration(sub)
     return parser
 

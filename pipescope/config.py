@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipescope.simulator.costs import MAX_OP_SECONDS, AnalyticCostsConfig, CostKind, UniformCostsConfig
-from pipescope.simulator.models import PRECISIONS, PRESETS, ModelConfig
+from pipescope.simulator.models import ATTENTIONS, PRECISIONS, PRESETS, ModelConfig
 from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.safe_yaml import YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig
@@ -68,11 +68,12 @@ RANGES: dict[str, tuple[int, int]] = {
     "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1, 1 << 50),
     "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1),
 }
-TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p"}
+TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p", "costs.optimizer"}
 CHOICES = {
     "schedule.vocab": ("naive",),
     "model.precision": tuple(PRECISIONS),
     "model.preset": tuple(PRESETS),
+    "model.attention": ATTENTIONS,
     "cluster.fabric": FABRICS,
     "cluster.collective": COLLECTIVE_ALGORITHMS,
 }
@@ -81,6 +82,8 @@ LIST_RANGES: dict[str, tuple[int, int]] = {"model.layers_per_stage": (1, 100_000
 MAX_LIST_ENTRIES = 100_000  # one entry per stage, and stages x chunks <= model.layers <= 100,000
 # Inclusive (low, high) of every float key that is not a time.
 FLOAT_RANGES = {"cluster.oversubscription": (1.0, MAX_OVERSUBSCRIPTION), "faults.jitter": (0.0, 1.0)}
+# Fractions of a datasheet number a kernel reaches: in (0, 1].
+FRACTION_KEYS = {"costs.efficiency", "costs.memory_efficiency"}
 
 
 def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
@@ -213,7 +216,7 @@ def _check_value(key: str, value: Any) -> None:
     if key in FLOAT_RANGES and not FLOAT_RANGES[key][0] <= value <= FLOAT_RANGES[key][1]:
         low, high = FLOAT_RANGES[key]
         raise ConfigError(f"{key}: got {short_repr(value)}, expected a number from {low:g} to {high:g}")
-    if key == "costs.efficiency" and not 0 < value <= 1:
+    if key in FRACTION_KEYS and not 0 < value <= 1:
         raise ConfigError(f"{key}: got {short_repr(value)}, expected a number in (0, 1]")
     if key in TIME_KEYS and not (value == 0 or 1e-9 <= value <= MAX_OP_SECONDS):
         raise ConfigError(f"{key}: got {short_repr(value)} s, expected 0 or 1 ns (the clock's resolution) to "

@@ -63,17 +63,20 @@ def run(config: Config) -> SimResult:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     try:
-        return simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,
-                        data_parallel=config.cluster.data_parallel, grad_sync=config.cluster.grad_sync(),
-                        faults=faults, memory_capacity_bytes=capacity,
-                        model_flops_per_iteration=model_flops(model, config, schedule) if analytic else None,
-                        peak_flops_per_device=_peak(config, cluster) if analytic else None, config=config)
+        result = simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,
+                          data_parallel=config.cluster.data_parallel, grad_sync=config.cluster.grad_sync(),
+                          faults=faults, memory_capacity_bytes=capacity,
+                          model_flops_per_iteration=model_flops(model, config, schedule) if analytic else None,
+                          peak_flops_per_device=_peak(config, cluster) if analytic else None, config=config)
     except CostError as err:
         raise ConfigError(f"costs: {err}") from None
     except SyncError as err:
         raise ConfigError(str(err)) from None
     except NetworkError as err:
         raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
+    if isinstance(costs, AnalyticCosts):
+        result.kernels = costs.kernel_report(schedule.num_stages)
+    return result
 
 
 def _compute_faults(config: Config, cluster: Cluster) -> ComputeFaults | None:
@@ -185,7 +188,8 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None) -> CostMod
         return c.costs(m.precision)
     if isinstance(c, AnalyticCostsConfig):
         return AnalyticCosts(model, _peak(config, cluster), m.microbatch_size, m.precision, c.efficiency,
-                             layers_per_stage=m.layers_per_stage)
+                             layers_per_stage=m.layers_per_stage, memory_bandwidth=cluster.device_spec.memory_bandwidth,
+                             memory_efficiency=c.memory_efficiency, attention=m.attention)
     if not c.profile:
         raise ConfigError("costs.profile: missing, expected a profile folder written by 'pipescope calibrate'")
     try:

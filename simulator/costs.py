@@ -12,10 +12,15 @@ from enum import StrEnum
 from typing import Protocol
 
 from pipescope.simulator.models import (
+    PASSES,
+    Kernel,
     ModelSpec,
+    check_attention,
+    layer_kernels,
     layer_work,
+    optimizer_kernels,
     output_activation_bytes,
-    output_layer_flops,
+    output_kernels,
     stage_layers,
 )
 
@@ -113,26 +118,36 @@ class UniformCostsConfig:
     backward_input: float = _time(1.0)
     backward_weight: float = _time(1.0)
     p2p: float = _time(0.0)
+    optimizer: float = _time(0.0)  # 0: no optimizer step, so the closed forms of docs/schedules.md hold
 
     def costs(self, precision: str) -> UniformCosts:
-        return UniformCosts(self.forward, self.backward_input, self.backward_weight, precision=precision)
+        return UniformCosts(self.forward, self.backward_input, self.backward_weight, precision=precision,
+                            optimizer=self.optimizer)
+
+
+# A large streaming kernel gets close to the datasheet bandwidth, the many short ones of a layer less: 0.8 is a
+# choice between them, not a measurement (docs/costs.md, "Efficiencies").
+DEFAULT_MEMORY_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True)
 class AnalyticCostsConfig:
-    """``costs.kind: analytic``: FLOPs against the device's datasheet peak times ``efficiency``."""
+    """``costs.kind: analytic``: a roofline per kernel; matmuls at ``efficiency`` of the datasheet peak FLOP/s,
+    memory traffic at ``memory_efficiency`` of its bandwidth (docs/costs.md)."""
 
     kind: CostKind = CostKind.ANALYTIC
     efficiency: float = 0.5
+    memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
 
 
 @dataclass(frozen=True)
 class UniformCosts:
     """Fixed F, I and W times per whole device-stage (seconds), for theory and paper checks.
 
-    A chunk op takes its share (1/v); a fused B takes I + W. Costs are per stage and do not depend on layers, so
-    ``model.layers_per_stage`` changes nothing here. ``activation_bytes``/``weight_bytes`` optionally give
-    memory a scale. The p2p time of uniform runs is the network's (``FifoLinks.fixed_delay``).
+    A chunk op takes its share (1/v), and so does its optimizer step; a fused B takes I + W. Costs are per stage
+    and do not depend on layers, so ``model.layers_per_stage`` changes nothing here.
+    ``activation_bytes``/``weight_bytes`` optionally give memory a scale. The p2p time of uniform runs is the
+    network's (``FifoLinks.fixed_delay``).
     """
 
     forward: float = 1.0
@@ -142,6 +157,7 @@ class UniformCosts:
     weight_grad_bytes: int = 0
     params: int = 0
     precision: str = "bf16"
+    optimizer: float = 0.0  # the optimizer step per whole device-stage (0: none, as in the closed forms)
 
     def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
         share = 1.0 / chunks
@@ -153,6 +169,7 @@ class UniformCosts:
             activation_bytes=int(self.activation_bytes * share),
             weight_grad_bytes=int(self.weight_grad_bytes * share),
             params=int(self.params * share),
+            optimizer_ns=seconds_to_ns(self.optimizer * share),
         )
 
     def notes(self) -> list[str]:
@@ -192,12 +209,44 @@ def split_layers(layers: int, num_stages: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Roofline:
+    """A kernel's time is max(flops / compute rate, bytes / memory rate): whichever of the two it waits for."""
+
+    compute_rate: float  # FLOP/s a matmul reaches
+    memory_rate: float | None  # bytes/s a streaming pass reaches; None: memory traffic is not timed
+
+    def times(self, kernel: Kernel) -> tuple[float, float]:
+        """(compute seconds, memory seconds) of ``kernel``."""
+        memory = kernel.nbytes / self.memory_rate if self.memory_rate else 0.0
+        return kernel.flops / self.compute_rate, memory
+
+    def seconds(self, kernel: Kernel) -> float:
+        return max(self.times(kernel))
+
+    def bound(self, kernel: Kernel) -> str:
+        """``compute`` or ``memory``: which term sets the kernel's time (a kernel without FLOPs: memory)."""
+        compute, memory = self.times(kernel)
+        return "compute" if kernel.flops and compute >= memory else "memory"
+
+    def pass_seconds(self, kernels: list[Kernel]) -> dict[str, float]:
+        """Seconds of each pass (``models.PASSES``): the sum of its kernels' times."""
+        totals = dict.fromkeys(PASSES, 0.0)
+        for kernel in kernels:
+            totals[kernel.op] += self.seconds(kernel)
+        return totals
+
+
+@dataclass(frozen=True)
 class AnalyticCosts(PerStageCache):
-    """FLOPs and bytes of each stage against a datasheet peak times an efficiency factor.
+    """Each stage's passes as kernels (``models.layer_kernels``, ``output_kernels``, ``optimizer_kernels``), each
+    timed by a roofline: matmuls at ``efficiency`` of the datasheet peak FLOP/s, memory traffic at
+    ``memory_efficiency`` of the datasheet bandwidth (docs/costs.md).
 
     The input embedding sits on the first stage and the output layer (logits, softmax,
     cross-entropy) on the last, as in a naive pipeline (no vocabulary parallelism). Each stage holds its share of
-    transformer blocks (``layers_per_stage``, else the equal split; ``models.stage_layers``).
+    transformer blocks (``layers_per_stage``, else the equal split; ``models.stage_layers``). Without a
+    ``memory_bandwidth`` memory traffic is not timed: all FLOPs at ``efficiency`` of the peak and no optimizer step,
+    the model before the roofline. Activation bytes follow ``attention`` (``models.layer_work``).
     """
 
     model: ModelSpec
@@ -206,36 +255,87 @@ class AnalyticCosts(PerStageCache):
     precision: str = "bf16"
     efficiency: float = 0.5
     layers_per_stage: tuple[int, ...] | None = None
+    memory_bandwidth: float | None = None  # the device's datasheet bytes/s; None: memory traffic not timed
+    memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
+    attention: str = "flash"
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def _flops_ns(self, flops: float) -> int:
-        rate = self.peak_flops * self.efficiency
-        return seconds_to_ns(flops / rate)
+    def __post_init__(self) -> None:
+        check_attention(self.attention)
+
+    @property
+    def roofline(self) -> Roofline:
+        memory = self.memory_bandwidth * self.memory_efficiency if self.memory_bandwidth else None
+        return Roofline(self.peak_flops * self.efficiency, memory)
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
         n = self._layers_of(stage, num_stages, self.model.layers)
-        work = layer_work(self.model, self.microbatch_size, self.precision)
-        f, i, w = n * work.forward_flops, n * work.input_grad_flops, n * work.weight_grad_flops
-        params, stash = n * self.model.layer_params(), n * work.activation_bytes
+        work = layer_work(self.model, self.microbatch_size, self.precision, self.attention)
+        seconds = dict.fromkeys(PASSES, 0.0)
+        for _, count, kernels in self._parts(stage, num_stages):
+            for op, value in self.roofline.pass_seconds(kernels).items():
+                seconds[op] += count * value
+        stash = n * work.activation_bytes
         if stage == num_stages - 1:
-            of, oi, ow = output_layer_flops(self.model, self.microbatch_size)
-            f, i, w = f + of, i + oi, w + ow
-            params += self.model.output_params()
             stash += output_activation_bytes(self.model, self.microbatch_size, self.precision)
-        if stage == 0:
-            params += self.model.embedding_params()
         return StageCost(
-            forward_ns=self._flops_ns(f),
-            input_grad_ns=self._flops_ns(i),
-            weight_grad_ns=self._flops_ns(w),
-            recompute_ns=self._flops_ns(f),
+            forward_ns=seconds_to_ns(seconds["F"]),
+            input_grad_ns=seconds_to_ns(seconds["I"]),
+            weight_grad_ns=seconds_to_ns(seconds["W"]),
+            recompute_ns=seconds_to_ns(seconds["F"]),
             boundary_bytes=work.boundary_bytes,
             activation_bytes=stash,
             weight_grad_bytes=n * work.weight_grad_bytes,
             input_bytes=work.boundary_bytes,
-            params=params,
+            params=self._params(stage, num_stages, n),
+            optimizer_ns=seconds_to_ns(seconds["optimizer"]),
         )
+
+    def _params(self, stage: int, num_stages: int, layers: int) -> int:
+        """Parameters of the stage: its blocks, the embedding on the first, the output projection on the last."""
+        params = layers * self.model.layer_params()
+        if stage == num_stages - 1:
+            params += self.model.output_params()
+        if stage == 0:
+            params += self.model.embedding_params()
+        return params
+
+    def _parts(self, stage: int, num_stages: int) -> list[tuple[str, int, list[Kernel]]]:
+        """(component, instances, kernels of one instance) of the stage: its blocks, the output layer on the last
+        stage, and one optimizer step over its parameters (without a memory bandwidth: none)."""
+        n = self._layers_of(stage, num_stages, self.model.layers)
+        parts = [("layer", n, layer_kernels(self.model, self.microbatch_size, self.precision, self.attention))]
+        if stage == num_stages - 1:
+            parts.append(("output", 1, output_kernels(self.model, self.microbatch_size, self.precision)))
+        if self.memory_bandwidth:
+            parts.append(("optimizer", 1, optimizer_kernels(self._params(stage, num_stages, n), self.precision)))
+        return parts
+
+    def stage_kernels(self, stage: int, num_stages: int) -> list[dict]:
+        """The stage's kernels for one microbatch (the optimizer's per iteration): component, kernel, pass,
+        instances, and FLOPs, bytes and seconds over all instances, with the roofline term that set the time."""
+        rows, roofline = [], self.roofline
+        for component, count, kernels in self._parts(stage, num_stages):
+            rows += [{"component": component, "kernel": k.name, "pass": k.op, "count": count,
+                      "flops": float(count * k.flops), "bytes": int(count * k.nbytes),
+                      "time_s": count * roofline.seconds(k), "bound": roofline.bound(k)} for k in kernels]
+        return rows
+
+    def kernel_report(self, num_stages: int) -> list[dict]:
+        """``simulate --json``'s ``kernels``: one entry per group of stages with the same kernels (same layer count,
+        first or last or neither), so a long pipeline of equal stages lists its kernels once."""
+        groups: dict[tuple, dict] = {}
+        for stage in range(num_stages):
+            n = self._layers_of(stage, num_stages, self.model.layers)
+            key = (n, stage == 0, stage == num_stages - 1)
+            if key not in groups:
+                rows = self.stage_kernels(stage, num_stages)
+                totals = dict.fromkeys(PASSES, 0.0)
+                for row in rows:
+                    totals[row["pass"]] += row["time_s"]
+                groups[key] = {"stages": [], "layers": n, "pass_time_s": totals, "kernels": rows}
+            groups[key]["stages"].append(stage)
+        return list(groups.values())
 
     def notes(self) -> list[str]:
         return []
-

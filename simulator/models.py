@@ -1,5 +1,6 @@
-"""Transformer model shapes, their FLOPs and activation bytes (docs/schedules.md sections 5 and 7), the precision
-table, and ``ModelConfig``, the model section of the config."""
+"""Transformer model shapes, their FLOPs and activation bytes (docs/schedules.md sections 5 and 7), the kernels of
+each pass with their FLOPs and bytes moved (the analytic roofline's input, docs/costs.md), the precision table, and
+``ModelConfig``, the model section of the config."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ class Precision:
     grad_bytes: int
     optimizer_bytes: int
 
+    @property
+    def master_bytes(self) -> int:
+        """The fp32 master copy inside ``optimizer_bytes`` (4 in mixed precision; 0 in fp32, where the weights are
+        the master): what is left beside Adam's two fp32 moments."""
+        return self.optimizer_bytes - 2 * ADAM_MOMENT_BYTES
+
+
+ADAM_MOMENT_BYTES = 4  # momentum and variance are fp32 in every precision
 
 # The one precision table: the analytic cost model, the memory ledger, calibration and config choices read it.
 PRECISIONS: dict[str, Precision] = {
@@ -119,16 +128,37 @@ class LayerWork:
     boundary_bytes: int  # the block's input/output tensor (what a stage sends on)
 
 
-def layer_work(model: ModelSpec, microbatch_size: int, precision: str) -> LayerWork:
+ATTENTIONS = ("flash", "eager")  # model.attention; docs/costs.md, "Attention"
+FLASH_STATS_BYTES = 4  # flash attention keeps one fp32 log-sum-exp per row and head for its backward
+
+
+def check_attention(attention: str) -> None:
+    """ValueError naming ``model.attention`` unless it is one of ``ATTENTIONS``."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"model.attention: got {short_repr(attention)}, expected one of {', '.join(ATTENTIONS)}")
+
+
+def layer_work(model: ModelSpec, microbatch_size: int, precision: str, attention: str = "flash") -> LayerWork:
+    """FLOPs (the MFU convention, the same for both attentions) and bytes of one transformer block.
+
+    ``M_B`` follows the attention: eager stashes the s x s scores, softmax and dropout mask of every head (the ZB
+    paper's ``sb(34h + 5as)``); flash stashes none of them, only a fp32 log-sum-exp per row and head
+    (``34sbh + 4abs`` bytes).
+    """
+    check_attention(attention)
     s, b, h, a = model.seq, microbatch_size, model.hidden, model.heads
     width = PRECISIONS[precision].activation_bytes
     # The ZB paper's byte counts assume 2-byte activations; scale for fp32.
     scale = width / 2
+    if attention == "eager":
+        stash = int(s * b * (34 * h + 5 * a * s) * scale)
+    else:
+        stash = int(34 * s * b * h * scale) + FLASH_STATS_BYTES * a * s * b
     return LayerWork(
         forward_flops=s * b * h * (24 * h + 4 * s),
         input_grad_flops=s * b * h * (24 * h + 8 * s),
         weight_grad_flops=24 * s * b * h * h,
-        activation_bytes=int(s * b * (34 * h + 5 * a * s) * scale),
+        activation_bytes=stash,
         weight_grad_bytes=int(32 * s * b * h * scale),
         boundary_bytes=s * b * h * width,
     )
@@ -138,6 +168,169 @@ def output_layer_flops(model: ModelSpec, microbatch_size: int) -> tuple[float, f
     """(F, I, W) FLOPs of logits + softmax + cross-entropy: 6bshV in all (docs/schedules.md section 7)."""
     part = 2.0 * microbatch_size * model.seq * model.hidden * model.vocab
     return part, part, part
+
+
+# Kernels: the analytic cost model's roofline input (docs/costs.md) -----------------------------------------------
+
+PASSES = ("F", "I", "W", "optimizer")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of a pass for one microbatch (the optimizer's: once per iteration).
+
+    ``flops`` are model FLOPs, the MFU convention's: the matmuls' (the s x s ones included). Element-wise,
+    normalisation and softmax passes carry 0: their few FLOPs are not counted there, and they are bound by
+    memory anyway. ``nbytes`` is what the kernel reads plus what it writes.
+    """
+
+    name: str
+    op: str  # one of PASSES
+    flops: float
+    nbytes: float
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The sizes every kernel formula reads: tokens t = s*b, element widths, the score matrix's elements."""
+
+    tokens: int
+    hidden: int
+    seq: int
+    heads: int
+    vocab: int
+    act: int  # bytes per activation element
+    weight: int  # bytes per weight element
+    grad: int  # bytes per gradient element
+
+    @classmethod
+    def of(cls, model: ModelSpec, microbatch_size: int, precision: str) -> _Shape:
+        p = PRECISIONS[precision]
+        return cls(model.seq * microbatch_size, model.hidden, model.seq, model.heads, model.vocab,
+                   p.activation_bytes, p.weight_bytes, p.grad_bytes)
+
+    @property
+    def sbh(self) -> int:
+        """Bytes of one activation of the block's width (t x h)."""
+        return self.tokens * self.hidden * self.act
+
+    @property
+    def scores(self) -> int:
+        """Elements of one s x s matrix per head: b * a * s^2."""
+        return self.tokens * self.heads * self.seq
+
+    @property
+    def stats(self) -> int:
+        """Bytes of flash attention's per-row, per-head fp32 statistics."""
+        return FLASH_STATS_BYTES * self.tokens * self.heads
+
+
+def _matmul(name: str, op: str, x: _Shape, k: int, n: int, rows: int | None = None) -> Kernel:
+    """A Linear of k inputs and n outputs over ``rows`` tokens (default all). F: y = x W^T; I: dx = dy W (the same
+    sizes mirrored); W: dW += dy^T x, the gradient read and written in the gradient's precision."""
+    t = x.tokens if rows is None else rows
+    activations = (t * k + t * n) * x.act
+    weights = 2 * k * n * x.grad if op == "W" else k * n * x.weight
+    return Kernel(name, op, 2.0 * t * k * n, activations + weights)
+
+
+def _attention(x: _Shape, op: str, attention: str) -> list[Kernel]:
+    """The attention core of F or I: 2*t*s*h FLOPs per s x s matmul, two in F and four in I."""
+    core = 2.0 * x.tokens * x.seq * x.hidden
+    sbh, scores = x.sbh, x.scores * x.act
+    mask = x.scores  # the attention dropout's 1-byte mask
+    if attention == "flash":  # one fused kernel: Q, K, V in, O out (I: dO, O in; dQ, dK, dV out); stats only
+        if op == "F":
+            return [Kernel("flash attention", "F", 2 * core, 4 * sbh + x.stats)]
+        return [Kernel("flash attention", "I", 4 * core, 8 * sbh + 2 * x.stats)]
+    if op == "F":
+        return [Kernel("attention scores", "F", core, 2 * sbh + scores),
+                Kernel("softmax", "F", 0, 2 * scores),
+                Kernel("attention dropout", "F", 0, 2 * scores + mask),
+                Kernel("attention times V", "F", core, scores + 2 * sbh)]
+    return [Kernel("attention times V", "I", 2 * core, 3 * sbh + 2 * scores),
+            Kernel("attention dropout", "I", 0, 2 * scores + mask),
+            Kernel("softmax", "I", 0, 3 * scores),
+            Kernel("attention scores", "I", 2 * core, scores + 4 * sbh)]
+
+
+def _layer_forward(x: _Shape, attention: str) -> list[Kernel]:
+    h, sbh, mask = x.hidden, x.sbh, x.tokens * x.hidden
+    return [Kernel("layer norm 1", "F", 0, 2 * sbh),
+            _matmul("QKV", "F", x, h, 3 * h),
+            *_attention(x, "F", attention),
+            _matmul("out projection", "F", x, h, h),
+            Kernel("dropout (attention)", "F", 0, 2 * sbh + mask),
+            Kernel("residual add 1", "F", 0, 3 * sbh),
+            Kernel("layer norm 2", "F", 0, 2 * sbh),
+            _matmul("MLP up", "F", x, h, 4 * h),
+            Kernel("GeLU", "F", 0, 2 * 4 * sbh),
+            _matmul("MLP down", "F", x, 4 * h, h),
+            Kernel("dropout (MLP)", "F", 0, 2 * sbh + mask),
+            Kernel("residual add 2", "F", 0, 3 * sbh)]
+
+
+def _layer_input_grad(x: _Shape, attention: str) -> list[Kernel]:
+    """The backward to the block's input, last kernel first. A residual add's backward is the sum of the two
+    gradients at its fork; a layer norm's reads the gradient and its input; GeLU's its gradient and its input."""
+    h, sbh, mask = x.hidden, x.sbh, x.tokens * x.hidden
+    return [Kernel("residual add 2", "I", 0, 3 * sbh),
+            Kernel("dropout (MLP)", "I", 0, 2 * sbh + mask),
+            _matmul("MLP down", "I", x, 4 * h, h),
+            Kernel("GeLU", "I", 0, 3 * 4 * sbh),
+            _matmul("MLP up", "I", x, h, 4 * h),
+            Kernel("layer norm 2", "I", 0, 3 * sbh),
+            Kernel("residual add 1", "I", 0, 3 * sbh),
+            Kernel("dropout (attention)", "I", 0, 2 * sbh + mask),
+            _matmul("out projection", "I", x, h, h),
+            *_attention(x, "I", attention),
+            _matmul("QKV", "I", x, h, 3 * h),
+            Kernel("layer norm 1", "I", 0, 3 * sbh)]
+
+
+def _layer_weight_grad(x: _Shape) -> list[Kernel]:
+    h = x.hidden
+    return [_matmul("QKV", "W", x, h, 3 * h), _matmul("out projection", "W", x, h, h),
+            _matmul("MLP up", "W", x, h, 4 * h), _matmul("MLP down", "W", x, 4 * h, h)]
+
+
+def layer_kernels(model: ModelSpec, microbatch_size: int, precision: str, attention: str = "flash"
+                  ) -> list[Kernel]:
+    """The kernels of one transformer block's F, I and W (pre-LN, as calibration/model.py's Block, plus the
+    dropouts the ZB paper's M_B counts). Their FLOPs add up to ``layer_work``'s per pass."""
+    check_attention(attention)
+    x = _Shape.of(model, microbatch_size, precision)
+    return [*_layer_forward(x, attention), *_layer_input_grad(x, attention), *_layer_weight_grad(x)]
+
+
+def output_kernels(model: ModelSpec, microbatch_size: int, precision: str) -> list[Kernel]:
+    """The output layer's kernels: final layer norm, logits, softmax (kept in fp32 for cross-entropy, as the
+    ledger counts), cross-entropy (F: each token's target probability; I: d logits = softmax - one-hot, fused).
+    Their FLOPs add up to ``output_layer_flops``."""
+    x = _Shape.of(model, microbatch_size, precision)
+    h, v, sbh = x.hidden, x.vocab, x.sbh
+    logits, targets = x.tokens * v, 8 * x.tokens  # int64 targets
+    return [Kernel("final layer norm", "F", 0, 2 * sbh),
+            _matmul("logits", "F", x, h, v),
+            Kernel("softmax", "F", 0, logits * (x.act + 4)),
+            Kernel("cross-entropy", "F", 0, 4 * x.tokens + targets),
+            Kernel("cross-entropy", "I", 0, logits * (4 + x.act) + targets),
+            _matmul("logits", "I", x, h, v),
+            Kernel("final layer norm", "I", 0, 3 * sbh),
+            _matmul("logits", "W", x, h, v)]
+
+
+def optimizer_kernels(params: int, precision: str) -> list[Kernel]:
+    """One optimizer step over ``params`` parameters, each pass reading and writing every parameter's bytes once
+    (fused kernels): the gradient norm reads the gradients, clipping scales them in place, and AdamW reads the
+    gradient, its fp32 state (master copy where mixed precision keeps one, else the weights themselves) and
+    writes the state and the weights the next forward reads."""
+    p = PRECISIONS[precision]
+    read = p.grad_bytes + p.optimizer_bytes + (p.weight_bytes if p.master_bytes == 0 else 0)
+    write = p.optimizer_bytes + p.weight_bytes
+    return [Kernel("gradient norm", "optimizer", 0, params * p.grad_bytes),
+            Kernel("gradient clipping", "optimizer", 0, 2 * params * p.grad_bytes),
+            Kernel("AdamW", "optimizer", 0, params * (read + write))]
 
 
 def output_activation_bytes(model: ModelSpec, microbatch_size: int, precision: str) -> int:
@@ -151,8 +344,9 @@ SHAPE_KEYS = ("layers", "hidden", "heads", "seq", "vocab")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The ``model`` section: a preset, optionally with some dimensions replaced, the microbatch and precision, and
-    optionally the transformer blocks of each stage (``layers_per_stage``, checked by ``stage_layers``).
+    """The ``model`` section: a preset, optionally with some dimensions replaced, the microbatch and precision,
+    optionally the transformer blocks of each stage (``layers_per_stage``, checked by ``stage_layers``), and the
+    attention implementation (``flash`` or ``eager``; analytic costs read it).
 
     ``preset`` unset means ``DEFAULT_PRESET``, except under profiled costs, where the profile's model is the run's.
     """
@@ -166,6 +360,7 @@ class ModelConfig:
     microbatch_size: int = 1
     precision: str | None = None  # None: the GPU's own (bf16, or fp16 on GPUs without bf16 such as V100)
     layers_per_stage: tuple[int, ...] | None = None  # None: the equal split (``stage_layers``)
+    attention: str = "flash"  # one of ATTENTIONS: what the analytic model stashes and times (docs/costs.md)
 
     def spec(self) -> ModelSpec:
         """The model's shape; ValueError naming the key when the preset is unknown or heads do not divide hidden."""

@@ -184,7 +184,8 @@ class ProfiledCosts(PerStageCache):
     times the per-layer F, I, W and recompute
     times, plus the embedding on the first stage (F, and its backward as W) and the output layer on the last
     (F, I, W). Bytes: activation (M_B) from the saved-tensor count per layer; weight-grad (M_W) from the bytes
-    the deferred Linears' W still holds after I (their inputs and output grads; see the README).
+    the deferred Linears' W still holds after I (their inputs and output grads; see the README). The optimizer
+    step: the AdamW fit (``optimizer_ns``) at the stage's parameters and parameter tensors.
     """
 
     timings: pd.DataFrame
@@ -341,6 +342,11 @@ class ProfiledCosts(PerStageCache):
         rows = self.memory[self.memory["component"] == component]
         return int(rows["params"].iloc[0]) if not rows.empty else 0
 
+    def tensors_of(self, component: str) -> int:
+        """Parameter tensors of one ``component`` (the optimizer fit's second term)."""
+        rows = self.memory[self.memory["component"] == component]
+        return int(rows["tensors"].iloc[0]) if not rows.empty else 0
+
     def _compute(self, stage: int, num_stages: int) -> StageCost:
         return self._stage(self._layers_of(stage, num_stages, self.layers), stage, num_stages)
 
@@ -353,7 +359,7 @@ class ProfiledCosts(PerStageCache):
             parts["output"] = 1
         ops = {"embedding": ("F", None, "W"), "layer": ("F", "I", "W"), "output": ("F", "I", "W")}
         f = i = w = act = m_w = 0.0
-        params = 0
+        params = tensors = 0
         for component, count in parts.items():
             fwd, inp, wgt = ops[component]
             f += count * self.time_ns(component, fwd)
@@ -362,6 +368,7 @@ class ProfiledCosts(PerStageCache):
             act += count * self.bytes_of(component, "activation_bytes")
             m_w += count * self.bytes_of(component, "weight_grad_bytes")
             params += count * self.params_of(component)
+            tensors += count * self.tensors_of(component)
         boundary = int(round(self.bytes_of("layer", "boundary_bytes")))
         where = f"stage {stage} of {num_stages}"
         return StageCost(
@@ -370,7 +377,7 @@ class ProfiledCosts(PerStageCache):
             weight_grad_ns=self._ns(w, f"the weight gradient of {where}"),
             recompute_ns=self._ns(n * self.time_ns("layer", "R"), f"the recompute of {where}"),
             boundary_bytes=boundary, activation_bytes=int(round(act)), weight_grad_bytes=int(round(m_w)),
-            input_bytes=boundary, params=params,
+            input_bytes=boundary, params=params, optimizer_ns=self.optimizer_ns(params, tensors),
         )
 
     def vocab_shard_ns(self, shards: int) -> tuple[int, int]:

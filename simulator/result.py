@@ -64,6 +64,7 @@ class SimResult:
     links: list[dict] = field(default_factory=list)  # per directed edge that carried bytes (RoutedNetwork)
     network: dict = field(default_factory=dict)  # flows, rate updates, collective algorithms used
     link_spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # busiest edges: busy spans (ns)
+    kernels: list[dict] = field(default_factory=list)  # analytic costs: the roofline per kernel (docs/costs.md)
 
     @property
     def iteration_time_s(self) -> float:
@@ -145,6 +146,7 @@ class SimResult:
                 "exposed_allreduce_s": d.exposed_allreduce_s,
             } for d in self.devices],
             "links": self.links,
+            "kernels": self.kernels,
         }
 
 

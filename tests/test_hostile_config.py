@@ -38,7 +38,7 @@ def _keys(cls: type = Config, prefix: str = "") -> list[str]:
             keys += _keys(kind, f"{prefix}{f.name}.")
         elif f.name == "costs":
             keys += [f"costs.{k}" for k in ("kind", "forward", "backward_input", "backward_weight", "p2p",
-                                           "efficiency", "profile")]
+                                           "optimizer", "efficiency", "memory_efficiency", "profile")]
         else:
             keys.append(prefix + f.name)
     return keys
@@ -180,7 +180,8 @@ def test_an_oversized_or_undecodable_config_file_is_refused_naming_it(tmp_path) 
     (["--set", "costs.kind=uniform", "--set", "costs.forward=1e-10"], "costs.forward: got 1e-10 s, expected 0 or 1 ns"),
     (["--set", "costs.kind=uniform", "--set", "costs.forward=1e6", "--set", "costs.p2p=1e6", "--microbatches", "5000"],
      "costs: the run would last beyond"),
-    (["--set", "model.seq=16777216", "--set", "model.hidden=16", "--set", "model.heads=1"],
+    (["--set", "model.seq=16777216", "--set", "model.hidden=16", "--set", "model.heads=1",
+      "--set", "model.attention=eager"],  # eager stashes the s x s scores (flash none): 10^15 bytes per layer
      "costs: stage 0: activation_bytes would be"),
     (["--set", "cluster.data_parallel=30000", "--microbatches", "1"], "= 120,000 GPUs, expected at most"),
     (["--set", "model.hidden=" + "1" * 19], "model.hidden: got '1111111111111111111', expected a plain decimal"),

@@ -273,24 +273,24 @@ def test_v_half_peak_activations_are_p_plus_2_over_2_on_every_device(p):
 def test_v_min_peak_activations_are_p_plus_4_over_3(p):
     """V-Min: peak (p+4)//3 device-stages, whether an activation counts until its I (this project's
     definition) or until its W (sail-sg's mem_of_stage), and no device more than half a device-stage
-    below it. Exception: with p = 2 and m > 2 the peak until I is only 3/2."""
+    below it. Exception: with p = 2 the peak until I is only 3/2 (as in sail-sg's schedule, tests/vhalf_oracle.py)."""
     for m in (p, 3 * p):
         for f, i, w in COSTS[:3]:
             schedule = build("v-min", p, m)
             times = timed(schedule, f, i, w)
             until_i = peak_activations(schedule, times)
             assert max(peak_activations(schedule, times, freed_by="WB")) == (p + 4) // 3
-            assert max(until_i) == ((p + 4) // 3 if p > 2 or m == 2 else Fraction(3, 2))
+            assert max(until_i) == ((p + 4) // 3 if p > 2 else Fraction(3, 2))
             assert min(until_i) >= max(until_i) - Fraction(1, 2)
 
 
 @pytest.mark.parametrize("p", [3, 4, 6, 8, 9, 12])
 def test_v_half_and_v_min_bubbles_against_1f1b(p):
-    """F = I = W: 1F1B idles (p-1)(F+B); V-Half at most 0.6 of that (docs/schedules.md: about half),
+    """F = I = W: 1F1B idles (p-1)(F+B); V-Half at most half of that (docs/schedules.md: about half),
     V-Min at most 2/3 (about two thirds), ZB-V none; V-Half never above V-Min."""
     m = 4 * p
     bubble = {name: cost(timed(build(name, p, m))) - m * 3600 for name in ("1f1b", "v-half", "v-min", "zb-v")}
     assert bubble["1f1b"] == (p - 1) * 3600
-    assert 5 * bubble["v-half"] <= 3 * bubble["1f1b"]
+    assert 2 * bubble["v-half"] <= bubble["1f1b"]
     assert 3 * bubble["v-min"] <= 2 * bubble["1f1b"]
     assert bubble["zb-v"] == 0 < bubble["v-half"] <= bubble["v-min"]

@@ -1,0 +1,177 @@
+"""The figures besides the Gantt: memory per device over time, bubble rate against m and throughput against GPUs
+from a sweep's table, and predicted against measured from ``pipescope validate``."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import PercentFormatter
+
+from pipescope.experiments.plots_data import RunData, run_data
+from pipescope.experiments.plots_gantt import draw_memory
+from pipescope.experiments.plots_style import COLORS, LABELS, UNKNOWN_COLOR, plain, time_unit
+from pipescope.simulator.result import SimResult
+
+SCHEDULE, MICROBATCHES, STAGES, REPLICAS = ("schedule.name", "schedule.microbatches", "schedule.stages",
+                                            "cluster.data_parallel")
+PREDICTED_COLOR, MEASURED_COLOR = "#4C72B0", "#DD8452"
+GPUS = "stages x data_parallel"
+MAX_LINES = 40  # a legend beyond this is unreadable
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def memory_figure(result: SimResult | RunData, title: str | None = None) -> Figure:
+    """Each device's bytes in use over the run (replica 0's devices: every replica holds the same)."""
+    data = run_data(result)
+    if not data.memory:
+        raise ValueError("memory: the run holds no memory timeline, expected a simulated run or a Chrome trace")
+    origin = int(data.ops["start_ns"].min()) if len(data.ops) else 0
+    unit, scale = time_unit(int(data.ops["end_ns"].max()) - origin if len(data.ops) else 0)
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    draw_memory(ax, data, origin, scale)
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_title(plain(title or f"{data.title}\nmemory per device"), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def sweep_lines(frame: pd.DataFrame, x: str, y: str, folded: tuple[str, ...], how: str) -> dict[str, pd.Series]:
+    """``y`` against ``x``, one line per schedule and per value of the other config columns that vary on their own.
+
+    Config columns are the dotted ones (``schedule.stages``). Taken in order, a column splits lines only if it still
+    varies once the schedule, ``x``, ``folded`` and the columns chosen before it are fixed: a resolved
+    ``schedule.chunks`` follows the schedule, ``model.layers_per_stage`` the stages, and neither splits anything.
+    Columns named ``folded`` are neither lines nor the x axis: rows that differ only in them share a point, which
+    takes ``how`` (``mean`` or ``max``) of their ``y``.
+    """
+    given = [SCHEDULE, x, *(c for c in folded if c in frame)]
+    labels = frame[given + [c for c in frame.columns if "." in c and c not in given]].map(_text)
+    fixed = [labels[c] for c in given]
+    keys: list[str] = []
+    for column in labels.columns[len(given):]:
+        if labels[column].groupby(fixed + [labels[k] for k in keys]).nunique().max() > 1:
+            keys.append(column)
+    groups = frame.groupby([labels[SCHEDULE], *(labels[k] for k in keys)]).ngroups
+    if groups > MAX_LINES:
+        raise ValueError(f"{y}: {groups} lines (schedules x {', '.join(keys) or 'nothing else'}), expected at most "
+                         f"{MAX_LINES}: filter the table first")
+    lines = {}
+    for name, group in frame.groupby([labels[SCHEDULE], *(labels[k] for k in keys)], sort=True):
+        values = name if isinstance(name, tuple) else (name,)
+        extra = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values[1:]))
+        lines[plain(values[0] + (f" ({extra})" if extra else ""))] = group.groupby(x)[y].agg(how).sort_index()
+    return lines
+
+
+def _text(value: object) -> str:
+    """A config value for a legend: 4, not 4.0 (a column with a failed run's gap reads as floats)."""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _line_figure(lines: dict[str, pd.Series], xlabel: str, ylabel: str, title: str) -> tuple[Figure, plt.Axes]:
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for i, (label, series) in enumerate(lines.items()):
+        # Hollow markers that differ, on lines that thin out: schedules with equal values (GPipe's and 1F1B's bubble)
+        # would otherwise hide each other.
+        ax.plot(series.index, series.to_numpy(), marker=MARKERS[i % len(MARKERS)], markerfacecolor="none",
+                markersize=8, linestyle=LINESTYLES[i // len(MARKERS) % len(LINESTYLES)],
+                linewidth=max(1.0, 3.0 - 0.4 * i), label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(plain(title))
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
+    return fig, ax
+
+
+def bubble_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
+    """Bubble rate against microbatches m, a line per schedule (rows differing only in keys that are not config
+    columns, such as ``seed``, are averaged)."""
+    lines = sweep_lines(frame, MICROBATCHES, "bubble_rate", (), "mean")
+    fig, ax = _line_figure(lines, "microbatches per iteration m", "bubble rate (% of device time idle)",
+                           title or "bubble rate against microbatches")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(frame[MICROBATCHES])), [str(m) for m in sorted(set(frame[MICROBATCHES]))])
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    return fig
+
+
+def throughput_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
+    """Throughput against GPUs (stages x data-parallel replicas), a line per schedule; where several splits of
+    the same GPUs ran (4 stages x 2 replicas, 8 x 1), the best one's."""
+    replicas = frame[REPLICAS] if REPLICAS in frame else 1
+    frame = frame.assign(**{GPUS: frame[STAGES] * replicas})  # a sweep's own ``gpus`` counts simulated devices only
+    lines = sweep_lines(frame, GPUS, "throughput_samples_per_s", (STAGES, REPLICAS), "max")
+    fig, ax = _line_figure(lines, "GPUs (stages x data-parallel replicas)", "throughput (samples/s)",
+                           title or "throughput against GPUs (best split of each GPU count)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(frame[GPUS])), [str(g) for g in sorted(set(frame[GPUS]))])
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    return fig
+
+
+def validate_figure(report: dict, title: str | None = None) -> Figure:
+    """``pipescope validate --json``: iteration time, each device's busy time and (where the report has it) peak
+    memory, predicted beside measured."""
+    devices = report["per_device"]
+    memory = all("predicted_peak_memory_bytes" in d and "measured_peak_memory_bytes" in d for d in devices)
+    fig, axes = plt.subplots(1, 3 if memory else 2, figsize=(16 if memory else 12, 4.5),
+                             gridspec_kw={"width_ratios": [1, 3, 3] if memory else [1, 3]})
+    times = [report["predicted_iteration_time_s"] * 1e3, report["measured_iteration_time_s"] * 1e3]
+    axes[0].bar(["predicted", "measured"], times, color=[PREDICTED_COLOR, MEASURED_COLOR])
+    axes[0].set_ylabel("iteration time (ms)")
+    _paired_bars(axes[1], devices, "busy_s", 1e3, "busy time per iteration (ms)")
+    if memory:
+        _paired_bars(axes[2], devices, "peak_memory_bytes", 2**-20, "peak memory (MiB)")
+    fig.suptitle(plain(title or f"{report['schedule']}: p={report['stages']} m={report['microbatches']}, predicted "
+                 f"vs measured (iteration time error {report['iteration_time_error']:+.1%})"))
+    fig.tight_layout()
+    return fig
+
+
+def _paired_bars(ax: plt.Axes, devices: list[dict], field: str, scale: float, ylabel: str) -> None:
+    """``predicted_FIELD`` beside ``measured_FIELD`` for each device, times ``scale``."""
+    x = np.arange(len(devices))
+    for offset, side, color in ((-0.2, "predicted", PREDICTED_COLOR), (0.2, "measured", MEASURED_COLOR)):
+        ax.bar(x + offset, [d[f"{side}_{field}"] * scale for d in devices], 0.4, color=color, label=side)
+    ax.set_xticks(x, [f"device {d['device']:g}" for d in devices])
+    ax.set_ylabel(ylabel)
+    ax.legend(frameon=False)
+
+
+def overlay_figure(predicted: pd.DataFrame, measured: pd.DataFrame, name: str, title: str | None = None) -> Figure:
+    """Predicted (top) and measured (bottom) compute rows of one iteration on one time axis.
+
+    Both frames have device, kind, start_ns, end_ns; ``measured`` may hold several iterations (the first is drawn).
+    Each is drawn from its own first op, so two runs that started at different clock times line up.
+    """
+    if "iteration" in measured:
+        measured = measured[measured["iteration"] == measured["iteration"].min()]
+    devices = int(max(predicted["device"].max(), measured["device"].max())) + 1
+    fig, axes = plt.subplots(2, 1, sharex=True, figsize=(14, 1.6 + 0.6 * devices))
+    span = max(predicted["end_ns"].max() - predicted["start_ns"].min(),
+               measured["end_ns"].max() - measured["start_ns"].min())
+    unit, scale = time_unit(span)
+    for ax, frame, label in ((axes[0], predicted, "predicted"), (axes[1], measured, "measured")):
+        origin = frame["start_ns"].min()
+        for (device, kind), group in frame.groupby(["device", "kind"]):
+            bars = list(zip((group["start_ns"] - origin) / scale, (group["end_ns"] - group["start_ns"]) / scale))
+            ax.broken_barh(bars, (device - 0.4, 0.8), facecolors=COLORS.get(kind, UNKNOWN_COLOR), edgecolor="white",
+                           linewidth=0.3)
+        ax.set_yticks(range(devices), [f"device {d}" for d in range(devices)])
+        ax.set_ylim(devices - 0.5, -0.5)
+        ax.set_ylabel(label)
+    kinds = [k for k in COLORS if k in set(predicted["kind"]) | set(measured["kind"])]
+    axes[0].legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in kinds], loc="center left",
+                   bbox_to_anchor=(1.0, 0.0), frameon=False)
+    axes[1].set_xlabel(f"time ({unit})")
+    axes[0].set_title(plain(title or f"{name}: predicted (top) and measured (bottom)"))
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,222 @@
+"""The Gantt chart: one row per device (and, if asked, a lane per send, receive and collective stream under it), ops
+coloured by kind with odd chunks darker, dashed lines where iterations end, the busiest links' busy spans and each
+device's memory in panels below; in time or in unit steps (every op one cell)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from pipescope.experiments.plots_data import LANES, RunData, iteration_ends, run_data, unit_steps
+from pipescope.experiments.plots_style import (COLLECTIVE_COLOR, COLORS, COMM_COLORS, COMM_LABELS, LABELS, LINK_COLOR,
+                                               ODD_CHUNK_COLORS, UNKNOWN_COLOR, plain, time_unit)
+from pipescope.simulator.ir import ActionKind
+from pipescope.simulator.result import SimResult
+
+MAX_LABELLED_OPS = 600  # beyond this, microbatch numbers turn into noise
+MAX_ROWS = 32  # beyond this many devices, rows are too thin to read: draw replica 0 only
+MAX_LINKS = 16
+MAX_DRAWN_ROWS = 512  # 0.32 inch each at 150 dpi: near matplotlib's 2^16-pixel limit on an image's side
+MODES = ("time", "steps")
+BOUNDARY_STYLE = {"color": "black", "linestyle": "--", "linewidth": 0.8}
+
+
+@dataclass(frozen=True)
+class Axis:
+    """The x axis: what an op's columns are read as, where it starts and how many of them make one unit."""
+
+    start: str
+    end: str
+    origin: float
+    scale: float
+    label: str
+
+
+def gantt_figure(result: SimResult | RunData, title: str | None = None, *, mode: str = "time",
+                 comm_lanes: bool = False, memory: bool = False) -> Figure:
+    """The familiar pipeline picture, device 0 at the top.
+
+    Args:
+        result: a run (``pipescope.run``'s result, or a ``RunData`` read from a trace or timeline file).
+        title: replaces the default (schedule, p, m, v, iteration time, bubble).
+        mode: ``time`` (x in s, ms or us) or ``steps`` (every op one unit, transfers free; compute rows only).
+        comm_lanes: a lane per send, receive and collective stream under each device (time mode); without it, a
+            device's collectives are a thin bar under its ops.
+        memory: a panel of each device's bytes in use below (time mode, when the run counted bytes: uniform costs
+            count none).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode: got {mode!r}, expected one of {', '.join(MODES)}")
+    data = run_data(result)
+    shown = data.pipeline_devices if data.devices > MAX_ROWS and data.replicas > 1 else data.devices
+    ops = data.ops[data.ops["device"] < shown]
+    timed = mode == "time"
+    if not timed:
+        ops = ops[ops["lane"] == "compute"]
+        ops = ops.assign(step=unit_steps(ops, data.pipeline_devices), step_end=lambda f: f["step"] + 1)
+    lanes = [lane for lane in LANES if lane in set(ops["lane"])] if comm_lanes and timed else ["compute"]
+    if shown * len(lanes) > MAX_DRAWN_ROWS:
+        raise ValueError(f"gantt: {shown} devices x {len(lanes)} lanes, expected at most {MAX_DRAWN_ROWS} rows "
+                         f"(a taller figure is past what an image can hold)")
+    rows = {(d, lane): i for i, (d, lane) in enumerate((d, lane) for d in range(shown) for lane in lanes)}
+    links = dict(list(data.links.items())[:MAX_LINKS]) if timed else {}
+    # A run that counted no bytes (uniform costs) gets no memory panel: a flat line at zero says nothing.
+    counted = any(len(used) and used.max() > 0 for _, used in data.memory)
+    panels = [p for p, on in (("links", links), ("memory", memory and timed and counted)) if on]
+    fig, axes = _axes(len(rows), len(links), panels)
+    axis = _axis(ops, timed)
+    ax = axes[0]
+    thin = not comm_lanes and bool((ops["lane"] == "collective").any())
+    _draw_compute(ax, ops, rows, axis, data, thin)
+    if comm_lanes and timed:
+        _draw_comm(ax, ops, rows, axis)
+    elif timed:
+        _draw_collectives(ax, ops[ops["lane"] == "collective"], rows, axis)
+    _label_rows(ax, rows, lanes)
+    boundaries = [(e - axis.origin) / axis.scale for e in iteration_ends(ops, data.microbatches, axis.end)]
+    for a in axes:
+        for x in boundaries:
+            a.axvline(x, **BOUNDARY_STYLE)
+    ax.legend(handles=_legend(ops, data.chunks, comm_lanes and timed, bool(boundaries)), loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set_title(plain(_title(data, title, shown, timed)))
+    for name, panel in zip(panels, axes[1:]):
+        if name == "links":
+            _draw_links(panel, links, axis)
+        else:
+            draw_memory(panel, data, axis.origin, axis.scale)
+    axes[-1].set_xlabel(axis.label)
+    fig.tight_layout()
+    return fig
+
+
+def _axis(ops: pd.DataFrame, timed: bool) -> Axis:
+    if not timed:
+        return Axis("step", "step_end", 0, 1, "step (every op one unit; transfers free)")
+    origin = int(ops["start_ns"].min()) if len(ops) else 0
+    unit, scale = time_unit((ops["end_ns"].max() - origin) if len(ops) else 0)
+    return Axis("start_ns", "end_ns", origin, scale, f"time ({unit})")
+
+
+def _axes(rows: int, links: int, panels: list[str]) -> tuple[Figure, list[Axes]]:
+    """The devices' axes, then a panel below for each of ``panels`` (links, memory), all sharing x."""
+    heights = [0.32 * rows + 0.6] + [0.22 * links + 0.4 if p == "links" else 2.2 for p in panels]
+    fig, axes = plt.subplots(len(heights), 1, sharex=True, figsize=(14, 1.0 + sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    return fig, list(axes[:, 0])
+
+
+def _bars(frame: pd.DataFrame, axis: Axis) -> list[tuple[float, float]]:
+    x = (frame[axis.start] - axis.origin) / axis.scale
+    return list(zip(x, (frame[axis.end] - frame[axis.start]) / axis.scale))
+
+
+def _draw_compute(ax: Axes, ops: pd.DataFrame, rows: dict, axis: Axis, data: RunData, thin: bool) -> None:
+    """Ops as bars on their device's row; ``thin`` leaves the row's bottom to the collectives' bar."""
+    frame = ops[ops["lane"] == "compute"]
+    label = len(frame) <= MAX_LABELLED_OPS
+    frame = frame.assign(odd=frame["stage"] // max(1, data.pipeline_devices) % 2)
+    height = 0.68 if thin else 0.8  # thin: ends at y + 0.28, clear of the collectives' bar at y + 0.3
+    # One collection per (device, kind, chunk parity): a Rectangle per op takes 20 s at p=32, m=128 with V chunks.
+    # Edges separate neighbouring ops when they are wide enough to see; at thousands of ops they only wash out.
+    edge = {"edgecolor": "white", "linewidth": 0.3} if label else {"linewidth": 0}
+    for (device, kind, odd), group in frame.groupby(["device", "kind", "odd"]):
+        color = (ODD_CHUNK_COLORS if odd else COLORS).get(kind, UNKNOWN_COLOR)
+        ax.broken_barh(_bars(group, axis), (rows[(device, "compute")] - 0.4, height), facecolors=color, **edge)
+    if label:
+        for (x, w), device, mb in zip(_bars(frame, axis), frame["device"], frame["microbatch"]):
+            ax.text(x + w / 2, rows[(device, "compute")] - 0.4 + height / 2, str(mb), ha="center", va="center",
+                    fontsize=6, color="white")
+
+
+def _draw_comm(ax: Axes, ops: pd.DataFrame, rows: dict, axis: Axis) -> None:
+    """Sends, receives and collectives on their device's lanes (transfers to two peers may overlap in a lane)."""
+    frame = ops[ops["lane"] != "compute"]
+    for (device, lane, kind), group in frame.groupby(["device", "lane", "kind"]):
+        color = COLLECTIVE_COLOR if lane == "collective" else COMM_COLORS.get(kind, UNKNOWN_COLOR)
+        # An edge as wide as a hairline: a 10 us transfer on a 30 ms axis is narrower than a pixel and would vanish.
+        ax.broken_barh(_bars(group, axis), (rows[(device, lane)] - 0.3, 0.6), facecolors=color, edgecolor=color,
+                       linewidth=0.5)
+
+
+def _draw_collectives(ax: Axes, frame: pd.DataFrame, rows: dict, axis: Axis) -> None:
+    """Each device's collectives (all-reduce buckets, often overlapping) as one thin bar under its ops."""
+    for device, group in frame.groupby("device"):
+        ax.broken_barh(_bars(group, axis), (rows[(device, "compute")] + 0.3, 0.15), facecolors=COLLECTIVE_COLOR,
+                       linewidth=0)
+
+
+def _label_rows(ax: Axes, rows: dict, lanes: list[str]) -> None:
+    """``device d`` on compute rows, the lane's name on the others; a rule between devices when there are lanes."""
+    ax.set_yticks(list(rows.values()), [f"device {d}" if lane == "compute" else lane for d, lane in rows])
+    for tick, (_, lane) in zip(ax.get_yticklabels(), rows):
+        tick.set_fontsize(9 if lane == "compute" else 7)
+    if len(lanes) > 1:
+        for (_, lane), row in rows.items():
+            if lane == "compute" and row:
+                ax.axhline(row - 0.5, color="lightgrey", linewidth=0.6)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # device 0 at the top
+
+
+def _draw_links(ax: Axes, links: dict[str, list[tuple[int, int]]], axis: Axis) -> None:
+    """One row per link, busiest first (the order ``link_spans`` keeps), a bar wherever it carried a flow."""
+    for row, spans in enumerate(links.values()):
+        bars = [((start - axis.origin) / axis.scale, (end - start) / axis.scale) for start, end in spans]
+        ax.broken_barh(bars, (row - 0.35, 0.7), facecolors=LINK_COLOR, linewidth=0)
+    ax.set_yticks(range(len(links)), [plain(name) for name in links], fontsize=7)
+    ax.set_ylim(len(links) - 0.5, -0.5)  # busiest link at the top, like device 0 above
+    ax.set_title("busiest links (busy while carrying a flow)", fontsize=9, loc="left")
+
+
+def draw_memory(ax: Axes, data: RunData, origin: float, scale: float) -> None:
+    """Each device's bytes in use (GiB) as a step line, held to the end of the run; the capacity as a dashed line
+    when a peak comes within half of it (farther off, it would flatten every line: the title says it instead)."""
+    end = int(data.ops["end_ns"].max()) if len(data.ops) else 0
+    peak = 0.0
+    for device, (times, used) in enumerate(data.memory):
+        if not len(times):
+            continue
+        x = np.append(times, max(end, int(times[-1])))
+        y = np.append(used, used[-1]) / 2**30
+        ax.step((x - origin) / scale, y, where="post", linewidth=1.0, label=f"device {device}")
+        peak = max(peak, float(y.max()))
+    cap = data.capacity_bytes / 2**30 if data.capacity_bytes else None
+    if cap is not None and peak >= cap / 2:
+        ax.axhline(cap, color="black", linestyle=":", linewidth=1.0, label="capacity")
+    ax.set_ylabel("memory (GiB)")
+    ax.set_ylim(bottom=0)
+    text = "bytes in use per device" + (f" (capacity {cap:g} GiB)" if cap is not None and peak < cap / 2 else "")
+    ax.set_title(text, fontsize=9, loc="left")
+    if len(data.memory) <= 16:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
+
+
+def _legend(ops: pd.DataFrame, chunks: int, comm_lanes: bool, boundaries: bool) -> list:
+    present = set(ops["kind"])
+    kinds = [k for k in COLORS if k in present]
+    handles: list = [Patch(color=COLORS[k], label=LABELS[k]) for k in kinds]
+    if chunks > 1:
+        handles += [Patch(color=ODD_CHUNK_COLORS[k], label=f"{LABELS[k]}, odd chunk") for k in kinds]
+    if comm_lanes:
+        seen = {COMM_LABELS[k]: COMM_COLORS[k] for k in COMM_LABELS if k in present}
+        handles += [Patch(color=color, label=label) for label, color in seen.items()]
+    collectives = set(ops.loc[ops["lane"] == "collective", "kind"])
+    if collectives:
+        label = "gradient all-reduce" if collectives == {ActionKind.ALL_REDUCE} else "collectives"
+        handles.append(Patch(color=COLLECTIVE_COLOR, label=label))
+    if boundaries:
+        handles.append(Line2D([], [], label="iteration ends", **BOUNDARY_STYLE))
+    return handles
+
+
+def _title(data: RunData, title: str | None, shown: int, timed: bool) -> str:
+    """The given or default title; says when only replica 0 is drawn and when the x axis is steps."""
+    text = title or data.title + ("" if timed else "  (unit steps)")
+    return text if shown == data.devices else f"{text}  (replica 0 of {data.replicas})"

@@ -1,0 +1,67 @@
+"""What every pipescope figure shares: the colour of each action kind, the time unit of an axis, and writing a
+figure to a file (PNG, SVG or PDF, atomically)."""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display: figures only go to files (and notebooks, which pick their own backend)
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from pipescope.simulator.files import write_atomic  # noqa: E402
+from pipescope.simulator.ir import ActionKind as K  # noqa: E402
+
+# One table per fact, keyed by the enum (a StrEnum: the timeline's kind strings look them up as they are).
+COLORS = {K.F: "#4C72B0", K.B: "#DD8452", K.I: "#C44E52", K.W: "#55A868", K.OPT: "#937860"}
+ODD_CHUNK_COLORS = {K.F: "#27406B", K.B: "#9A5424", K.I: "#7E2A2D", K.W: "#2F6B3D",  # darker: readable at any size
+                    K.OPT: "#5C4A3A"}
+LABELS = {K.F: "forward", K.B: "backward (I+W)", K.I: "input-grad", K.W: "weight-grad", K.OPT: "optimizer step"}
+# Transfers by what they carry: activations go down the pipeline, gradients come back up.
+COMM_COLORS = {K.SEND_F: "#8DB0D9", K.RECV_F: "#8DB0D9", K.SEND_B: "#E8A3A5", K.RECV_B: "#E8A3A5"}
+COMM_LABELS = {K.SEND_F: "activation transfer", K.RECV_F: "activation transfer", K.SEND_B: "gradient transfer",
+               K.RECV_B: "gradient transfer"}
+COLLECTIVE_COLOR = "#8172B3"
+LINK_COLOR = "#64666B"
+UNKNOWN_COLOR = "grey"  # a kind this version does not know (a newer file): drawn, not refused
+FORMATS = ("png", "svg", "pdf")
+DPI = 150
+
+
+def plain(text: str) -> str:
+    """Text drawn as it is: matplotlib reads ``$...$`` as TeX math, and a file's or a user's ``$`` must not be."""
+    return str(text).replace("$", r"\$")
+
+
+def time_unit(span_ns: float) -> tuple[str, float]:
+    """The axis unit that keeps tick labels short (s, ms or us) and the ns in one of it."""
+    for unit, scale in (("s", 1e9), ("ms", 1e6)):
+        if span_ns >= 10 * scale:
+            return unit, scale
+    return "us", 1e3
+
+
+def format_of(path: str, default: str = "png") -> str:
+    """The figure format a file name asks for by its suffix (any case), else ``default``."""
+    suffix = path.rsplit(".", 1)[-1].lower() if "." in path.rsplit("/", 1)[-1] else ""
+    return suffix if suffix in FORMATS else default
+
+
+def figure_bytes(fig: Figure, fmt: str) -> bytes:
+    """The figure rendered as PNG, SVG or PDF. The figure stays open."""
+    buffer = io.BytesIO()
+    # PDF and SVG embed the date unless told not to; without it the same figure gives the same bytes.
+    metadata = {"Date": None} if fmt in ("svg", "pdf") else None
+    fig.savefig(buffer, format=fmt, dpi=DPI, metadata=metadata)
+    return buffer.getvalue()
+
+
+def save_figure(fig: Figure, path: str, fmt: str | None = None) -> None:
+    """Write the figure to ``path`` atomically (format from ``fmt`` or the suffix) and close it."""
+    try:
+        data = figure_bytes(fig, fmt or format_of(path))
+    finally:
+        plt.close(fig)
+    write_atomic(path, data)

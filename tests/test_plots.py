@@ -1,0 +1,366 @@
+"""`pipescope plot` and the figure functions: every kind renders to PNG and SVG from a real run's files, the figures
+hold the lanes, lines and panels they should, and bad input is one line with exit 2."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import struct
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import pytest
+
+import pipescope
+from pipescope.experiments import plots_inputs
+from pipescope.experiments.plots import (COLORS, ODD_CHUNK_COLORS, bubble_figure, gantt_figure, memory_figure,
+                                         run_data, throughput_figure, validate_figure)
+from pipescope.experiments.plots_inputs import read_sweep, run_from_trace
+from pipescope.experiments.tables import write_timeline
+from pipescope.simulator.check import unit_steps
+from pipescope.simulator.ir import ActionKind
+from pipescope.simulator.trace import write_trace
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run(*sets: str) -> pipescope.SimResult:
+    return pipescope.run(pipescope.load_config(None, list(sets)))
+
+
+def uniform(name: str, p: int, m: int, *sets: str) -> pipescope.SimResult:
+    return run("costs.kind=uniform", f"schedule.name={name}", f"schedule.stages={p}", f"schedule.microbatches={m}",
+               *sets)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's header; fails unless the file is a PNG."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    return struct.unpack(">II", data[16:24])
+
+
+def assert_svg(path: Path) -> None:
+    root = ElementTree.parse(path).getroot()
+    assert root.tag.endswith("svg") and path.stat().st_size > 10_000
+
+
+@pytest.fixture(scope="module")
+def twobw() -> pipescope.SimResult:
+    """2BW over three iterations with analytic costs: transfers, links, memory and optimizer steps."""
+    return run("schedule.name=2bw", "schedule.stages=4", "schedule.microbatches=4")
+
+
+@pytest.fixture(scope="module")
+def files(twobw: pipescope.SimResult, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The files the plots read, each written by the code that writes it for users."""
+    folder = tmp_path_factory.mktemp("plots")
+    paths = {name: folder / name for name in ("t.json.gz", "t.parquet", "t.csv", "sweep.parquet", "sweep.csv",
+                                              "validate.json", "measured.parquet", "summary.json")}
+    write_trace(twobw, str(paths["t.json.gz"]))
+    write_timeline(twobw, str(paths["t.parquet"]))
+    write_timeline(twobw, str(paths["t.csv"]))
+    paths["summary.json"].write_text(json.dumps(twobw.summary()))
+    sweep = sweep_rows()
+    sweep.to_parquet(paths["sweep.parquet"], index=False)
+    sweep.to_csv(paths["sweep.csv"], index=False)
+    predicted, measured = run("schedule.stages=2", "schedule.microbatches=4", "model.preset=tiny"), \
+        run("schedule.stages=2", "schedule.microbatches=4", "model.preset=tiny", "faults.jitter=0.2", "seed=3")
+    write_timeline(measured, str(paths["measured.parquet"]))
+    paths["validate.json"].write_text(json.dumps(validate_report(predicted, measured)))
+    return paths
+
+
+def validate_report(predicted: pipescope.SimResult, measured: pipescope.SimResult) -> dict:
+    """The fields of a `pipescope validate --json` report (experiments/validate_cmd.py) that `plot overlay` reads,
+    from two runs: a jittered run stands in for the measured one, which needs torch and minutes."""
+    devices = [{"device": p.device, "predicted_busy_s": p.busy_s, "measured_busy_s": m.busy_s,
+                "busy_error": p.busy_s / m.busy_s - 1, "predicted_peak_memory_bytes": p.peak_memory_bytes,
+                "measured_peak_memory_bytes": m.peak_memory_bytes}
+               for p, m in zip(predicted.devices, measured.devices)]
+    return {"schedule": "1f1b", "stages": 2, "microbatches": 4, "iterations_measured": 1,
+            "predicted_iteration_time_s": predicted.iteration_time_s,
+            "measured_iteration_time_s": measured.iteration_time_s,
+            "iteration_time_error": predicted.iteration_time_s / measured.iteration_time_s - 1, "per_device": devices}
+
+
+def sweep_rows() -> pd.DataFrame:
+    """A sweep's table as `pipescope sweep` writes it (dotted config columns, metrics with units), from real runs;
+    one failed run, recorded without metrics."""
+    rows = []
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        for m in (4, 8, 16):
+            for p, w in ((2, 1), (4, 1), (2, 2), (4, 2)):
+                r = uniform(name, p, m, f"cluster.data_parallel={w}")
+                rows.append({"schedule.name": name, "schedule.microbatches": m, "schedule.stages": p,
+                             "cluster.data_parallel": w, "iteration_time_s": r.iteration_time_s,
+                             "throughput_samples_per_s": r.throughput_samples_per_s, "bubble_rate": r.bubble_rate,
+                             "peak_memory_bytes": r.peak_memory_bytes, "mfu": r.mfu, "status": "ok"})
+    rows.append({"schedule.name": "zb-v", "schedule.microbatches": 4, "schedule.stages": 3, "status": "error"})
+    return pd.DataFrame(rows)
+
+
+def legend(ax: plt.Axes) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def dashed(ax: plt.Axes) -> int:
+    return sum(line.get_linestyle() == "--" for line in ax.lines)
+
+
+def test_gantt_time_lanes_links_memory_and_iterations(twobw: pipescope.SimResult) -> None:
+    """Each device gets a compute row and its send and receive lanes; links and memory panels below; a dashed line
+    where each of the first two of three iterations ends, on every panel; F, B, OPT and both transfers in the
+    legend."""
+    fig = gantt_figure(twobw, comm_lanes=True, memory=True)
+    try:
+        devices, links, memory = fig.axes[:3]
+        rows = [t.get_text() for t in devices.get_yticklabels()]
+        assert rows == [label for d in range(4) for label in (f"device {d}", "send", "recv")]
+        assert [dashed(ax) for ax in (devices, links, memory)] == [2, 2, 2]
+        assert {"forward", "backward (I+W)", "optimizer step", "activation transfer", "gradient transfer",
+                "iteration ends"} <= set(legend(devices))
+        assert legend(memory) == [f"device {d}" for d in range(4)]
+        assert memory.get_ylabel() == "memory (GiB)" and devices.get_xlabel() == "" and "time (ms)" in \
+            memory.get_xlabel()
+    finally:
+        plt.close(fig)
+
+
+def test_optimizer_step_has_its_own_colour(twobw: pipescope.SimResult) -> None:
+    """OPT is drawn in a colour no other kind has, in even and odd chunks."""
+    assert len(set(COLORS.values())) == len(COLORS) and len(set(ODD_CHUNK_COLORS.values())) == len(COLORS)
+    fig = gantt_figure(twobw)
+    try:
+        faces = {tuple(np.round(c.get_facecolor()[0][:3], 3)) for c in fig.axes[0].collections}
+        opt = tuple(np.round(plt.matplotlib.colors.to_rgb(COLORS[ActionKind.OPT]), 3))
+        assert opt in faces
+    finally:
+        plt.close(fig)
+
+
+@pytest.mark.parametrize(("name", "p", "m"), [("1f1b", 4, 8), ("zb-v", 4, 8), ("interleaved", 4, 8), ("2bw", 3, 4)])
+def test_gantt_steps_is_the_unit_time_replay(name: str, p: int, m: int) -> None:
+    """In steps mode every op is one cell wide and the chart ends at the engine's unit-time step count."""
+    result = uniform(name, p, m)
+    fig = gantt_figure(result, mode="steps")
+    try:
+        ax = fig.axes[0]
+        cells = [path.vertices[:, 0] for c in ax.collections for path in c.get_paths()]
+        assert all(x.max() - x.min() == 1 for x in cells)
+        assert len(cells) == result.schedule.num_compute_ops()
+        assert max(x.max() for x in cells) == unit_steps(result.schedule)
+        assert ax.get_xlabel().startswith("step") and len(fig.axes) == 1
+    finally:
+        plt.close(fig)
+
+
+def test_trace_reads_back_the_run(twobw: pipescope.SimResult, files: dict[str, Path]) -> None:
+    """The trace gives back the run's rows, lanes, memory curves and iteration size (from its OPT steps)."""
+    data, direct = run_from_trace(json.loads(gzip.decompress(files["t.json.gz"].read_bytes())), "t", None), \
+        run_data(twobw)
+    columns = ["device", "lane", "kind", "stage", "microbatch", "start_ns", "end_ns"]
+    key = columns[:1] + columns[3:]
+    mine = data.ops[columns].sort_values(key).reset_index(drop=True)
+    theirs = direct.ops[columns].sort_values(key).reset_index(drop=True).astype({"kind": str})
+    pd.testing.assert_frame_equal(mine, theirs, check_dtype=False)
+    assert (data.pipeline_devices, data.chunks, data.microbatches) == (4, 1, 4)
+    for (t1, b1), (t2, b2) in zip(data.memory, direct.memory):
+        assert np.array_equal(t1, t2) and np.array_equal(b1, b2)
+    assert list(data.links) == list(direct.links)
+
+
+def test_cli_gantt_png_svg_pdf(cli, files: dict[str, Path], tmp_path: Path) -> None:
+    """A trace, a Parquet and a CSV timeline render to PNG, SVG and PDF; a timeline says it has no memory."""
+    code, out, _ = cli(["plot", "gantt", str(files["t.json.gz"]), "-o", str(tmp_path / "g.png")])
+    assert code == 0 and out == f"wrote gantt: {tmp_path / 'g.png'}\n"
+    width, height = png_size(tmp_path / "g.png")
+    assert width > 1500 and height > 1000
+    code, _, err = cli(["plot", "gantt", str(files["t.parquet"]), "--microbatches", "4", "-o",
+                        str(tmp_path / "g.svg")])
+    assert code == 0 and "no memory panel" in err
+    assert_svg(tmp_path / "g.svg")
+    code, _, _ = cli(["plot", "gantt", str(files["t.csv"]), "--mode", "steps", "--format", "pdf", "-o",
+                      str(tmp_path / "g.pdf")])
+    assert code == 0 and (tmp_path / "g.pdf").read_bytes()[:5] == b"%PDF-"
+
+
+def test_cli_gantt_from_a_config(cli, tmp_path: Path) -> None:
+    """A config is simulated first, --set applied."""
+    config = tmp_path / "c.yaml"
+    config.write_text("schedule: {name: zb-v, stages: 2, microbatches: 4}\ncosts: {kind: uniform}\n")
+    code, _, _ = cli(["plot", "gantt", str(config), "--set", "schedule.microbatches=6", "-o", str(tmp_path / "z.png")])
+    assert code == 0 and png_size(tmp_path / "z.png")[0] > 1000
+
+
+def test_memory_figure_and_cli(twobw: pipescope.SimResult, cli, files: dict[str, Path], tmp_path: Path) -> None:
+    """One line per device, in GiB, peaking at the run's peak; PNG and SVG from the trace."""
+    fig = memory_figure(twobw)
+    try:
+        ax = fig.axes[0]
+        assert [line.get_label() for line in ax.lines] == [f"device {d}" for d in range(4)]
+        peak = max(line.get_ydata().max() for line in ax.lines)
+        assert peak == pytest.approx(twobw.peak_memory_bytes / 2**30)
+        assert ax.get_ylabel() == "memory (GiB)"
+    finally:
+        plt.close(fig)
+    for name in ("m.png", "m.svg"):
+        assert cli(["plot", "memory", str(files["t.json.gz"]), "-o", str(tmp_path / name)])[0] == 0
+    assert png_size(tmp_path / "m.png")[0] > 1000
+    assert_svg(tmp_path / "m.svg")
+
+
+def test_bubble_and_throughput_from_a_sweep(cli, files: dict[str, Path], tmp_path: Path) -> None:
+    """A line per schedule and value of every other key that varies (the failed run dropped); the bubble falls as
+    m grows; throughput lines take the best split at each GPU count; PNG and SVG from Parquet and CSV."""
+    frame = read_sweep(str(files["sweep.parquet"]), "bubble")
+    assert len(frame) == 36
+    fig = bubble_figure(frame)
+    try:
+        lines = fig.axes[0].lines
+        assert sorted(line.get_label() for line in lines) == sorted(
+            f"{name} (stages={p}, data_parallel={w})" for name in ("gpipe", "1f1b", "zb-h1") for p in (2, 4)
+            for w in (1, 2))
+        for line in lines:
+            assert list(line.get_xdata()) == [4, 8, 16] and np.all(np.diff(line.get_ydata()) < 0)
+        assert "%" in fig.axes[0].get_ylabel()
+    finally:
+        plt.close(fig)
+    fig = throughput_figure(read_sweep(str(files["sweep.parquet"]), "throughput"))
+    try:
+        lines = fig.axes[0].lines
+        assert len(lines) == 9  # 3 schedules x 3 values of m
+        assert all(list(line.get_xdata()) == [2, 4, 8] for line in lines)
+        assert fig.axes[0].get_ylabel() == "throughput (samples/s)"
+    finally:
+        plt.close(fig)
+    for kind in ("bubble", "throughput"):
+        for source, name in ((files["sweep.parquet"], f"{kind}.png"), (files["sweep.csv"], f"{kind}.svg")):
+            assert cli(["plot", kind, str(source), "-o", str(tmp_path / name)])[0] == 0
+        assert png_size(tmp_path / f"{kind}.png")[0] > 800
+        assert_svg(tmp_path / f"{kind}.svg")
+
+
+def test_overlay_from_validate_report_and_two_timelines(cli, files: dict[str, Path], tmp_path: Path) -> None:
+    """A validate report draws predicted beside measured (iteration, busy time, peak memory); two timelines draw one
+    above the other."""
+    fig = validate_figure(json.loads(files["validate.json"].read_text()))
+    try:
+        iteration, busy, memory = fig.axes
+        assert len(iteration.patches) == 2 and len(busy.patches) == len(memory.patches) == 4  # 2 devices x 2 sides
+        assert [t.get_text() for t in busy.get_xticklabels()] == ["device 0", "device 1"]
+        assert memory.get_ylabel() == "peak memory (MiB)" and legend(busy) == ["predicted", "measured"]
+    finally:
+        plt.close(fig)
+    for name in ("v.png", "v.svg"):
+        assert cli(["plot", "overlay", str(files["validate.json"]), "-o", str(tmp_path / name)])[0] == 0
+    assert_svg(tmp_path / "v.svg")
+    assert png_size(tmp_path / "v.png")[0] > 1000
+    code, _, _ = cli(["plot", "overlay", str(files["t.parquet"]), str(files["measured.parquet"]), "-o",
+                      str(tmp_path / "o.png")])
+    assert code == 0 and png_size(tmp_path / "o.png")[0] > 1000
+
+
+def test_default_output_name(cli, files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without -o the figure is INPUT's name with -KIND.FORMAT, in the current folder."""
+    monkeypatch.chdir(tmp_path)
+    assert cli(["plot", "memory", str(files["t.json.gz"]), "--format", "svg"])[0] == 0
+    assert_svg(tmp_path / "t-memory.svg")
+
+
+def hostile_files(folder: Path, files: dict[str, Path]) -> dict[str, Path]:
+    """Files a user (or an attacker) might hand `plot`."""
+    op = {"ph": "X", "tid": 0, "ts": 0, "dur": 1, "args": {"action": "0F0", "stage": 0, "microbatch": 0}}
+    made = {
+        "garbage.parquet": b"PAR1 this is not parquet PAR1",
+        "text.json": b"{\"traceEvents\": [",
+        "nan.json": b"{\"traceEvents\": [{\"ph\": \"X\", \"pid\": NaN}]}",
+        "deep.json": b"[" * 100_000 + b"]" * 100_000,
+        "bigpid.json": json.dumps({"traceEvents": [{**op, "pid": 10**7}]}).encode(),
+        "badlane.json": json.dumps({"traceEvents": [{**op, "pid": 0}]}).encode(),  # no thread_name for its tid
+        "bomb.json.gz": gzip.compress(b" " * (2 << 20)),
+    }
+    paths = {}
+    for name, data in made.items():
+        paths[name] = folder / name
+        paths[name].write_bytes(data)
+    timeline = pd.read_csv(files["t.csv"])
+    paths["negative.csv"] = folder / "negative.csv"
+    timeline.assign(start_ns=-timeline["start_ns"]).to_csv(paths["negative.csv"], index=False)
+    paths["nobubble.parquet"] = folder / "nobubble.parquet"
+    pd.read_parquet(files["sweep.parquet"]).drop(columns="bubble_rate").to_parquet(paths["nobubble.parquet"])
+    paths["manylines.csv"] = folder / "manylines.csv"
+    pd.DataFrame({"schedule.name": [f"s{i}" for i in range(41)], "schedule.microbatches": 4,
+                  "bubble_rate": 0.1}).to_csv(paths["manylines.csv"], index=False)
+    paths["bomb.parquet"] = folder / "bomb.parquet"  # a few KiB on disk, 4 MiB of columns once unpacked
+    pd.DataFrame({"device": [f"{i:08d}" + "0" * 4088 for i in range(1024)]}).to_parquet(paths["bomb.parquet"],
+                                                                                          compression="zstd")
+    paths["badrate.csv"] = folder / "badrate.csv"
+    pd.read_csv(files["sweep.csv"]).assign(bubble_rate=7.0).to_csv(paths["badrate.csv"], index=False)
+    return paths
+
+
+BAD = [
+    (["gantt", "{missing}"], "INPUT: '{missing}' does not exist or is not a file"),
+    (["gantt", "{garbage.parquet}"], "is not a readable Parquet table"),
+    (["gantt", "{text.json}"], "is not valid JSON"),
+    (["gantt", "{nan.json}"], "is not valid JSON (NaN is not a number"),
+    (["gantt", "{deep.json}"], "is not valid JSON"),
+    (["gantt", "{bigpid.json}"], "pid: got '10000000', expected an integer from 0 to 99999"),
+    (["gantt", "{badlane.json}"], "thread name: stream: got '', expected compute"),
+    (["gantt", "{bomb.json.gz}"], "is over 1 MiB"),
+    (["gantt", "{negative.csv}"], "start_ns: got '-"),
+    (["gantt", "{summary.json}"], "is a 'simulate --json' summary, which holds no op timeline"),
+    (["gantt", "{validate.json}"], "is a 'validate --json' report (plot it with overlay)"),
+    (["gantt", "{sweep.parquet}"], "has no column 'device', expected a timeline"),
+    (["gantt", "{t.parquet}", "{t.csv}"], "INPUT: got 2 files, expected one for gantt"),
+    (["gantt", "{t.parquet}", "--set", "schedule.stages=2"], "--set: only with a config INPUT"),
+    (["gantt", "{t.parquet}", "--microbatches", "0"], "--microbatches: got '0', expected an integer from 1"),
+    (["memory", "{t.parquet}"], "holds no memory timeline"),
+    (["bubble", "{nobubble.parquet}"], "has no column 'bubble_rate', expected a sweep table"),
+    (["bubble", "{badrate.csv}"], "bubble_rate: got '7.0', expected a number from 0 to 1"),
+    (["bubble", "{manylines.csv}"], "bubble_rate: 41 lines (schedules x nothing else), expected at most 40"),
+    (["gantt", "{bomb.parquet}"], "unpacks to"),
+    (["throughput", "{t.json.gz}"], "expected a sweep table (.parquet or .csv)"),
+    (["memory", "{t.json.gz}", "--title", "x" * 301], "--title: got 301 characters, expected at most 300"),
+    (["overlay", "{summary.json}"], "is not a 'pipescope validate --json' report"),
+    (["gantt", "{t.json.gz}", "-o", "g.jpg"], "-o: got 'g.jpg', expected a file name ending in .png, .svg or .pdf"),
+    (["gantt", "{t.json.gz}", "-o", "g.png", "--format", "svg"], "--format: got svg, but -o 'g.png' is png"),
+    (["gantt", "{t.json.gz}", "-o", "{t.csv}/g.png"], "-o: cannot write"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_and_exit_2(cli, files: dict[str, Path], tmp_path: Path, args: list[str], message: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plots_inputs, "MAX_FILE_BYTES", 1 << 20)  # the gzip bomb: 2 MiB unpacked, over a 1 MiB bound
+    monkeypatch.setattr(plots_inputs, "MAX_UNPACKED_BYTES", 2 << 20)  # the Parquet bomb: 4 MiB, over a 2 MiB bound
+    names = {**{k: str(v) for k, v in files.items()}, **{k: str(v) for k, v in hostile_files(tmp_path, files).items()},
+             "missing": str(tmp_path / "missing.json")}
+    def fill(text: str) -> str:  # "{t.csv}" is that file's path (str.format would read ".csv" as an attribute)
+        return re.sub(r"\{([^}]+)\}", lambda match: names[match.group(1)], text)
+
+    code, out, err = cli(["plot", *map(fill, args)])
+    assert code == 2 and out == ""
+    assert err.startswith("pipescope: error: ") and err.count("\n") == 1, err
+    assert fill(message) in err
+
+
+def test_unknown_kind_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
+    """argparse's one-line error (exit 2) lists the kinds."""
+    from pipescope.experiments.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", "pie", "x.json"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "choose from 'gantt', 'memory'" in err
+
+
+def test_a_title_with_tex_is_drawn_as_text(cli, files: dict[str, Path], tmp_path: Path) -> None:
+    """A '$' in a title is not TeX math (an unbalanced one would fail to render)."""
+    code, _, _ = cli(["plot", "memory", str(files["t.json.gz"]), "--title", "cost $\\frac{", "-o",
+                      str(tmp_path / "t.png")])
+    assert code == 0 and png_size(tmp_path / "t.png")[0] > 1000

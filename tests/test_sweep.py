@@ -1,0 +1,198 @@
+"""``pipescope sweep``: the grid is validated before anything runs, a process pool and a Dask LocalCluster give the
+same rows, a killed sweep resumes without running a finished run again, and failing runs are kept as rows."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+import yaml
+
+from pipescope.experiments.sweep import dask_executor, expand, read_rows, run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+UNIFORM = {"kind": "uniform", "forward": "1ms", "backward_input": "1ms", "backward_weight": "1ms", "p2p": 0}
+COLUMNS = ["run_id", "status", "error", "schedule.name", "schedule.stages", "schedule.microbatches", "model.preset",
+           "costs.forward", "iteration_time_s", "throughput_samples_per_s", "bubble_rate", "peak_memory_bytes",
+           "mfu", "oom", "gpus", "run_wall_s"]
+
+
+def experiment(tmp_path: Path, **grid) -> str:
+    """A uniform-cost experiment file with the given ``sweep``/``zip`` sections (or overridden base sections)."""
+    path = tmp_path / "experiment.yaml"
+    path.write_text(yaml.safe_dump({"schedule": {"name": "1f1b", "stages": 2, "microbatches": 4}, "costs": UNIFORM,
+                                    **grid}, sort_keys=False))
+    return str(path)
+
+
+def small_grid() -> dict:
+    """3 schedules x 2 stage counts x 2 zipped (microbatches, forward time) pairs = 12 runs."""
+    return {"sweep": {"schedule.name": ["gpipe", "1f1b", "zb-h1"], "schedule.stages": [2, 4]},
+            "zip": {"schedule.microbatches": [4, 8], "costs.forward": ["1ms", "2ms"]}}
+
+
+def listening_addresses() -> set[str]:
+    """IP addresses this process and its children listen on (TCP)."""
+    me = psutil.Process()
+    found = set()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            found |= {c.laddr.ip for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def test_expand_crosses_sweep_keys_and_zips_zip_keys(tmp_path) -> None:
+    """sweep is a product, zip varies its lists together; each run's config holds its values."""
+    plan = expand(experiment(tmp_path, **small_grid()))
+    assert (plan.combinations, len(plan.runs)) == (12, 12)
+    assert plan.keys == ("schedule.name", "schedule.stages", "schedule.microbatches", "costs.forward")
+    pairs = {(r.config.schedule.microbatches, r.config.costs.forward) for r in plan.runs}
+    assert pairs == {(4, 0.001), (8, 0.002)}
+    assert len({r.run_id for r in plan.runs}) == 12
+
+
+def test_a_file_without_grid_is_one_run(tmp_path) -> None:
+    """A plain config is a one-run plan: every shipped config can go through expand."""
+    plan = expand(experiment(tmp_path))
+    assert (plan.combinations, plan.keys, len(plan.runs)) == (1, (), 1)
+    assert plan.runs[0].config.schedule.stages == 2
+
+
+def test_a_line_torn_by_a_kill_is_dropped_and_its_run_runs_again(tmp_path) -> None:
+    """A last line without its newline (the process died mid-write) is not a finished run: the next sweep cuts it,
+    runs that run again, and leaves a log whose every line is a whole JSON object."""
+    plan = expand(experiment(tmp_path, sweep={"schedule.stages": [2, 4, 8]}))
+    log = tmp_path / "out" / "runs.jsonl"
+    run_sweep(plan, tmp_path / "out", workers=1, progress=False)
+    whole = log.read_bytes()
+    log.write_bytes(whole[:whole.rindex(b"\n", 0, len(whole) - 1) + 40])
+    again = run_sweep(plan, tmp_path / "out", workers=1, progress=False)
+    assert (again.ran, again.skipped) == (1, 2)
+    lines = log.read_bytes().splitlines()
+    assert len(lines) == 3 and all(json.loads(line)["status"] == "ok" for line in lines)
+
+
+def test_process_pool_and_dask_local_cluster_give_identical_rows(tmp_path) -> None:
+    """The same plan over a process pool and over a Dask LocalCluster (2 worker processes of 1 thread, on
+    127.0.0.1 only) gives the same rows, in grid order; only the wall times differ."""
+    plan = expand(experiment(tmp_path, **small_grid()))
+    pool = run_sweep(plan, tmp_path / "pool", workers=2, chunk_size=3, progress=False).frame
+    with dask_executor("local", workers=2) as (executor, threads):
+        assert threads == 2
+        assert listening_addresses() <= {"127.0.0.1"}
+        dask = run_sweep(plan, tmp_path / "dask", executor, threads, chunk_size=3, progress=False).frame
+    assert list(pool["run_id"]) == [r.run_id for r in plan.runs]
+    assert (pool["status"] == "ok").all()
+    pd.testing.assert_frame_equal(pool.drop(columns="run_wall_s"), dask.drop(columns="run_wall_s"))
+
+
+def _refuse_to_start() -> None:
+    raise RuntimeError("this worker never starts")
+
+
+def test_runs_of_a_broken_executor_are_lost_not_logged_and_run_again(tmp_path) -> None:
+    """When the executor itself fails (a pool whose workers die at start), the runs are reported lost and not
+    logged, so the next sweep into the folder runs them."""
+    plan = expand(experiment(tmp_path, sweep={"schedule.stages": [2, 4, 8]}))
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver"),
+                             initializer=_refuse_to_start) as bad:
+        report = run_sweep(plan, tmp_path / "out", bad, workers=1, progress=False)
+    assert sorted(rid for rid, _ in report.lost) == sorted(r.run_id for r in plan.runs)
+    assert all("BrokenProcessPool" in why for _, why in report.lost)
+    assert read_rows(tmp_path / "out" / "runs.jsonl") == [] and len(report.frame) == 0
+    again = run_sweep(plan, tmp_path / "out", workers=1, progress=False)
+    assert (again.ran, again.skipped, again.lost) == (3, 0, [])
+
+
+def test_killed_sweep_resumes_without_repeating_finished_runs(tmp_path) -> None:
+    """A `pipescope sweep` killed (SIGKILL, pool included) after its first lines keeps them; the re-run logs each
+    other run once and none of the finished ones again."""
+    path = experiment(tmp_path, schedule={"name": "1f1b", "stages": 8, "microbatches": 64},
+                      sweep={"seed": list(range(40))})
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "pipescope.experiments.cli", "sweep", path, "--out", str(out), "--workers", "2",
+               "--chunk-size", "1"]
+    proc = subprocess.Popen(command, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(_lines(out)) < 3:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = read_rows(out / "runs.jsonl")
+    assert 3 <= len(before) < 40, "the sweep must be killed mid-run"
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"{40 - len(before)} run now, {len(before)} already logged, 40 ok" in done.stdout
+    after = read_rows(out / "runs.jsonl")
+    assert after[:len(before)] == before
+    assert len(after) == 40 and len({row["run_id"] for row in after}) == 40
+    assert len(pd.read_parquet(out / "results.parquet")) == 40
+
+
+def _lines(out: Path) -> list[bytes]:
+    path = out / "runs.jsonl"
+    return [line for line in path.read_bytes().splitlines(keepends=True) if line.endswith(b"\n")] \
+        if path.exists() else []
+
+
+def test_cli_sweep_writes_parquet_csv_and_keeps_failing_runs(cli, tmp_path) -> None:
+    """A run that fails (2bw needs m >= p) is a row with its error and the others still run; exit 1 says some
+    failed. The tables have the documented columns, and the summary counts both."""
+    path = experiment(tmp_path, sweep={"schedule.name": ["1f1b", "2bw"], "schedule.stages": [2, 8]})
+    code, out, err = cli(["sweep", path, "--out", str(tmp_path / "out"), "--workers", "2"])
+    assert code == 1, err
+    assert "4 runs (4 combinations): 4 run now, 0 already logged, 3 ok, 1 error, 0 lost" in out
+    frame = pd.read_parquet(tmp_path / "out" / "results.parquet")
+    assert set(COLUMNS) <= set(frame.columns)
+    failed = frame[frame["status"] == "error"]
+    assert list(failed["schedule.name"]) == ["2bw"] and list(failed["schedule.stages"]) == [8]
+    assert "schedule.microbatches" in failed["error"].iloc[0] and "2bw" in failed["error"].iloc[0]
+    assert failed["iteration_time_s"].isna().all()
+    csv = pd.read_csv(tmp_path / "out" / "results.csv")
+    assert list(csv.columns) == list(frame.columns) and len(csv) == 4
+    ok = frame[frame["status"] == "ok"].set_index(["schedule.name", "schedule.stages"])
+    assert ok.loc[("1f1b", 2), "iteration_time_s"] == pytest.approx(5 * 3e-3)  # (m + p - 1)(F + I + W) / p stages
+
+
+@pytest.mark.parametrize(("grid", "named"), [
+    ({"sweep": {"schedule.stagez": [2, 4]}}, "schedule.stagez: unknown key"),
+    ({"sweep": {"schedule.stages": [2, 4, 0]}}, "schedule.stages: got 0"),
+    ({"sweep": {"model.preset": ["gpt-1.3b", "gpt-9"]}}, "model.preset: got 'gpt-9'"),
+    ({"sweep": {"schedule.name": ["1f1b", "zbv"]}}, "schedule.name: got 'zbv'"),
+    ({"sweep": {"schedule.stages": 4}}, "sweep.schedule.stages: got 4, expected a non-empty list"),
+    ({"zip": {"schedule.stages": [2, 4], "seed": [1]}}, "zip: lists of different lengths"),
+    ({"sweep": {"seed": list(range(1000)), "schedule.microbatches": list(range(1, 102))}},
+     "sweep: 1000 x 101 = 101,000 runs, expected at most 100,000"),
+], ids=["key", "value", "preset", "schedule", "not-a-list", "zip-lengths", "too-many"])
+def test_bad_grid_fails_before_any_run(cli, tmp_path, grid: dict, named: str) -> None:
+    """A bad key or value anywhere in the grid (the last run's included) is one line naming it, exit 2, and nothing
+    ran: no runs.jsonl."""
+    code, out, err = cli(["sweep", experiment(tmp_path, **grid), "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert named in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out" / "runs.jsonl").exists()
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--workers", "0"], "--workers: got '0'"),
+    (["--chunk-size", "x"], "--chunk-size: got 'x'"),
+    (["--dask", "http://evil:80"], "--dask: got 'http://evil:80', expected local or tcp://HOST:PORT"),
+    (["--dask", "tcp://10.0.0.1:8786", "--workers", "2"], "--workers: got 2 with --dask"),
+])
+def test_bad_flags_are_one_line_errors(cli, tmp_path, flags: list[str], named: str) -> None:
+    """Flags are checked before the grid and before any connection: one line, exit 2."""
+    code, _, err = cli(["sweep", experiment(tmp_path), "--out", str(tmp_path / "out"), *flags])
+    assert code == 2 and named in err and err.count("\n") == 1
