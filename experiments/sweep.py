@@ -40,7 +40,7 @@ from typing import Any
 
 import pandas as pd
 
-from pipescope.config import Config, ConfigError, _merge, load_config, read_yaml
+from pipescope.config import EXPERIMENT_KEYS, Config, ConfigError, _merge, load_config, read_yaml
 from pipescope.runner import run
 from pipescope.simulator.costs import UniformCostsConfig
 from pipescope.simulator.files import write_atomic
@@ -49,7 +49,6 @@ from pipescope.simulator.result import SimResult
 from pipescope.simulator.schedules import ALIASES, GENERATORS, generator
 from pipescope.simulator.units import short_repr
 
-GRID_SECTIONS = ("sweep", "zip")
 # Validation takes ~0.6 ms a run (mostly load_config), so the cap costs ~1 min before the first run; a bigger study is
 # several files (or several --out folders), each resumable on its own.
 MAX_RUNS = 100_000
@@ -98,7 +97,7 @@ def expand(experiment: str | os.PathLike | Mapping[str, Any]) -> SweepPlan:
             MAX_RUNS runs, or any combination ``load_config`` refuses (or with an unknown schedule name).
     """
     raw = _read_experiment(experiment) if not isinstance(experiment, Mapping) else dict(experiment)
-    base = {key: value for key, value in raw.items() if key not in GRID_SECTIONS}
+    base = {key: value for key, value in raw.items() if key not in EXPERIMENT_KEYS}
     axes = _axes(raw.get("sweep"), raw.get("zip"))
     count = math.prod(len(axis) for axis in axes)
     if count > MAX_RUNS:

@@ -58,6 +58,8 @@ class Config:
     seed: int = 0
 
 
+EXPERIMENT_KEYS = ("sweep", "zip")  # experiments.sweep's grid sections: not a config's
+
 # Inclusive (low, high) of every integer key; docs/cli.md "Limits". The highs keep every product the simulator
 # forms (bytes, FLOPs, int64 nanoseconds) finite and refuse sizes no machine has before anything is built.
 RANGES: dict[str, tuple[int, int]] = {
@@ -163,6 +165,9 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     values = {}
     for name, value in raw.items():
         key = _key(prefix, name)
+        if name not in fields and cls is Config and name in EXPERIMENT_KEYS:
+            raise ConfigError(f"{key}: a key of experiment files (a grid of runs), not of one config; run this file "
+                              f"with pipescope sweep (docs/sweeps.md)")
         if name not in fields:
             raise ConfigError(f"{key}: unknown key, expected one of {', '.join(prefix + f for f in fields)}")
         kind, optional = _field_type(hints[name])

@@ -26,3 +26,11 @@ def test_shipped_config_simulates(path: str) -> None:
 def test_there_are_configs() -> None:
     """The demo and the hardware-named recipes are found."""
     assert len(CONFIGS) >= 4
+
+
+def test_an_experiment_file_given_as_one_config_points_to_sweep() -> None:
+    from pipescope import load_config
+    from pipescope.config import ConfigError
+    grid = next(path for path in CONFIGS if path.endswith("zero-bubble-paper.yaml"))
+    with pytest.raises(ConfigError, match=r"^sweep: a key of experiment files .* run this file with pipescope sweep"):
+        load_config(grid)
