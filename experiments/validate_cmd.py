@@ -1,7 +1,10 @@
 """``pipescope validate``: calibrate (or load a profile), simulate, run the same program for real, report the error.
 
-The real run is ``calibration.executor`` (gloo ranks on this machine, one thread each); the prediction is
-``pipescope.run`` on the profile. Warm-up iterations are dropped and the median of the measured ones is compared.
+The real run is ``calibration.executor`` (gloo ranks on this machine, one thread each, AdamW with clipping after each
+iteration); the prediction is ``pipescope.run`` on the profile. Warm-up iterations are dropped and the median of the
+measured ones is compared: iteration time (the optimizer steps included, as both timelines have them), busy time, each
+op matched by device and name (``sOPTk`` included), and each device's peak memory: the memory ledger against what the
+executor tracked in its warm-up iteration (docs/validation.md says what differs and why).
 """
 
 from __future__ import annotations
@@ -20,17 +23,18 @@ import pandas as pd
 
 from pipescope.config import ConfigError, load_config
 from pipescope.experiments.cli import integer_flag
-from pipescope.simulator.ir import COMPUTE_KINDS
+from pipescope.simulator.ir import COMPUTE_KINDS, ActionKind
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="run a schedule for real on this machine and compare with the prediction",
                        description="Calibrate the model on this machine (or load --profile), simulate the schedule on "
                        "that profile, run the same lowered program over real torch.distributed ranks (gloo on CPU, "
-                       "one thread each), and report the predicted against the measured iteration time, busy time "
-                       "and per-op durations. Warm-up iterations are dropped; the median of --iterations is used.")
-    p.add_argument("--schedule", default="1f1b", help="flush schedules: gpipe, 1f1b, interleaved, zb-h1, zb-h2, "
-                   "zb-v, v-half (default 1f1b)")
+                       "one thread each), and report the predicted against the measured iteration time, busy time, "
+                       "per-op durations and peak memory per device. Warm-up iterations are dropped; the median of "
+                       "--iterations is used.")
+    p.add_argument("--schedule", default="1f1b", help="any schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, "
+                   "v-half, v-min, pipedream, 2bw (default 1f1b)")
     p.add_argument("--stages", default="2", help="pipeline devices p = ranks (default 2)")
     p.add_argument("--microbatches", default="4", help="microbatches m (default 4)")
     p.add_argument("--chunks", help="stages per device v (default: the schedule's)")
@@ -80,9 +84,9 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         from pipescope.runner import run
         result = run(config)
         _phase(f"run ({result.schedule.num_devices} gloo ranks, 1 warm-up + {iterations} iterations)")
-        measured = _measure(result, result.config, iterations, timeout)
+        measured, memory = _measure(result, result.config, iterations, timeout)
     predicted = _compute_rows(result.timeline)
-    return _report(result, predicted, measured), predicted, measured
+    return _report(result, predicted, measured, memory), predicted, measured
 
 
 def _sets(args: argparse.Namespace, profile: str) -> list[str]:
@@ -117,8 +121,9 @@ def _run_step(name: str, command: list[str]) -> None:
         raise RuntimeError(f"{name} failed: {last}")
 
 
-def _measure(result, config, iterations: int, timeout: int) -> pd.DataFrame:
-    """Measured compute rows of every iteration (columns as the timeline's, times from the iteration's start)."""
+def _measure(result, config, iterations: int, timeout: int) -> tuple[pd.DataFrame, list]:
+    """Measured compute rows of every iteration (columns as the timeline's, times from the iteration's start), and
+    each rank's measured memory (``executor_memory.RankMemory``)."""
     from pipescope.calibration.executor import RunSpec, execute
     from pipescope.calibration.presets import Shape
 
@@ -135,18 +140,20 @@ def _measure(result, config, iterations: int, timeout: int) -> pd.DataFrame:
         origin = frame["start_ns"].min()
         frames.append(frame.assign(start_ns=frame["start_ns"] - origin, end_ns=frame["end_ns"] - origin,
                                    iteration=index))
-    return pd.concat(frames, ignore_index=True)
+    return pd.concat(frames, ignore_index=True), run.memory
 
 
 def _compute_rows(frame: pd.DataFrame) -> pd.DataFrame:
-    kinds = {k.value for k in COMPUTE_KINDS}
+    """F, I, W, B and the optimizer steps (OPT): the ops that take a device's compute time on both sides."""
+    kinds = {k.value for k in COMPUTE_KINDS | {ActionKind.OPT}}
     rows = frame[frame["kind"].isin(kinds)]
     return rows[["device", "action", "kind", "stage", "microbatch", "start_ns", "end_ns"]].reset_index(drop=True)
 
 
-def _report(result, predicted: pd.DataFrame, measured: pd.DataFrame) -> dict:
-    """Iteration, busy and bubble errors per device, and per-op duration and start errors (signed, relative)."""
-    spans = measured.groupby("iteration")["end_ns"].max()
+def _report(result, predicted: pd.DataFrame, measured: pd.DataFrame, memory: list) -> dict:
+    """Iteration, busy, bubble and peak-memory errors per device, and per-op duration and start errors (signed,
+    relative)."""
+    spans = measured.groupby("iteration").apply(lambda rows: _iteration_ns(result.schedule, rows), include_groups=False)
     median_iteration = statistics.median(spans.tolist())
     typical = int((spans - median_iteration).abs().idxmin())  # the measured iteration closest to the median
     real = measured[measured["iteration"] == typical]
@@ -156,13 +163,15 @@ def _report(result, predicted: pd.DataFrame, measured: pd.DataFrame) -> dict:
     duration_m = (joined["end_ns_m"] - joined["start_ns_m"]).clip(lower=1)
     duration_error = (duration_p - duration_m) / duration_m
     start_error = ((joined["start_ns_p"] - predicted["start_ns"].min()) - joined["start_ns_m"]) / median_iteration
-    devices = []
+    devices, per_iteration = [], 1e9 * result.schedule.iterations  # PipeDream and 2BW: several per program
     for d in sorted(set(predicted["device"])):
-        busy_p = _busy(predicted, d) / 1e9
-        busy_m = _busy(real, d) / 1e9
+        busy_p = _busy(predicted, d) / per_iteration
+        busy_m = _busy(real, d) / per_iteration
         devices.append({"device": d, "predicted_busy_s": busy_p, "measured_busy_s": busy_m,
                         "busy_error": _relative(busy_p, busy_m),
-                        "predicted_bubble": 1 - busy_p / predicted_s, "measured_bubble": 1 - busy_m / measured_s})
+                        "predicted_bubble": 1 - busy_p / predicted_s, "measured_bubble": 1 - busy_m / measured_s,
+                        **_memory(result.devices[d], memory[d])})
+    worst = max(devices, key=lambda device: abs(device["memory_error"]))
     return {"schedule": result.schedule.name, "stages": result.schedule.num_devices,
             "microbatches": result.schedule.num_microbatches, "iterations_measured": int(spans.size),
             "predicted_iteration_time_s": predicted_s, "measured_iteration_time_s": measured_s,
@@ -171,7 +180,29 @@ def _report(result, predicted: pd.DataFrame, measured: pd.DataFrame) -> dict:
             "op_duration_error_p90": float(duration_error.abs().quantile(0.9)),
             "op_start_error_median": float(start_error.median()),
             "op_start_error_p90": float(start_error.abs().quantile(0.9)),
-            "memory_error": None, "per_device": devices}
+            "memory_error": worst["memory_error"], "per_device": devices}
+
+
+def _iteration_ns(schedule, rows: pd.DataFrame) -> int:
+    """One measured run's iteration time, as the simulator defines it (``simulator.result``): its span, or for a
+    schedule spanning iterations the median gap between iteration ends (their last backwards)."""
+    from pipescope.simulator.result import _iteration_times
+    ends = rows[rows["kind"] != ActionKind.OPT.value] if schedule.iterations > 1 else rows
+    return _iteration_times(schedule, ends["microbatch"].to_numpy(), ends["end_ns"].to_numpy(),
+                            int(rows["start_ns"].min()), int(rows["end_ns"].max()))[0]
+
+
+STATIC = ("weights", "gradients", "optimizer")
+
+
+def _memory(predicted, measured) -> dict:
+    """One device's peak memory, the ledger's and the executor's, its static part, and the signed relative error."""
+    return {"predicted_peak_memory_bytes": predicted.peak_memory_bytes,
+            "measured_peak_memory_bytes": measured.peak_bytes,
+            "memory_error": _relative(predicted.peak_memory_bytes, measured.peak_bytes),
+            "predicted_static_memory_bytes": predicted.static_memory_bytes,
+            "measured_static_memory_bytes": sum(measured.at_peak.get(k, 0) for k in STATIC),
+            "measured_peak_category": measured.peak_category, "measured_at_peak": measured.at_peak}
 
 
 def _busy(frame: pd.DataFrame, device: int) -> int:
@@ -192,11 +223,14 @@ def _table(report: dict) -> str:
              f"{report['op_duration_error_p90']:.1%}",
              f"op starts       error median {report['op_start_error_median']:+.1%} of the iteration, p90 |error| "
              f"{report['op_start_error_p90']:.1%}",
-             "memory          not measured on CPU yet",
-             "device  busy predicted  busy measured   error  bubble predicted  measured"]
+             f"peak memory     worst error {report['memory_error']:+.1%}",
+             "device  busy predicted  busy measured   error  bubble predicted  measured  peak memory predicted  "
+             "measured   error"]
     for d in report["per_device"]:
         lines.append(f"{d['device']:>6} {d['predicted_busy_s'] * 1e3:>12.3f} ms {d['measured_busy_s'] * 1e3:>11.3f} ms "
-                     f"{d['busy_error']:>+7.1%} {d['predicted_bubble']:>16.1%} {d['measured_bubble']:>9.1%}")
+                     f"{d['busy_error']:>+7.1%} {d['predicted_bubble']:>16.1%} {d['measured_bubble']:>9.1%} "
+                     f"{d['predicted_peak_memory_bytes'] / 2**20:>17.2f} MiB "
+                     f"{d['measured_peak_memory_bytes'] / 2**20:>8.2f} MiB {d['memory_error']:>+7.1%}")
     return "\n".join(lines)
 
 

@@ -432,8 +432,10 @@ def test_simulate_cli_runs_on_the_profile(profile: Calibrated, capsys: pytest.Ca
     assert main([*base, "--set", f"model.microbatch_size={MICROBATCH}"]) == 0
     measured = json.loads(capsys.readouterr().out)
     costs = ProfiledCosts.load(profile.out, MICROBATCH)
-    busy = sum(costs.stage_cost(s, 2, 1).forward_ns + costs.stage_cost(s, 2, 1).input_grad_ns
-               + costs.stage_cost(s, 2, 1).weight_grad_ns for s in range(2)) * 4
+    stages = [costs.stage_cost(s, 2, 1) for s in range(2)]
+    steps = sum(c.optimizer_ns for c in stages)  # the profile's AdamW fit, once per stage
+    assert steps > 0
+    busy = sum(c.forward_ns + c.input_grad_ns + c.weight_grad_ns for c in stages) * 4 + steps
     assert sum(d["busy_s"] for d in measured["per_device"]) == pytest.approx(busy / 1e9)
     assert measured["warnings"] == [] and measured["mfu"] is None
     assert main([*base, "--set", "model.microbatch_size=8"]) == 0

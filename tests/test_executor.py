@@ -1,5 +1,6 @@
-"""The real executor: the lowered program run over torch.distributed (gloo, 2 ranks, one thread each). Launches
-cost 3-5 s, so each test runs several schedules in one launch (``execute_all``)."""
+"""The real executor: the lowered program run over torch.distributed (gloo, one thread per rank), with its optimizer
+step, weight versions, data parallelism and measured memory. Launches cost 3-5 s, so the 2-rank specs share one
+launch (a module fixture) and the 4-rank ones another."""
 
 from __future__ import annotations
 
@@ -10,32 +11,193 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pipescope.calibration.executor import RunError, RunSpec, execute_all, reference_step  # noqa: E402
+from pipescope.calibration.executor_state import batch, build_modules, stage_modules  # noqa: E402
+from pipescope.calibration.memory import saved_tensor_bytes  # noqa: E402
 from pipescope.calibration.presets import Shape  # noqa: E402
 from pipescope.simulator.ir import ActionKind  # noqa: E402
 from pipescope.simulator.schedules import build  # noqa: E402
 
 SHAPE = Shape("test", layers=4, hidden=32, heads=2, seq=16, vocab=64)
 FLUSH = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("v-half", 2))
+COMPUTE = {k.value for k in (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)}
 
 
-def test_flush_schedules_give_the_loss_and_gradients_of_one_process():
-    specs = [RunSpec(build(name, 2, 4, chunks=chunks), SHAPE, microbatch_size=2, seed=3) for name, chunks in FLUSH]
-    specs.append(RunSpec(build("1f1b", 2, 4), SHAPE, microbatch_size=2, layers_per_stage=(1, 3), seed=3))
-    results = execute_all(specs)
-    for spec, result in zip(specs, results):
-        loss, grads = reference_step(spec)
-        assert result.loss == pytest.approx(loss, rel=1e-6), spec.schedule.name
-        assert set(result.grads) == set(grads), spec.schedule.name
-        for name, grad in grads.items():
-            torch.testing.assert_close(result.grads[name], grad, rtol=1e-5, atol=1e-6, msg=spec.schedule.name)
-        rows = result.rows[0]
-        assert len(rows) == 2
-        for device, device_rows in enumerate(rows):
-            program = [a for a in spec.schedule.device_actions[device] if a is not None]
-            ran = [r for r in device_rows if r[1] in {k.value for k in (ActionKind.F, ActionKind.I, ActionKind.W,
-                                                                          ActionKind.B)}]
-            assert [r[0] for r in ran] == [str(a) for a in program]  # the compute order is the schedule's
-            assert all(r[4] <= r[5] for r in device_rows)
+def _spec(name: str, m: int = 4, chunks: int | None = None, **options) -> RunSpec:
+    iterations = options.pop("schedule_iterations", None)
+    schedule = build(name, 2, m, chunks=chunks, **({"iterations": iterations} if iterations else {}))
+    return RunSpec(schedule, SHAPE, microbatch_size=2, seed=3, **options)
+
+
+TWO_RANKS = {
+    **{name: _spec(name, chunks=chunks, iterations=2, clip_norm=0.5) for name, chunks in FLUSH},
+    "uneven": _spec("1f1b", layers_per_stage=(1, 3), iterations=2),
+    "sgd": _spec("1f1b", optimizer="sgd", lr=0.5, clip_norm=0.05),
+    "2bw": _spec("2bw", m=2, schedule_iterations=3, optimizer="sgd", lr=0.5, clip_norm=None, iterations=2),
+    "pipedream": _spec("pipedream", m=2, schedule_iterations=2, iterations=2),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    """Every 2-rank spec, run in one launch: name -> (spec, result, one-process reference)."""
+    results = execute_all(list(TWO_RANKS.values()))
+    return {name: (spec, result, reference_step(spec)) for (name, spec), result in zip(TWO_RANKS.items(), results)}
+
+
+def _assert_matches(result, reference, name: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert result.losses == pytest.approx(reference.losses, rel=rtol), name
+    assert set(result.grads) == set(reference.grads) == set(result.weights[0]), name
+    for key, grad in reference.grads.items():
+        torch.testing.assert_close(result.grads[key], grad, rtol=rtol, atol=atol, msg=f"{name} grad {key}")
+    for key, weight in reference.weights.items():
+        torch.testing.assert_close(result.weights[0][key], weight, rtol=rtol, atol=atol, msg=f"{name} weight {key}")
+
+
+@pytest.mark.parametrize("name", [name for name, _ in FLUSH] + ["uneven"])
+def test_flush_schedules_train_as_one_process_and_time_one_optimizer_row_per_stage(two_ranks, name):
+    """Two AdamW steps with the gradient norm clipped over the pipeline: every loss, the last gradients and the final
+    weights are those of one process on the same batch."""
+    spec, result, reference = two_ranks[name]
+    assert len(reference.losses) == 2 and reference.losses[1] < reference.losses[0]
+    _assert_matches(result, reference, name)
+    for device, rows in enumerate(result.rows[-1]):
+        program = [a for a in spec.schedule.device_actions[device] if a is not None]
+        assert [r[0] for r in rows if r[1] in COMPUTE] == [str(a) for a in program]  # the schedule's compute order
+        stages = sorted(s for s, d in enumerate(spec.schedule.stage_to_device) if d == device)
+        assert [r[0] for r in rows if r[1] == "OPT"] == [f"{s}OPT3" for s in stages]  # named by the last microbatch
+        assert rows[-len(stages):] == [r for r in rows if r[1] == "OPT"]  # after the program
+        assert all(r[4] <= r[5] for r in rows)
+
+
+def test_sgd_step_is_the_weight_minus_lr_times_the_clipped_gradient(two_ranks):
+    spec, result, _ = two_ranks["sgd"]
+    initial = {f"{i}.{n}": p.detach() for i, m in build_modules(SHAPE, spec.seed).items() for n, p in
+               m.named_parameters()}
+    norm = torch.sqrt(sum(g.double().pow(2).sum() for g in result.grads.values())).item()
+    scale = spec.clip_norm / (norm + 1e-6)
+    assert scale < 1  # clipping acted
+    for key, weight in initial.items():
+        torch.testing.assert_close(result.weights[0][key], weight - spec.lr * scale * result.grads[key])
+
+
+def test_2bw_follows_the_delayed_update_of_a_hand_written_recurrence(two_ranks):
+    """W(t+1) = W(t) - lr * grad f_t(W(max(t-1, 0))), written out here in one process, over 2 runs of 3 iterations
+    (the recurrence goes on across runs)."""
+    spec, result, reference = two_ranks["2bw"]
+    _assert_matches(result, reference, "2bw")
+    m, k = spec.schedule.num_microbatches, spec.schedule.iterations
+    modules = build_modules(SHAPE, spec.seed)
+    names = [(i, n) for i, module in modules.items() for n, _ in module.named_parameters()]
+    versions = [[p.detach().clone() for module in modules.values() for p in module.parameters()]]
+    data = batch(SHAPE, spec.microbatch_size, k * m, spec.seed)
+    for step in range(2 * k):
+        used = [w.clone().requires_grad_() for w in versions[max(step - 1, 0)]]
+        loss = sum(_loss(modules, names, used, *data[(step % k) * m + i]) for i in range(m)) / m
+        grads = torch.autograd.grad(loss, used)
+        versions.append([w - spec.lr * g for w, g in zip(versions[-1], grads)])
+    for (i, n), weight in zip(names, versions[-1]):
+        torch.testing.assert_close(result.weights[0][f"{i}.{n}"], weight, rtol=1e-5, atol=1e-6)
+    assert [m.category_peaks["weights"] for m in result.memory] == [2 * _param_bytes(spec, d) for d in (0, 1)]
+
+
+def _loss(modules, names, tensors, ids, targets):
+    from torch.func import functional_call
+    x = ids
+    for index, module in modules.items():
+        params = {n: t for (i, n), t in zip(names, tensors) if i == index}
+        x = functional_call(module, params, (x, targets) if index == SHAPE.layers + 1 else (x,))
+    return x
+
+
+def test_pipedream_runs_each_backward_on_its_forwards_weights_and_holds_p_minus_r_versions(two_ranks):
+    spec, result, reference = two_ranks["pipedream"]
+    _assert_matches(result, reference, "pipedream")
+    stashed = 0
+    for seen in result.versions:
+        forwards = {(s, mb): (v, writes) for kind, s, mb, v, _, writes in seen if kind == "F"}
+        backwards = {(s, mb): (v, writes) for kind, s, mb, v, _, writes in seen if kind == "B"}
+        assert backwards == forwards  # the same version id, and no write into that buffer in between
+        stashed += sum(v < newest for kind, _, _, v, newest, _ in seen if kind == "B")
+    assert stashed > 0  # some backward ran on an older version than the newest: the stash mattered
+    assert [m.category_peaks["weights"] for m in result.memory] == [2 * _param_bytes(spec, 0), _param_bytes(spec, 1)]
+    assert [r[0] for r in result.rows[-1][1] if r[1] == "OPT"] == [f"1OPT{j}" for j in range(4)]  # one per backward
+
+
+def _param_bytes(spec: RunSpec, device: int) -> int:
+    parts = stage_modules(SHAPE, spec.schedule.num_stages, spec.layers_per_stage)
+    wanted = {i for s, d in enumerate(spec.schedule.stage_to_device) if d == device for i in parts[s]}
+    return sum(p.numel() * 4 for m in build_modules(SHAPE, 0, wanted).values() for p in m.parameters())
+
+
+def test_memory_is_tracked_exactly(two_ranks):
+    """GPipe's last stage peaks after its last forward: weights, gradients, AdamW's two moments and step counters,
+    and m microbatches of what autograd saves (counted here in one process) plus each loss."""
+    spec, result, _ = two_ranks["gpipe"]
+    parts = stage_modules(SHAPE, 2, None)
+    modules = build_modules(SHAPE, spec.seed, set(parts[1]))
+    params = [p for m in modules.values() for p in m.parameters()]
+    x = torch.randn(2, SHAPE.seq, SHAPE.hidden, requires_grad=True)
+    targets = torch.randint(SHAPE.vocab, (2, SHAPE.seq))
+
+    def forward():
+        y = x
+        for index in parts[1]:
+            y = modules[index](y, targets) if index == SHAPE.layers + 1 else modules[index](y)
+        return y
+
+    saved, _ = saved_tensor_bytes(forward, params)
+    weights = sum(p.numel() * 4 for p in params)
+    memory = result.memory[1]
+    assert memory.peak_bytes == 4 * weights + 4 * len(params) + 4 * (saved + 4)
+    assert (memory.at_peak["weights"], memory.at_peak["gradients"], memory.at_peak["optimizer"]) == (
+        weights, weights, 2 * weights + 4 * len(params))
+    assert memory.peak_category == "outputs" and memory.timeline[-1][1] == 4 * weights + 4 * len(params)
+    assert two_ranks["sgd"][1].memory[1].category_peaks["optimizer"] == 0
+
+
+def test_run_spec_refuses_bad_values_in_one_line():
+    schedule = build("1f1b", 2, 4)
+    for field, value, expected in (("optimizer", "adam", "one of adamw, sgd"), ("lr", 0.0, "positive finite"),
+                                   ("clip_norm", -1.0, "None or a positive"), ("data_parallel", 0, "integer >= 1"),
+                                   ("device", "tpu", "cpu or cuda")):
+        with pytest.raises(ValueError, match=rf"^RunSpec.{field}: got .*, expected .*{expected}") as caught:
+            execute_all([RunSpec(schedule, SHAPE, **{field: value})])
+        assert "\n" not in str(caught.value)
+    with pytest.raises(ValueError, match=r"^RunSpec.schedule: got '1f1b with recompute', expected a schedule without"):
+        execute_all([RunSpec(build("1f1b", 2, 4, recompute=True), SHAPE)])
+
+
+def test_data_parallel_replicas_average_their_gradients_as_one_process_over_all_microbatches():
+    """w = 2 replicas of a 2-device pipeline (4 ranks, rank r*2 + d): each takes its own microbatches, each stage's
+    gradients are averaged over its replicas after its last backward, and training equals one process over all
+    w*m microbatches; the replicas end with identical weights."""
+    specs = [_spec("1f1b", data_parallel=2, optimizer="sgd", lr=0.5, clip_norm=0.05, iterations=2),
+             _spec("zb-h1", data_parallel=2, iterations=2),
+             _spec("2bw", m=2, schedule_iterations=2, data_parallel=2, optimizer="sgd", lr=0.5)]
+    for spec, result, atol in zip(specs, execute_all(specs), (1e-6, 5e-5, 1e-6)):
+        reference = reference_step(spec)
+        _assert_matches(result, reference, spec.schedule.name, rtol=1e-4, atol=atol)
+        for key, weight in result.weights[0].items():
+            assert torch.equal(result.weights[1][key], weight)
+        for rank, rows in enumerate(result.rows[-1]):
+            reduced = [r for r in rows if r[1] == "ALL_REDUCE"]
+            stage = rank % 2
+            m = spec.schedule.num_microbatches
+            assert [r[0] for r in reduced] == [f"{stage}ALL_REDUCE{(k + 1) * m - 1}"
+                                               for k in range(spec.schedule.iterations)]
+            assert all(r[4] <= r[5] for r in reduced)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_peak_memory_is_the_allocators():
+    """One rank on the GPU (nccl): the peak comes from torch.cuda.max_memory_allocated and holds at least the
+    weights, gradients and AdamW state; training matches the CPU reference."""
+    spec = RunSpec(build("1f1b", 1, 4), SHAPE, microbatch_size=2, seed=3, device="cuda")
+    result = execute_all([spec])[0]
+    weights = _param_bytes(spec, 0)
+    assert result.memory[0].peak_category == "cuda allocator"
+    assert result.memory[0].peak_bytes >= 4 * weights
+    _assert_matches(result, reference_step(spec), "cuda", rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("fault, expected", [
@@ -85,6 +247,12 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
         assert key in report
     assert report["measured_iteration_time_s"] > 0 and math.isfinite(report["iteration_time_error"])
     assert abs(report["iteration_time_error"]) < 100 and len(report["per_device"]) == 2
+    assert math.isfinite(report["memory_error"]) and abs(report["memory_error"]) < 1
+    for device in report["per_device"]:
+        assert device["measured_peak_memory_bytes"] > device["measured_static_memory_bytes"] > 0
+        assert device["memory_error"] == pytest.approx(
+            device["predicted_peak_memory_bytes"] / device["measured_peak_memory_bytes"] - 1)
+    assert report["memory_error"] in [d["memory_error"] for d in report["per_device"]]
     phases = [line.split(":")[1].strip().split()[0] for line in err.splitlines()]
     assert phases == ["calibrate", "calibrate-comms", "simulate", "run"]
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,54 @@
+"""What the real executor runs (``RunSpec``): its own module so the rank state, the reference and the launcher all
+import it without importing each other."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipescope.calibration.executor_weights import OPTIMIZERS
+from pipescope.calibration.presets import Shape
+from pipescope.simulator.ir import Schedule
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What to run: the schedule, the model shape, the batch, the optimizer, the replicas, how often, and a fault to
+    inject (tests). ``clip_norm`` None turns clipping off; ``iterations`` measured runs of the program follow
+    ``warmup`` unmeasured ones, and the weights train through all of them."""
+
+    schedule: Schedule
+    shape: Shape
+    microbatch_size: int = 1
+    layers_per_stage: tuple[int, ...] | None = None
+    iterations: int = 1
+    warmup: int = 0
+    seed: int = 0
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    clip_norm: float | None = 1.0
+    data_parallel: int = 1
+    device: str = "cpu"
+    timeout_s: float = 120.0
+    inject: tuple[str, int, int] | None = None  # ("exit" | "hang", rank, step): a rank that dies or hangs there
+
+    @property
+    def world(self) -> int:
+        return self.schedule.num_devices * self.data_parallel
+
+    def check(self) -> None:
+        """ValueError, one line naming the field, for a value the executor cannot run."""
+        bad = [("optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}", self.optimizer not in OPTIMIZERS),
+               ("lr", self.lr, "a positive finite number", not (math.isfinite(self.lr) and self.lr > 0)),
+               ("clip_norm", self.clip_norm, "None or a positive finite number", self.clip_norm is not None
+                and not (math.isfinite(self.clip_norm) and self.clip_norm > 0)),
+               ("data_parallel", self.data_parallel, "an integer >= 1",
+                not isinstance(self.data_parallel, int) or self.data_parallel < 1),
+               ("iterations", self.iterations, "an integer >= 1", self.iterations < 1),
+               ("warmup", self.warmup, "an integer >= 0", self.warmup < 0),
+               ("device", self.device, "cpu or cuda", self.device not in ("cpu", "cuda")),
+               ("schedule", f"{self.schedule.name} with recompute", "a schedule without recompute (the executor "
+                "does not recompute yet)", self.schedule.recompute)]
+        for name, value, expected, wrong in bad:
+            if wrong:
+                raise ValueError(f"RunSpec.{name}: got {value!r}, expected {expected}")

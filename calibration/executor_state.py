@@ -1,0 +1,342 @@
+"""One rank of the real executor: its stages, the model cut into them, its data, and what each action does.
+
+F runs the stage's modules (the embedding on stage 0, its blocks, the output layer and loss on the last stage) with
+the weight version the update rule gives it (``executor_weights``); SEND/RECV are ``isend``/``irecv`` tagged by
+action; I runs the backward with the stage's Linears deferred and keeps their (input, output gradient) pairs; W
+computes the weight gradients from them; B is both. After a stage's last backward of an update group its gradients
+are all-reduced (averaged) over its data-parallel replicas, and, when the schedule has no flush (PipeDream, 2BW),
+the stage steps right there; flush schedules step every stage after the program (``finish``). Every tensor the rank
+keeps is held in a ``MemoryTracker`` while tracking is on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipescope.calibration.executor_memory import MemoryTracker
+from pipescope.calibration.executor_weights import (StageWeights, UpdateRule, clip_coefficient, optimizer_tensors,
+                                                   squared_norm)
+from pipescope.calibration.model import Block, Embedding, OutputLayer
+from pipescope.calibration.presets import Shape
+from pipescope.simulator.ir import Action, ActionKind, Schedule
+from pipescope.simulator.models import stage_layers
+
+if TYPE_CHECKING:
+    from pipescope.calibration.executor_spec import RunSpec
+
+K = ActionKind
+Row = tuple[str, str, int, int, int, int]  # action, kind, stage, microbatch, start_ns, end_ns
+
+
+def build_modules(shape: Shape, seed: int, wanted: set[int] | None = None) -> dict[int, nn.Module]:
+    """Module index -> module (0 the embedding, 1..L the blocks, L+1 the output layer), each from its own seed, so any
+    subset is bit-identical wherever it is built. ``wanted`` limits which are built."""
+    builders = {0: lambda: Embedding(shape.vocab, shape.hidden, shape.seq),
+                shape.layers + 1: lambda: OutputLayer(shape.hidden, shape.vocab)}
+    modules = {}
+    for index in range(shape.layers + 2):
+        if wanted is not None and index not in wanted:
+            continue
+        torch.manual_seed(seed * 1_000_003 + index)
+        modules[index] = builders[index]() if index in builders else Block(shape.hidden, shape.heads)
+    return modules
+
+
+def stage_modules(shape: Shape, stages: int, layers_per_stage: Sequence[int] | None) -> list[list[int]]:
+    """Per stage, its module indices: the embedding on stage 0, the blocks in order, the output layer last."""
+    counts = stage_layers(shape.layers, stages, layers_per_stage)
+    first = [sum(counts[:s]) + 1 for s in range(stages)]
+    parts = [list(range(first[s], first[s] + counts[s])) for s in range(stages)]
+    parts[0].insert(0, 0)
+    parts[-1].append(shape.layers + 1)
+    return parts
+
+
+def batch(shape: Shape, microbatch_size: int, microbatches: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """Token ids and targets per microbatch, from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randint(shape.vocab, (microbatch_size, shape.seq), generator=generator),
+             torch.randint(shape.vocab, (microbatch_size, shape.seq), generator=generator))
+            for _ in range(microbatches)]
+
+
+def global_microbatch(replica: int, microbatch: int, m: int, replicas: int) -> int:
+    """Where replica r's microbatch j sits in the whole batch: iteration j // m takes w*m microbatches, replica r
+    the r-th m of them."""
+    return (microbatch // m) * replicas * m + replica * m + microbatch % m
+
+
+def update_points(actions: list[Action], rule: UpdateRule) -> dict[int, list[tuple[int, int]]]:
+    """Program step -> (stage, update group) whose gradients are complete after it: the stage's last W or B of the
+    group, or the SEND_B right after it (so the step does not hold back the gradient the previous stage waits for)."""
+    last: dict[tuple[int, int], int] = {}
+    for step, a in enumerate(actions):
+        if a.kind in (K.W, K.B):
+            last[a.stage, rule.group(a.microbatch)] = step
+    points: dict[int, list[tuple[int, int]]] = {}
+    for (stage, group), step in sorted(last.items(), key=lambda item: item[1]):
+        a = actions[step]
+        if step + 1 < len(actions) and actions[step + 1] == Action(a.stage, K.SEND_B, a.microbatch):
+            step += 1
+        points.setdefault(step, []).append((stage, group))
+    return points
+
+
+class Rank:
+    """One device's stages and the state its program's actions pass along."""
+
+    def __init__(self, spec: RunSpec, rank: int, program: Schedule, groups: dict[str, object], device: torch.device):
+        self.spec, self.program, self.groups, self.device = spec, program, groups, device
+        self.replica, self.index = divmod(rank, program.num_devices)
+        self.offset = self.replica * program.num_devices  # this replica's rank of device 0
+        self.home = program.stage_to_device
+        self.last_stage = program.num_stages - 1
+        self.rule = UpdateRule.of(program.weight_update, program.num_microbatches, program.iterations)
+        self.parts = stage_modules(spec.shape, program.num_stages, spec.layers_per_stage)
+        mine = [s for s in range(program.num_stages) if self.home[s] == self.index]
+        modules = {i: m.to(device) for i, m in
+                   build_modules(spec.shape, spec.seed, {i for s in mine for i in self.parts[s]}).items()}
+        self.stages = {s: StageWeights({i: modules[i] for i in self.parts[s]}, spec.optimizer, spec.lr) for s in mine}
+        m, w = program.num_microbatches, spec.data_parallel
+        data = batch(spec.shape, spec.microbatch_size, program.total_microbatches * w, spec.seed)
+        self.data = [tuple(t.to(device) for t in data[global_microbatch(self.replica, j, m, w)])
+                     for j in range(program.total_microbatches)]
+        self.split = {(a.stage, a.microbatch) for acts in program.device_actions for a in acts
+                      if a is not None and a.kind is K.I}
+        self.tracker = MemoryTracker(time.perf_counter_ns)
+        for stage in self.stages.values():
+            self._hold_static(stage.own, stage)
+            self.tracker.hold(stage.grad, "gradients", ("gradients", id(stage)))
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def _hold_static(self, weights: list[torch.Tensor], stage: StageWeights) -> None:
+        for t in weights:
+            self.tracker.hold(t, "weights", ("weights", id(stage)))
+        for t in optimizer_tensors(stage.optimizer):
+            self.tracker.hold(t, "optimizer", ("optimizer", id(stage)))
+
+    def reset(self, last_run: bool) -> None:
+        """Before each run of the program: empty the per-run state; ``last_run`` keeps the final gradients."""
+        self.last_run = last_run
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.received: dict[Action, tuple[torch.Tensor, object]] = {}
+        self.arrived: dict[Action, torch.Tensor] = {}
+        self.sends: list[object] = []
+        self.sent: list[Action] = []
+        self.reducing: dict[int, tuple] = {}
+        self.weight_work: dict[tuple[int, int], list] = {}
+        self.seen: list[tuple[str, int, int, int, int, int]] = []
+        self.losses = [0.0] * self.program.iterations
+        for stage in self.stages.values():
+            stage.base = stage.latest
+            stage.updates = 0
+
+    def run(self, action: Action) -> None:
+        getattr(self, f"_{action.kind.value.lower()}", _nothing)(action)
+
+    def wait_inputs(self, action: Action) -> None:
+        """Wait for the transfer ``action`` consumes, before its timer starts: an op's time is its compute, and
+        the wait shows as the gap before it, as in the simulator's timeline."""
+        kind = {K.F: K.RECV_F, K.I: K.RECV_B, K.B: K.RECV_B}.get(action.kind)
+        recv = Action(action.stage, kind, action.microbatch) if kind is not None else None
+        if recv in self.received:
+            buffer, work = self.received.pop(recv)
+            work.wait()
+            self.arrived[recv] = buffer
+
+    # Compute --------------------------------------------------------------------------------------------------------
+
+    def _f(self, a: Action) -> None:
+        ids, targets = self.data[a.microbatch]
+        stage = self.stages[a.stage]
+        version = stage.forward_version(a.microbatch, self.rule.lagged_version(stage.base, a.microbatch))
+        if a.stage == 0:
+            x = ids
+        else:
+            if self.home[a.stage - 1] == self.index:  # the previous stage is here (a V's turn): no transfer
+                x = self.outputs[a.stage - 1, a.microbatch].detach().requires_grad_()
+            else:
+                x = self.arrived.pop(Action(a.stage, K.RECV_F, a.microbatch)).requires_grad_()
+            self.tracker.hold(x, "saved", ("in", a.stage, a.microbatch))
+        self.inputs[a.stage, a.microbatch] = x
+        deferrable = [m for i in self.parts[a.stage] if hasattr(m := stage.modules[i], "store")]
+        split = (a.stage, a.microbatch) in self.split
+        for module in deferrable:
+            module.store.deferring = split
+        tensors = stage.versions[version]
+        self._see("F", a, version, tensors)
+        with self.tracker.saving():
+            for index in self.parts[a.stage]:
+                extra = (targets,) if index == self.spec.shape.layers + 1 else ()
+                x = stage.call(index, tensors, x, *extra)
+        for module in deferrable:
+            module.store.deferring = False
+        if a.stage == self.last_stage:
+            self.losses[a.microbatch // self.program.num_microbatches] += x.item() / self.program.num_microbatches
+            x = x / self.rule.loss_divisor
+        self.outputs[a.stage, a.microbatch] = x
+        self.tracker.hold(x, "outputs", ("out", a.stage, a.microbatch))
+        self.tracker.release(("recv", Action(a.stage, K.RECV_F, a.microbatch)))
+
+    def _see(self, kind: str, a: Action, version: int, tensors: list[torch.Tensor]) -> None:
+        """Which weight version an F or a backward ran against, the newest then, and the buffer's in-place write
+        count (``_version`` of its first tensor: a step, or a copy into a reused buffer, writes every tensor): a
+        backward must see the version, and the very values, its forward saw."""
+        newest = self.stages[a.stage].latest
+        self.seen.append((kind, a.stage, a.microbatch, version, newest, tensors[0]._version))
+
+    def _backward(self, a: Action) -> None:
+        stage = self.stages[a.stage]
+        version = stage.used[a.microbatch]
+        self._see("B", a, version, stage.versions[version])
+        out = self.outputs.pop((a.stage, a.microbatch))
+        local_next = a.stage != self.last_stage and self.home[a.stage + 1] == self.index
+        recv = Action(a.stage, K.RECV_B, a.microbatch)
+        if a.stage == self.last_stage:
+            grad = None
+        elif local_next:
+            grad = self.inputs.pop((a.stage + 1, a.microbatch)).grad
+        else:
+            grad = self.arrived.pop(recv)
+        torch.autograd.backward(out, grad)
+        del out, grad
+        stage.backward_done(a.microbatch)
+        deferrable = [m for i in self.parts[a.stage] if hasattr(m := stage.modules[i], "store")]
+        pending = [(m.store, [(x, g, self.tracker.original(w), b) for x, g, w, b in m.store.pending])
+                   for m in deferrable]
+        self.weight_work[a.stage, a.microbatch] = pending
+        for module in deferrable:
+            module.store.pending = []
+        for _, pairs in pending:
+            for x, grad_out, _, _ in pairs:
+                self.tracker.hold(x, "saved", ("W", a.stage, a.microbatch))
+                self.tracker.hold(grad_out, "saved", ("W", a.stage, a.microbatch))
+        x = self.inputs.get((a.stage, a.microbatch))
+        if x is not None and x.grad is not None:
+            self.tracker.hold(x.grad, "p2p", ("in", a.stage, a.microbatch))
+        for token in (("out", a.stage, a.microbatch), ("recv", recv), ("in", a.stage + 1, a.microbatch)):
+            self.tracker.release(token)
+
+    _i = _b = _backward
+
+    def _w(self, a: Action) -> None:
+        with torch.no_grad():  # the weight gradients are not differentiated further
+            for store, pending in self.weight_work.pop((a.stage, a.microbatch)):
+                store.pending = pending
+                store.run()
+        self.tracker.release(("W", a.stage, a.microbatch))
+
+    # Transfers ------------------------------------------------------------------------------------------------------
+
+    def _send_f(self, a: Action) -> None:
+        out = self.outputs[a.stage, a.microbatch]
+        self._send(out.detach().contiguous(), self.home[a.stage + 1], a)
+
+    def _send_b(self, a: Action) -> None:
+        grad = self.inputs.pop((a.stage, a.microbatch)).grad
+        self._send(grad.contiguous(), self.home[a.stage - 1], a)
+        self.tracker.release(("in", a.stage, a.microbatch))
+
+    def _send(self, tensor: torch.Tensor, peer: int, a: Action) -> None:
+        """torch's isend: the rank goes on, and every send is waited for at the end of the run (as torch's runtime
+        does), so the tensor is held until then."""
+        self.sends.append(dist.isend(tensor, self.offset + peer, tag=_tag(a)))
+        self.sent.append(a)
+        self.tracker.hold(tensor, "p2p", ("send", a))
+
+    def _recv_f(self, a: Action) -> None:
+        self._post(a, Action(a.stage - 1, K.SEND_F, a.microbatch), self.home[a.stage - 1])
+
+    def _recv_b(self, a: Action) -> None:
+        self._post(a, Action(a.stage + 1, K.SEND_B, a.microbatch), self.home[a.stage + 1])
+
+    def _post(self, a: Action, send: Action, peer: int) -> None:
+        shape = (self.spec.microbatch_size, self.spec.shape.seq, self.spec.shape.hidden)
+        buffer = torch.empty(shape, device=self.device)
+        self.received[a] = (buffer, dist.irecv(buffer, self.offset + peer, tag=_tag(send)))
+        self.tracker.hold(buffer, "p2p", ("recv", a))
+
+    # Gradient sync and the optimizer --------------------------------------------------------------------------------
+
+    def after(self, step: int, points: dict[int, list[tuple[int, int]]]) -> list[Row]:
+        """What follows program step ``step``: the all-reduce of each stage whose gradients are complete (when
+        w > 1), and under PipeDream and 2BW that stage's step."""
+        rows = []
+        for stage, group in points.get(step, ()):
+            if self.spec.data_parallel > 1:
+                self._reduce(stage, group)
+            if self.rule.inline:
+                rows += self._reduced(stage)
+                norm = squared_norm([self.stages[stage].grad])
+                rows.append(self._step(stage, group, clip_coefficient(norm, self.spec.clip_norm)))
+        return rows
+
+    def _reduce(self, stage: int, group: int) -> None:
+        """Start the average of the stage's gradient buffer over its replicas (in place, like DDP's buckets)."""
+        ended: list[int] = []
+        start = time.perf_counter_ns()
+        work = dist.all_reduce(self.stages[stage].grad, group=self.groups[f"stage{stage}"], async_op=True)
+        stamped = work.get_future().then(lambda _: ended.append(time.perf_counter_ns()))
+        self.reducing[stage] = (work, stamped, group, start, ended)
+
+    def _reduced(self, stage: int) -> list[Row]:
+        """Wait for the stage's all-reduce, if one runs; its row spans launch to completion."""
+        if stage not in self.reducing:
+            return []
+        work, stamped, group, start, ended = self.reducing.pop(stage)
+        work.wait()
+        stamped.wait()
+        self.stages[stage].grad.div_(self.spec.data_parallel)
+        k = self.rule.last_microbatch(group)
+        return [(str(Action(stage, K.ALL_REDUCE, k)), K.ALL_REDUCE.value, stage, k, start, ended[0])]
+
+    def _step(self, stage: int, group: int, coefficient: float) -> Row:
+        """One stage's optimizer step, timed: the clipping scale, ``step()``, zeroing the gradient buffer."""
+        weights = self.stages[stage]
+        weights.updates += 1
+        if self.last_run and weights.updates == self.rule.steps_per_run:
+            self.grads.update(weights.named([p.grad for p in weights.versions[weights.latest]]))
+        start = time.perf_counter_ns()
+        created = weights.step(coefficient, lagged=self.rule.lagged)
+        end = time.perf_counter_ns()
+        for t in created:
+            self.tracker.hold(t, "weights", ("weights", id(weights)))
+        k = self.rule.last_microbatch(group)
+        return (str(Action(stage, K.OPT, k)), K.OPT.value, stage, k, start, end)
+
+    def finish(self) -> list[Row]:
+        """End of a run of the program: wait for the sends; for flush schedules, the all-reduces, the gradient norm
+        over the pipeline (squared norms all-reduced over this replica's ranks) and every stage's step."""
+        for work in self.sends:
+            work.wait()
+        self.sends = []  # the works hold the tensors
+        for a in self.sent:
+            self.tracker.release(("send", a))
+        if self.rule.inline:
+            return []
+        rows = [row for stage in sorted(self.stages) for row in self._reduced(stage)]
+        squared = torch.tensor([squared_norm([s.grad for s in self.stages.values()])], dtype=torch.float64,
+                               device=self.device)
+        dist.all_reduce(squared, group=self.groups["pipeline"])
+        coefficient = clip_coefficient(float(squared), self.spec.clip_norm)
+        return rows + [self._step(stage, 0, coefficient) for stage in sorted(self.stages)]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter's newest value by name."""
+        return {name: t.cpu() for s in self.stages.values() for name, t in s.named(s.versions[s.latest]).items()}
+
+
+def _nothing(_: Action) -> None:
+    """UNSHARD, RESHARD, REDUCE_GRAD: torch's per-stage bookkeeping, no work here."""
+
+
+def _tag(send: Action) -> int:
+    """A tag per transfer, from the SEND it is: (stage, kind, microbatch) as one integer gloo accepts."""
+    return (send.stage * 2 + (send.kind is K.SEND_B)) * (1 << 20) + send.microbatch
