@@ -7,12 +7,15 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from matplotlib.figure import Figure
 
 from pipescope.experiments.cli import integer_flag, usage_error
-from pipescope.experiments.plots_style import FORMATS, save_figure
+from pipescope.experiments.figure_formats import FORMATS
 from pipescope.simulator.ir import ScheduleError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 KINDS = ("gantt", "memory", "bubble", "throughput", "overlay")
 RUN_SUFFIXES = (".json", ".json.gz", ".parquet", ".csv", ".yaml", ".yml")
@@ -55,6 +58,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         raise  # the CLI reports an invalid schedule itself (exit 1)
     except ValueError as err:
         return usage_error(str(err))
+    from pipescope.experiments.plots_style import save_figure
     try:
         save_figure(fig, out, fmt)
     except OSError as err:

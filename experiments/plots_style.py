@@ -11,6 +11,7 @@ matplotlib.use("Agg")  # no display: figures only go to files (and notebooks, wh
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from pipescope.experiments.figure_formats import format_of  # noqa: E402
 from pipescope.simulator.files import write_atomic  # noqa: E402
 from pipescope.simulator.ir import ActionKind as K  # noqa: E402
 
@@ -26,7 +27,6 @@ COMM_LABELS = {K.SEND_F: "activation transfer", K.RECV_F: "activation transfer",
 COLLECTIVE_COLOR = "#8172B3"
 LINK_COLOR = "#64666B"
 UNKNOWN_COLOR = "grey"  # a kind this version does not know (a newer file): drawn, not refused
-FORMATS = ("png", "svg", "pdf")
 DPI = 150
 
 
@@ -41,12 +41,6 @@ def time_unit(span_ns: float) -> tuple[str, float]:
         if span_ns >= 10 * scale:
             return unit, scale
     return "us", 1e3
-
-
-def format_of(path: str, default: str = "png") -> str:
-    """The figure format a file name asks for by its suffix (any case), else ``default``."""
-    suffix = path.rsplit(".", 1)[-1].lower() if "." in path.rsplit("/", 1)[-1] else ""
-    return suffix if suffix in FORMATS else default
 
 
 def figure_bytes(fig: Figure, fmt: str) -> bytes:
