@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import re
 import types
@@ -157,10 +158,17 @@ def _field_type(hint: Any) -> tuple[type, bool]:
     return hint, False
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints``, once per config class: it re-evaluates every annotation string on each call, which
+    was most of a config load (a sweep validates thousands)."""
+    return typing.get_type_hints(cls)
+
+
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: got {short_repr(raw)}, expected a mapping of keys")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
     for name, value in raw.items():
