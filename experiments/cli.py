@@ -83,13 +83,13 @@ OUTPUT_SUFFIXES = {
 }
 
 
-def _check_output_names(args: argparse.Namespace) -> None:
+def check_output_names(args: argparse.Namespace) -> None:
     """Reject an unsupported file type, or one whose writer is not installed, before simulating.
 
     Suffixes are matched in any case, as the writers do (``t.PARQUET`` is Parquet)."""
     named: dict[str, str] = {}
     for flag, suffixes in OUTPUT_SUFFIXES.items():
-        path = getattr(args, flag)
+        path = getattr(args, flag, None)  # validate has no --csv
         if path is None:
             continue
         if not path.lower().endswith(suffixes):
@@ -104,7 +104,7 @@ def _check_output_names(args: argparse.Namespace) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pipescope.runner import run
-    _check_output_names(args)
+    check_output_names(args)
     result = run(config_from_args(args))
     try:
         _write_outputs(result, args)

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from pipescope.config import ConfigError, load_config
-from pipescope.experiments.cli import integer_flag
+from pipescope.experiments.cli import check_output_names, integer_flag
 from pipescope.simulator.ir import COMPUTE_KINDS, ActionKind
 
 
@@ -46,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", default="120", help="seconds without progress before the run is stopped")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--gantt", metavar="FILE", help="overlay Gantt: predicted above measured (.png, .svg, .pdf)")
+    p.add_argument("--timeline", metavar="FILE", help="the first measured iteration's op timeline, in simulate's "
+                   "columns (.parquet or .csv), to open beside simulate --timeline")
+    p.add_argument("--trace", metavar="FILE", help="the first measured iteration as a Chrome trace (.json or "
+                   ".json.gz), beside simulate --trace; its memory counters are the ledger over the measured times")
     p.add_argument("--max-error", help="exit 1 when |iteration_time_error| is above this (e.g. 0.1)")
     p.set_defaults(func=cmd_validate)
 
@@ -53,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_validate(args: argparse.Namespace) -> int:
     try:
         limit = _number("--max-error", args.max_error) if args.max_error is not None else None
+        check_output_names(args)  # a bad file name fails now, not after a run of tens of seconds
         report, predicted, measured = validate(args)
     except (ConfigError, ValueError) as err:
         print(f"pipescope: error: {err}", file=sys.stderr)
@@ -85,6 +90,7 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         result = run(config)
         _phase(f"run ({result.schedule.num_devices} gloo ranks, 1 warm-up + {iterations} iterations)")
         measured, memory = _measure(result, result.config, iterations, timeout)
+    _write_measured(result, measured, args)
     predicted = _compute_rows(result.timeline)
     return _report(result, predicted, measured, memory), predicted, measured
 
@@ -141,6 +147,30 @@ def _measure(result, config, iterations: int, timeout: int) -> tuple[pd.DataFram
         frames.append(frame.assign(start_ns=frame["start_ns"] - origin, end_ns=frame["end_ns"] - origin,
                                    iteration=index))
     return pd.concat(frames, ignore_index=True), run.memory
+
+
+def _write_measured(result, measured: pd.DataFrame, args: argparse.Namespace) -> None:
+    """``--timeline`` and ``--trace``: the first measured iteration as a result of the simulator's kind
+    (``result.with_timeline``), written by the simulator's own writers."""
+    if not (args.timeline or args.trace):
+        return
+    from pipescope.experiments.tables import write_timeline
+    from pipescope.simulator.ir import Action
+    from pipescope.simulator.result import with_timeline
+    from pipescope.simulator.timeline import Timeline
+    from pipescope.simulator.trace import write_trace
+    rows = measured[measured["iteration"] == 0]
+    actions = [Action(int(s), ActionKind(k), int(mb)) for s, k, mb in zip(rows["stage"], rows["kind"],
+                                                                            rows["microbatch"])]
+    n = len(actions)
+    records = Timeline.of(actions, rows["device"].to_numpy(np.int64), rows["start_ns"].to_numpy(np.int64),
+                          rows["end_ns"].to_numpy(np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int64),
+                          result.records.num_devices)
+    real = with_timeline(result, records)
+    if args.timeline:
+        write_timeline(real, args.timeline)
+    if args.trace:
+        write_trace(real, args.trace)
 
 
 def _compute_rows(frame: pd.DataFrame) -> pd.DataFrame:

@@ -64,6 +64,8 @@ class SimResult:
     links: list[dict] = field(default_factory=list)  # per directed edge that carried bytes (RoutedNetwork)
     network: dict = field(default_factory=dict)  # flows, rate updates, collective algorithms used
     link_spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # busiest edges: busy spans (ns)
+    stage_costs: list[StageCost] = field(default_factory=list)  # what the ledger was fed, to rebuild a result from
+    precision: str = "bf16"  # another timeline of the same run (``with_timeline``)
     kernels: list[dict] = field(default_factory=list)  # analytic costs: the roofline per kernel (docs/costs.md)
 
     @property
@@ -206,4 +208,11 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
                                                        int(records.start[timed].min()), int(records.end[timed].max()))
     bubble = 1.0 - int(busy.sum()) / (p * max_span)
     return SimResult(schedule, records, devices, memory, iteration, fill_drain, makespan, bubble,
-                     samples_per_iteration, **extra)
+                     samples_per_iteration, stage_costs=stage_costs, precision=precision, **extra)
+
+
+def with_timeline(result: SimResult, records: Timeline) -> SimResult:
+    """``result``'s run over another timeline of the same program (a measured one): every statistic, and the memory
+    ledger, from those times."""
+    return build_result(result.schedule, records, result.stage_costs, result.precision, result.samples_per_iteration,
+                        config=result.config, warnings=[])

@@ -236,9 +236,9 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
     import math
 
     from pipescope.experiments.cli import main
-    gantt = tmp_path / "overlay.png"
+    gantt, timeline, trace = tmp_path / "overlay.png", tmp_path / "measured.csv", tmp_path / "measured.json.gz"
     code = main(["validate", "--schedule", "1f1b", "--iterations", "2", "--json", "--gantt", str(gantt),
-                 "--max-error", "100"])
+                 "--timeline", str(timeline), "--trace", str(trace), "--max-error", "100"])
     out, err = capsys.readouterr()
     assert code == 0, err
     report = json.loads(out)
@@ -256,5 +256,28 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
     phases = [line.split(":")[1].strip().split()[0] for line in err.splitlines()]
     assert phases == ["calibrate", "calibrate-comms", "simulate", "run"]
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _check_measured_files(timeline, trace, report)
+    code = main(["validate", "--timeline", "x.txt"])  # refused before anything runs
+    assert code == 2 and "--timeline: got 'x.txt', expected a file name ending in .parquet or .csv" in \
+        capsys.readouterr().err
     code = main(["validate", "--device", "cuda"])
     assert code == 2 and "--device: got 'cuda'" in capsys.readouterr().err
+
+
+def _check_measured_files(timeline, trace, report: dict) -> None:
+    """The measured iteration in the simulator's timeline columns and trace format: every op of both devices
+    (F, B and the optimizer steps of 1F1B p=2 m=4), spans inside the measured iteration."""
+    import gzip
+    import json
+
+    import pandas as pd
+    frame = pd.read_csv(timeline)
+    assert list(frame.columns[:4]) == ["device", "stream", "action", "kind"]
+    assert sorted(frame["kind"].unique()) == ["B", "F", "OPT"]
+    assert len(frame) == 2 * (4 + 4 + 1) and (frame["stream"] == "compute").all()
+    assert (frame["start_ns"] <= frame["end_ns"]).all() and frame["start_ns"].min() == 0
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    ops = [e for e in events if e["ph"] == "X"]
+    assert {e["args"]["action"] for e in ops} == set(frame["action"])
+    assert any(e["ph"] == "C" and e["name"] == "memory" for e in events)
+    assert max(e["ts"] + e["dur"] for e in ops) * 1e3 <= report["measured_iteration_time_s"] * 1e9 * 3
