@@ -216,10 +216,9 @@ def _report(result, predicted: pd.DataFrame, measured: pd.DataFrame, memory: lis
 def _iteration_ns(schedule, rows: pd.DataFrame) -> int:
     """One measured run's iteration time, as the simulator defines it (``simulator.result``): its span, or for a
     schedule spanning iterations the median gap between iteration ends (their last backwards)."""
-    from pipescope.simulator.result import _iteration_times
-    ends = rows[rows["kind"] != ActionKind.OPT.value] if schedule.iterations > 1 else rows
-    return _iteration_times(schedule, ends["microbatch"].to_numpy(), ends["end_ns"].to_numpy(),
-                            int(rows["start_ns"].min()), int(rows["end_ns"].max()))[0]
+    from pipescope.simulator.result import iteration_times
+    return iteration_times(schedule, rows["microbatch"].to_numpy(), rows["start_ns"].to_numpy(),
+                           rows["end_ns"].to_numpy(), (rows["kind"] == ActionKind.OPT.value).to_numpy())[0]
 
 
 STATIC = ("weights", "gradients", "optimizer")

@@ -158,15 +158,16 @@ def _layer_split(config: Any) -> list[int] | None:
     return list(split) if split is not None else None
 
 
-def _iteration_times(schedule: Schedule, microbatch: np.ndarray, end: np.ndarray, first: int, last: int
-                     ) -> tuple[int, int, int]:
-    """(iteration, fill/drain, makespan) in ns: iteration k ends with the last of its rows (``microbatch``, ``end``),
-    the run spans ``first`` to ``last``; one iteration: iteration = makespan."""
-    makespan = last - first
+def iteration_times(schedule: Schedule, microbatch: np.ndarray, start: np.ndarray, end: np.ndarray,
+                    step: np.ndarray) -> tuple[int, int, int]:
+    """(iteration, fill/drain, makespan) in ns from the timed rows of a run, simulated or measured; ``step`` marks
+    the optimizer steps. One iteration: iteration = makespan. Several: the median gap between iteration ends, where
+    an iteration ends with its backwards (its steps run late, before the forward that needs them)."""
+    makespan = int(end.max() - start.min())
     if schedule.iterations <= 1:
         return makespan, 0, makespan
     ends = np.zeros(schedule.iterations, dtype=np.int64)
-    np.maximum.at(ends, microbatch // schedule.num_microbatches, end)
+    np.maximum.at(ends, microbatch[~step] // schedule.num_microbatches, end[~step])
     steady = int(statistics.median((ends[1:] - ends[:-1]).tolist()))
     return steady, makespan - schedule.iterations * steady, makespan
 
@@ -201,11 +202,9 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
                            memory[d % pipeline].peak_activations, static[d % pipeline], exposed_comm[d] / 1e9,
                            exposed_allreduce[d] / 1e9) for d in range(p)]
     timed = compute | collective
-    # Steps that span iterations run late (before the forward that needs them): an iteration ends with its backwards
-    steps = records.kind == KIND_CODE[ActionKind.OPT]
-    ends = timed & ~steps if schedule.iterations > 1 else timed
-    iteration, fill_drain, makespan = _iteration_times(schedule, records.microbatch[ends], records.end[ends],
-                                                       int(records.start[timed].min()), int(records.end[timed].max()))
+    iteration, fill_drain, makespan = iteration_times(schedule, records.microbatch[timed], records.start[timed],
+                                                      records.end[timed],
+                                                      records.kind[timed] == KIND_CODE[ActionKind.OPT])
     bubble = 1.0 - int(busy.sum()) / (p * max_span)
     return SimResult(schedule, records, devices, memory, iteration, fill_drain, makespan, bubble,
                      samples_per_iteration, stage_costs=stage_costs, precision=precision, **extra)
