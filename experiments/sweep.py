@@ -46,7 +46,7 @@ from pipescope.simulator.costs import UniformCostsConfig
 from pipescope.simulator.files import write_atomic
 from pipescope.simulator.models import SHAPE_KEYS
 from pipescope.simulator.result import SimResult
-from pipescope.simulator.schedules import ALIASES, GENERATORS, generator
+from pipescope.simulator.schedules import named_generator
 from pipescope.simulator.units import short_repr
 
 # Validation takes ~0.6 ms a run (mostly load_config), so the cap costs ~1 min before the first run; a bigger study is
@@ -170,10 +170,9 @@ def _check_schedule_name(name: str) -> None:
     if name.startswith(("torch:", "csv:")):
         return
     try:
-        generator(name)
-    except KeyError:
-        names = ", ".join(list(GENERATORS) + list(ALIASES) + ["torch:<Name>", "csv:<path>"])
-        raise ConfigError(f"schedule.name: got {short_repr(name)}, expected one of {names}") from None
+        named_generator(name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def config_columns(config: Config) -> dict[str, Any]:

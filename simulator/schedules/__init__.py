@@ -92,16 +92,21 @@ class ScheduleConfig:
         return self.microbatches if self.microbatches is not None else 8
 
 
+def named_generator(name: str) -> Generator:
+    """The generator ``schedule.name`` names; ValueError naming the key and every choice when there is none."""
+    try:
+        return generator(name)
+    except KeyError:
+        names = ", ".join(list(GENERATORS) + list(ALIASES) + ["torch:<Name>", "csv:<path>"])
+        raise ValueError(f"schedule.name: got {short_repr(name)}, expected one of {names}") from None
+
+
 def build_schedule(config: ScheduleConfig, iterations: int | None = None) -> Schedule:
     """The schedule a generator name or ``csv:<path>`` names (``torch:<Name>`` is ``pipescope.run``'s, it needs
     torch). ValueError naming the key on a bad name, option or size; OSError if a CSV cannot be read."""
     if config.name.startswith("csv:"):
         return _csv_schedule(config)
-    try:
-        gen = generator(config.name)
-    except KeyError:
-        names = ", ".join(list(GENERATORS) + list(ALIASES) + ["torch:<Name>", "csv:<path>"])
-        raise ValueError(f"schedule.name: got {short_repr(config.name)}, expected one of {names}") from None
+    gen = named_generator(config.name)
     options: dict[str, object] = {}
     if config.vertical_sync:
         if "vertical_sync" not in gen.options:
