@@ -38,8 +38,8 @@ import torch.distributed as dist
 from pipescope.calibration.executor_memory import RankMemory, cuda_peak, cuda_reset
 from pipescope.calibration.executor_reference import Reference, reference_step
 from pipescope.calibration.executor_spec import RunSpec
-from pipescope.calibration.executor_state import Rank, Row, update_points
-from pipescope.simulator.lowering import lower
+from pipescope.calibration.executor_state import Rank, Row
+from pipescope.simulator.lowering import lower, step_points
 
 __all__ = ["Reference", "RunError", "RunResult", "RunSpec", "execute", "execute_all", "free_port", "reference_step"]
 
@@ -120,7 +120,7 @@ def _run_spec(rank: int, spec: RunSpec, path: str, progress, groups: dict[str, o
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     state = Rank(spec, rank, program, groups, device)
     actions = [a for a in program.device_actions[state.index] if a is not None]
-    points = update_points(actions, state.rule)
+    points = step_points(actions, state.rule.update, state.rule.microbatches)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     runs, all_rows, losses, memory = spec.warmup + spec.iterations, [], [], None
     for run in range(runs):

@@ -72,22 +72,6 @@ def global_microbatch(replica: int, microbatch: int, m: int, replicas: int) -> i
     return (microbatch // m) * replicas * m + replica * m + microbatch % m
 
 
-def update_points(actions: list[Action], rule: UpdateRule) -> dict[int, list[tuple[int, int]]]:
-    """Program step -> (stage, update group) whose gradients are complete after it: the stage's last W or B of the
-    group, or the SEND_B right after it (so the step does not hold back the gradient the previous stage waits for)."""
-    last: dict[tuple[int, int], int] = {}
-    for step, a in enumerate(actions):
-        if a.kind in (K.W, K.B):
-            last[a.stage, rule.group(a.microbatch)] = step
-    points: dict[int, list[tuple[int, int]]] = {}
-    for (stage, group), step in sorted(last.items(), key=lambda item: item[1]):
-        a = actions[step]
-        if step + 1 < len(actions) and actions[step + 1] == Action(a.stage, K.SEND_B, a.microbatch):
-            step += 1
-        points.setdefault(step, []).append((stage, group))
-    return points
-
-
 class Rank:
     """One device's stages and the state its program's actions pass along."""
 

@@ -27,6 +27,7 @@ from torch import nn
 from torch.func import functional_call
 
 from pipescope.simulator.ir import WeightUpdate
+from pipescope.simulator.lowering import step_group, step_microbatch
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -64,12 +65,12 @@ class UpdateRule:
 
     def group(self, microbatch: int) -> int:
         """The update a microbatch's gradient belongs to: its iteration, or itself under PipeDream."""
-        return microbatch if self.per_microbatch else microbatch // self.microbatches
+        return step_group(self.update, self.microbatches, microbatch)
 
     def last_microbatch(self, group: int) -> int:
         """The name an update group's rows carry (``{stage}OPT{k}``, ``{stage}ALL_REDUCE{k}``): its last microbatch,
         as the simulator names its steps and all-reduces."""
-        return group if self.per_microbatch else (group + 1) * self.microbatches - 1
+        return step_microbatch(self.update, self.microbatches, group)
 
     def lagged_version(self, base: int, microbatch: int) -> int | None:
         """2BW's version for ``microbatch`` of a run that started at version ``base`` (None: the newest)."""

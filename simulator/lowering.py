@@ -14,7 +14,8 @@ from collections.abc import Callable, Container, Sequence
 from heapq import heappop, heappush
 from typing import Any
 
-from pipescope.simulator.ir import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, Schedule, ScheduleError, producers
+from pipescope.simulator.ir import (COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, Collective, ProgramAction, Schedule,
+                                   ScheduleError, WeightUpdate, producers)
 
 K = ActionKind
 # Per compute kind: (peer stage offset, SEND kind, RECV kind); W sends nothing.
@@ -175,37 +176,61 @@ def program_inputs(action: Action, home: Sequence[int], num_stages: int, present
     return inputs
 
 
-LAG_WITHOUT_FLUSH = 2  # iterations between a gradient and the first forward that needs its update (2BW, PipeDream)
+LAG_WITHOUT_FLUSH = 2  # iterations between a gradient and the first forward that needs its update (2BW, no step op)
+NORM_BYTES = 8  # clipping's squared gradient norm, one float64, all-reduced over a replica's pipeline
+
+
+def step_group(update: WeightUpdate, m: int, microbatch: int) -> int:
+    """The optimizer step a microbatch's gradient belongs to: its own under PipeDream (one step per backward), else
+    its iteration's. The executor (``calibration/executor_weights.py``) uses the same rule."""
+    return microbatch if update is WeightUpdate.ASYNC_STASH else microbatch // m
+
+
+def step_microbatch(update: WeightUpdate, m: int, group: int) -> int:
+    """The microbatch a step's ``sOPTk`` and its all-reduce ``sALL_REDUCEk`` are named by: the group's last."""
+    return group if update is WeightUpdate.ASYNC_STASH else (group + 1) * m - 1
+
+
+def step_points(actions: Sequence[ProgramAction], update: WeightUpdate, m: int) -> dict[int, list[tuple[int, int]]]:
+    """Position in a device's lowered list -> (stage, step group) whose gradients are complete after it: the stage's
+    last W or B of the group, or the SEND_B right after it (a step must not hold back the gradient the previous
+    stage waits for). Where schedules without a flush step, in the simulator and in the executor."""
+    last: dict[tuple[int, int], int] = {}
+    for at, a in enumerate(actions):
+        if a is not None and (a.kind is K.W or a.kind is K.B):
+            last[a.stage, step_group(update, m, a.microbatch)] = at
+    points: dict[int, list[tuple[int, int]]] = {}
+    for (stage, group), at in sorted(last.items(), key=lambda item: item[1]):
+        a = actions[at]
+        if at + 1 < len(actions) and actions[at + 1] == Action(a.stage, K.SEND_B, a.microbatch):
+            at += 1
+        points.setdefault(at, []).append((stage, group))
+    return points
 
 
 def add_optimizer_steps(program: Schedule) -> Schedule:
-    """``program`` with each stage's optimizer step (``sOPTk``, k the iteration's last microbatch) on its device.
+    """``program`` with each stage's optimizer steps (``sOPTk``, see ``step_microbatch``) where the real executor
+    runs them (docs/schedules.md "The optimizer step").
 
-    A flush schedule steps after the device's last op, stages in order, as a training loop calls ``step()`` after
-    the backward. Schedules that span iterations (PipeDream, 2BW) step as late as they can: just before the stage's
-    first forward that needs the update, that of iteration k + 2 (``LAG_WITHOUT_FLUSH``; the rule
-    ``simulator.replicas`` applies to their gradient all-reduce), or at the device's end when there is none. So the
-    step's time lands on the device's stream without stalling it on an all-reduce still in flight.
+    A flush schedule steps after the device's last op: first clipping's norm all-reduce (``NORM_BYTES`` over the
+    pipeline's devices, a ``Collective``), then its stages in order, as a training loop calls ``step()`` after the
+    backward. 2BW steps each stage after its last backward of each iteration, PipeDream after every backward
+    (``step_points``); they clip each stage's own norm, so there is no collective.
     """
-    m, iterations = program.num_microbatches, program.iterations
-    lag = LAG_WITHOUT_FLUSH if iterations > 1 else 1
+    m, update = program.num_microbatches, program.weight_update
     lists = [[a for a in acts if a is not None] for acts in program.device_actions]
-    before: dict[Action, list[Action]] = {}  # first forward of a stage's iteration k + lag -> the steps before it
-    tails: list[list[Action]] = [[] for _ in lists]
-    for stage, device in enumerate(program.stage_to_device):
-        firsts = _first_forwards(lists[device], stage, m)
-        for k in range(iterations):
-            step = Action(stage, K.OPT, (k + 1) * m - 1)
-            needs = firsts.get(k + lag)
-            (before.setdefault(needs, []) if needs is not None else tails[device]).append(step)
-    out = [[step for a in acts for step in [*before.get(a, ()), a]] + tail for acts, tail in zip(lists, tails)]
+    if update is WeightUpdate.FLUSH:
+        group = tuple(range(program.num_devices))
+        for k in range(program.iterations):
+            last = step_microbatch(update, m, k)
+            norm = [Collective(-1, K.ALL_REDUCE, last, group, NORM_BYTES)] if len(group) > 1 else []
+            for device, acts in enumerate(lists):
+                stages = [s for s, d in enumerate(program.stage_to_device) if d == device]
+                acts += norm + [Action(s, K.OPT, last) for s in stages]
+        return dataclasses.replace(program, device_actions=tuple(tuple(acts) for acts in lists))
+    out = []
+    for acts in lists:
+        points = step_points(acts, update, m)
+        out.append([b for at, a in enumerate(acts) for b in [a, *(Action(s, K.OPT, step_microbatch(update, m, g))
+                                                                  for s, g in points.get(at, ()))]])
     return dataclasses.replace(program, device_actions=tuple(tuple(acts) for acts in out))
-
-
-def _first_forwards(actions: list[Action], stage: int, m: int) -> dict[int, Action]:
-    """Iteration -> the first forward of ``stage`` in it, in list order."""
-    firsts: dict[int, Action] = {}
-    for a in actions:
-        if a.kind is K.F and a.stage == stage:
-            firsts.setdefault(a.microbatch // m, a)
-    return firsts

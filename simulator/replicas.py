@@ -1,14 +1,14 @@
 """Data parallelism: w copies of a compiled pipeline program, each stage's replicas all-reducing its gradients.
 
-Replica r's device d is device ``r * D + d``; its entries and transfers are the base program's, shifted. Every stage
-all-reduces its gradients among its w replicas once per iteration, in DDP-like buckets: with ``overlap`` (DDP's
-default) bucket j of K is ready (j+1)/K of the way through the stage's last weight-gradient op of the iteration (W,
-or a fused B: the backward fills buckets from the output layer back) and starts as soon as every replica has it;
-without, every bucket starts after the device's last op of the iteration. A collective does not hold its
-members' compute streams (it runs on the communication stream, as DDP's does); the iteration ends when its
-collectives end (the optimizer step waits for them), and for schedules that span iterations (PipeDream, 2BW) a
-stage's first forward of iteration k+2 waits for iteration k's all-reduce: 2BW's update W(t+1) = W(t) - lr *
-grad f(W(t-1)) is applied one iteration late, so that is when the new weights are first needed.
+Replica r's device d is device ``r * D + d``; its entries, transfers and pipeline collectives (clipping's norm
+all-reduce) are the base program's, shifted. Every stage all-reduces its gradients among its w replicas once per
+optimizer step (once per iteration; once per backward under PipeDream, which steps after each), in DDP-like buckets:
+with ``overlap`` (DDP's default) bucket j of K is ready (j+1)/K of the way through the stage's last weight-gradient op
+of the step (W, or a fused B: the backward fills buckets from the output layer back) and starts as soon as every
+replica has it; without, every bucket starts after the device's last op of the step. A collective does not hold its
+members' compute streams (it runs on the communication stream, as DDP's does); the optimizer step waits for it, and
+so does the first forward that runs on the updated weights: for 2BW, whose update W(t+1) = W(t) - lr * grad f(W(t-1))
+is applied one iteration late, the stage's first forward of iteration k+2; for PipeDream the stage's next forward.
 docs/network.md has the rules and what they leave out.
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipescope.simulator.ir import ActionKind, Collective, Role, Schedule
-from pipescope.simulator.lowering import LAG_WITHOUT_FLUSH
+from pipescope.simulator.ir import ActionKind, Collective, ProgramAction, Role, Schedule, WeightUpdate
+from pipescope.simulator.lowering import LAG_WITHOUT_FLUSH, step_group, step_microbatch
 from pipescope.simulator.program import KIND_CODE, Columns, Program
 
 K = ActionKind
@@ -65,10 +65,12 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
 
 
 def _syncs(base: Program, schedule: Schedule, width: int, grad_bytes: list[int], sync: GradSync) -> list[_Sync]:
-    """Every bucket all-reduce of every stage and iteration, in a fixed order."""
+    """Every bucket all-reduce of every stage and step group (an iteration, or a microbatch under PipeDream:
+    ``lowering.step_group``), in a fixed order."""
     if width < 2:
         return []
-    cols, m, devices = base.columns, schedule.num_microbatches, schedule.num_devices
+    cols, m, devices, update = base.columns, schedule.num_microbatches, schedule.num_devices, schedule.weight_update
+    groups = step_group(update, m, cols.microbatch)
     iteration = cols.microbatch // m
     steps = cols.kind == KIND_CODE[K.OPT]
     compute = (cols.role == Role.COMPUTE) & ~steps  # the optimizer step waits for the all-reduce: never its trigger
@@ -82,22 +84,33 @@ def _syncs(base: Program, schedule: Schedule, width: int, grad_bytes: list[int],
         home = schedule.stage_to_device[stage]
         group = tuple(r * devices + home for r in range(width))
         buckets = _split(nbytes, sync.bucket_bytes)
-        for k in range(schedule.iterations):
+        mine = cols.stage == stage
+        for g in np.unique(groups[grads & mine]).tolist():
             if sync.overlap:
-                trigger = int(np.flatnonzero(grads & (cols.stage == stage) & (iteration == k)).max())
+                trigger = int(np.flatnonzero(grads & mine & (groups == g)).max())
                 offsets = [base.duration[trigger] * (j + 1) // len(buckets) for j in range(len(buckets))]
             else:
-                trigger = int(np.flatnonzero(compute & (cols.device == home) & (iteration == k)).max())
+                trigger = int(np.flatnonzero(compute & (cols.device == home) & (groups == g)).max())
                 offsets = [base.duration[trigger]] * len(buckets)
-            later = np.flatnonzero(forwards & (cols.stage == stage) & (iteration == k + lag))
-            step = np.flatnonzero(steps & (cols.stage == stage) & (iteration == k))
+            if update is WeightUpdate.ASYNC_STASH:  # the stage's next forward runs on the newest weights
+                later = np.flatnonzero(forwards & mine & (np.arange(len(steps)) > trigger))
+            else:
+                later = np.flatnonzero(forwards & mine & (iteration == g + lag))
+            step = np.flatnonzero(steps & mine & (groups == g))
             blocks = [int(later.min())] if len(later) else []
             blocks += step.tolist()  # the optimizer step applies the reduced gradients
-            last_microbatch = (k + 1) * m - 1
+            last_microbatch = step_microbatch(update, m, g)
             for j, (size, offset) in enumerate(zip(buckets, offsets)):
                 collective = Collective(stage, K.ALL_REDUCE, last_microbatch, group, size, j)
                 found.append(_Sync(trigger, offset, collective, blocks))
     return found
+
+
+def _shifted(action: ProgramAction | None, offset: int) -> ProgramAction | None:
+    """A pipeline collective of the base program (clipping's norm all-reduce) in the replica ``offset`` devices on."""
+    if isinstance(action, Collective):
+        return action._replace(group=tuple(d + offset for d in action.group))
+    return action
 
 
 def _split(nbytes: int, bucket: int) -> list[int]:
@@ -112,8 +125,6 @@ def _split(nbytes: int, bucket: int) -> list[int]:
 def _replicate(base: Program, width: int, syncs: list[_Sync]) -> Program:
     """Entries: each replica's copy of the base entries, then each replica's member entries of the syncs. Flows:
     each replica's transfers, then one flow per sync shared by its replicas."""
-    if base.flow_collective and any(c is not None for c in base.flow_collective):
-        raise ValueError("data_parallel expects a pipeline program without collectives")
     n, flows, devices = base.num_entries, base.num_flows, len(base.device_steps)
     members = len(syncs)
     total = width * (n + members)
@@ -129,7 +140,7 @@ def _replicate(base: Program, width: int, syncs: list[_Sync]) -> Program:
         for entry in s.blocks:
             blocked.setdefault(entry, []).append(total + first_sync_flow + c)
     for r in range(width):
-        out.actions += base.actions
+        out.actions += [_shifted(a, r * devices) for a in base.actions]
         out.device += [d + r * devices for d in base.device]
         out.role += base.role
         out.launches += [tuple(f + r * flows for f in fs) for fs in base.launches]
@@ -150,11 +161,11 @@ def _replicate(base: Program, width: int, syncs: list[_Sync]) -> Program:
         for r in range(width):
             out.joins.setdefault(s.trigger + r * n, []).append((first_sync_flow + c, s.offset))
     for r in range(width):
-        out.flow_src += [d + r * devices for d in base.flow_src]
-        out.flow_dst += [d + r * devices for d in base.flow_dst]
+        out.flow_src += [d + r * devices if d >= 0 else -1 for d in base.flow_src]
+        out.flow_dst += [d + r * devices if d >= 0 else -1 for d in base.flow_dst]
         out.flow_bytes += base.flow_bytes
-        out.flow_producer += [i + r * n for i in base.flow_producer]
-        out.flow_collective += [None] * flows
+        out.flow_producer += [i + r * n if i >= 0 else -1 for i in base.flow_producer]
+        out.flow_collective += [_shifted(c, r * devices) for c in base.flow_collective]
     out.flow_src += [-1] * members
     out.flow_dst += [-1] * members
     out.flow_bytes += [s.collective.nbytes for s in syncs]

@@ -10,7 +10,8 @@ import pytest
 
 from pipescope.simulator.costs import StageCost, UniformCosts
 from pipescope.simulator.engine import Engine
-from pipescope.simulator.ir import ActionKind
+from pipescope.simulator.ir import ActionKind, Collective
+from pipescope.simulator.lowering import NORM_BYTES, add_optimizer_steps, lower
 from pipescope.simulator.oracle import Oracle
 from pipescope.simulator.replicas import GradSync, data_parallel
 from pipescope.simulator.schedules import build
@@ -49,19 +50,48 @@ def test_flush_schedules_step_every_stage_once_after_the_devices_last_op(name: s
     assert stepped.devices[0].busy_s == pytest.approx(base.devices[0].busy_s + STEP_NS / 1e9)
 
 
-def test_schedules_that_span_iterations_step_before_the_forward_that_needs_the_update() -> None:
-    schedule = build("2bw", 4, 8, iterations=4)
-    frame = simulate(schedule, StepCosts()).timeline
-    compute = frame[frame["stream"] == "compute"].sort_values("start_ns")
-    for stage in range(4):
-        rows = compute[compute["device"] == stage].reset_index(drop=True)
-        for k in range(4):
-            at = rows.index[rows["action"] == f"{stage}OPT{8 * k + 7}"]
-            assert len(at) == 1
-            backwards = rows[(rows["kind"] == "B") & (rows["microbatch"] // 8 == k)]
-            assert backwards.index.max() < at[0]  # after the iteration's gradients
-            if k + 2 < 4:  # just before the first forward of iteration k + 2, the first that uses the update
-                assert rows.loc[at[0] + 1, "action"] == f"{stage}F{8 * (k + 2)}"
+def _device_lists(name: str, **kw) -> list[list]:
+    """The lowered program with its steps, per device (what ``simulate`` runs when steps take time)."""
+    return [list(acts) for acts in add_optimizer_steps(lower(build(name, 4, 8, **kw))).device_actions]
+
+
+def _after_backward(acts: list, at: int, microbatch: int) -> None:
+    """The step at ``at`` follows the backward of ``microbatch`` directly, or that backward's SEND_B."""
+    before = acts[at - 1]
+    if before.kind is ActionKind.SEND_B:
+        before = acts[at - 2]
+    assert (before.kind, before.microbatch) == (ActionKind.B, microbatch), (acts[at], before)
+
+
+def test_2bw_steps_each_stage_right_after_its_last_backward_of_each_iteration() -> None:
+    """As the executor does (SCHEDULES.md section 3): the next iteration's backwards accumulate into the buffer."""
+    for stage, acts in enumerate(_device_lists("2bw", iterations=4)):
+        steps = [at for at, a in enumerate(acts) if a.kind is ActionKind.OPT]
+        assert [str(acts[at]) for at in steps] == [f"{stage}OPT{8 * k + 7}" for k in range(4)]
+        for k, at in enumerate(steps):
+            _after_backward(acts, at, 8 * k + 7)
+            assert all(a.microbatch // 8 > k for a in acts[at + 1:] if a.kind is ActionKind.B)
+        if stage > 0:  # the gradient the previous stage waits for leaves before the step
+            assert acts[steps[0] - 1].kind is ActionKind.SEND_B
+
+
+def test_pipedream_steps_after_every_backward_named_by_its_microbatch() -> None:
+    """One step per backward, right after it and its SEND_B, named sOPTk with k the microbatch (the executor's
+    rows carry the same names, so validate matches them)."""
+    for stage, acts in enumerate(_device_lists("pipedream", iterations=2)):
+        steps = [at for at, a in enumerate(acts) if a.kind is ActionKind.OPT]
+        assert [acts[at].microbatch for at in steps] == list(range(16))
+        for at in steps:
+            assert acts[at].stage == stage
+            _after_backward(acts, at, acts[at].microbatch)
+
+
+def test_pipedream_steps_lengthen_every_device_by_m_steps_per_iteration() -> None:
+    schedule = build("pipedream", 4, 8, iterations=3)
+    result = simulate(schedule, StepCosts())
+    base = simulate(schedule, UniformCosts())
+    for stepped, plain in zip(result.devices, base.devices):
+        assert stepped.busy_s == pytest.approx(plain.busy_s + 3 * 8 * STEP_NS / 1e9)
 
 
 def test_no_step_time_means_no_step_op_and_the_closed_forms_untouched() -> None:
@@ -84,3 +114,49 @@ def test_the_step_waits_for_the_stages_all_reduce_and_engine_equals_oracle() -> 
                        if a.kind is ActionKind.ALL_REDUCE and a.stage == stage]
             assert reduces
             assert engine.entry_start[entry] >= max(engine.flow_end[f] for f in reduces)
+
+
+def test_flush_clipping_all_reduces_the_norm_over_the_pipeline_before_any_step() -> None:
+    """Each device ends with the 8-byte norm all-reduce over the pipeline's devices, then its steps: so every step
+    starts once the slowest device's backward and the all-reduce have ended."""
+    lists = _device_lists("1f1b")
+    norm = Collective(-1, ActionKind.ALL_REDUCE, 7, (0, 1, 2, 3), NORM_BYTES)
+    for device, acts in enumerate(lists):
+        assert acts[-2:] == [norm, (device, ActionKind.OPT, 7)]
+    result = simulate(build("1f1b", 4, 8), StepCosts(), servers(1, 4, 450 * GB, 2 * GB))
+    frame = result.timeline
+    steps, reduce = _steps(frame), frame[frame["kind"] == "ALL_REDUCE"]
+    backwards_end = frame[frame["kind"] == "B"]["end_ns"].max()
+    assert len(set(reduce["end_ns"])) == 1 and reduce["bytes"].eq(NORM_BYTES).all()
+    assert reduce["start_ns"].min() >= backwards_end  # the last member to join starts it
+    assert reduce["end_ns"].iloc[0] > reduce["start_ns"].iloc[0]  # it takes time on this network
+    assert (steps["start_ns"] == reduce["end_ns"].iloc[0]).all()
+
+
+def test_no_step_time_means_no_norm_all_reduce() -> None:
+    assert not any(isinstance(a, Collective) for acts in lower(build("1f1b", 4, 8)).device_actions for a in acts)
+    frame = simulate(build("1f1b", 4, 8), UniformCosts(), servers(1, 4, 450 * GB, 2 * GB)).timeline
+    assert (frame["kind"] != "ALL_REDUCE").all()
+
+
+@pytest.mark.parametrize("name, iterations", [("1f1b", 1), ("2bw", 3), ("pipedream", 2)])
+def test_data_parallel_steps_wait_for_their_own_all_reduce(name: str, iterations: int) -> None:
+    """Replicas get their own norm all-reduce (groups shifted); PipeDream all-reduces each backward's gradient
+    before its step, 2BW each iteration's; engine equals oracle."""
+    schedule = build(name, 4, 8, iterations=iterations) if iterations > 1 else build(name, 4, 8)
+    program, stage_costs = prepare(schedule, StepCosts())
+    program = data_parallel(program, schedule, 2, [c.params * 2 for c in stage_costs], GradSync(512 << 20))
+    network = servers(2, 4, 450 * GB, 2 * GB)
+    engine = Engine(program, network).run()
+    assert engine == Oracle(program, servers(2, 4, 450 * GB, 2 * GB)).run()
+    norms = {a.group for a in program.actions if isinstance(a, Collective) and a.stage == -1}
+    assert norms == ({(0, 1, 2, 3), (4, 5, 6, 7)} if name == "1f1b" else set())
+    per_step = 1 if name == "pipedream" else 8
+    for entry, action in enumerate(program.actions):
+        if action.kind is ActionKind.OPT:
+            reduces = [program.flow_of[i] for i, a in enumerate(program.actions) if isinstance(a, Collective)
+                       and (a.stage, a.microbatch) == (action.stage, action.microbatch)]
+            assert len(reduces) == 2 * len(set(reduces)) > 0  # each bucket: one flow, an entry per replica
+            assert engine.entry_start[entry] >= max(engine.flow_end[f] for f in reduces)
+    steps = sum(a.kind is ActionKind.OPT for a in program.actions)
+    assert steps == 2 * 4 * iterations * 8 // per_step
