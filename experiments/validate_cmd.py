@@ -98,7 +98,8 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
 def _sets(args: argparse.Namespace, profile: str) -> list[str]:
     sets = [f"schedule.name={json.dumps(args.schedule)}", f"schedule.stages={args.stages}",
             f"schedule.microbatches={args.microbatches}", "costs.kind=profile", f"costs.profile={json.dumps(profile)}",
-            f"model.microbatch_size={args.microbatch_size}"]
+            f"model.microbatch_size={args.microbatch_size}",
+            "memory.runtime=torch"]  # the executor holds buffers as torch's pipelining runtime does
     return sets + ([f"schedule.chunks={args.chunks}"] if args.chunks else [])
 
 

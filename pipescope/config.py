@@ -25,6 +25,7 @@ from pipescope.simulator.safe_yaml import YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig
 from pipescope.simulator.units import parse_size, parse_time, short_repr
 from pipescope.simulator.faults import FaultsConfig
+from pipescope.simulator.memory_runtime import RUNTIMES, MemoryConfig
 from pipescope.topologies.cluster import COLLECTIVE_ALGORITHMS, ClusterConfig
 from pipescope.topologies.graphs import FABRICS, MAX_NODES, MAX_OVERSUBSCRIPTION
 
@@ -55,6 +56,7 @@ class Config:
     cluster: ClusterConfig = ClusterConfig()
     costs: CostsConfig = AnalyticCostsConfig()
     faults: FaultsConfig = FaultsConfig()
+    memory: MemoryConfig = MemoryConfig()
     iterations: int | None = None
     seed: int = 0
 
@@ -79,6 +81,7 @@ CHOICES = {
     "model.attention": ATTENTIONS,
     "cluster.fabric": FABRICS,
     "cluster.collective": COLLECTIVE_ALGORITHMS,
+    "memory.runtime": RUNTIMES,
 }
 # Integer-list keys: (low, high) of each entry; a list of more than MAX_LIST_ENTRIES is refused before converting.
 LIST_RANGES: dict[str, tuple[int, int]] = {"model.layers_per_stage": (1, 100_000)}

@@ -67,7 +67,8 @@ def run(config: Config) -> SimResult:
                           data_parallel=config.cluster.data_parallel, grad_sync=config.cluster.grad_sync(),
                           faults=faults, memory_capacity_bytes=capacity,
                           model_flops_per_iteration=model_flops(model, config, schedule) if analytic else None,
-                          peak_flops_per_device=_peak(config, cluster) if analytic else None, config=config)
+                          peak_flops_per_device=_peak(config, cluster) if analytic else None, config=config,
+                          memory_runtime=config.memory.runtime)
     except CostError as err:
         raise ConfigError(f"costs: {err}") from None
     except SyncError as err:

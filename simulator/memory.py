@@ -2,8 +2,9 @@
 timeline of what ops stash and free (activations, deferred-W inputs, recompute inputs, p2p buffers).
 
 Byte counts per parameter (ZeRO paper's accounting, Adam):
-  bf16/fp16 mixed precision: weights 2 (each extra stashed version 2 more), gradients 2,
-  optimizer 12 (fp32 master copy 4 + momentum 4 + variance 4) -> 16 bytes per parameter.
+  bf16/fp16 mixed precision: weights 2 (each extra stashed version 2 more), gradients 2 (4 under the default
+  ``memory.runtime: megatron``, its fp32 main_grad), optimizer 12 (fp32 master copy 4 + momentum 4 + variance 4)
+  -> 16 bytes per parameter (18 under megatron).
   fp32: weights 4 (+4 per extra version), gradients 4, optimizer 8 (momentum + variance) -> 16.
 """
 
@@ -16,7 +17,8 @@ import numpy as np
 from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import ActionKind, Role, Schedule
 from pipescope.simulator.models import PRECISIONS
-from pipescope.simulator.program import KIND_CODE, RECEIVED_FROM, SENT_BY, ActionIndex
+from pipescope.simulator.memory_runtime import buffer_events, grad_bytes
+from pipescope.simulator.program import KIND_CODE
 from pipescope.simulator.timeline import Timeline
 
 
@@ -33,10 +35,11 @@ class StaticMemory:
         return self.weights + self.gradients + self.optimizer
 
 
-def static_memory(params: int, versions: int, precision: str) -> StaticMemory:
-    """Weights times the versions held, one gradient buffer, Adam state."""
+def static_memory(params: int, versions: int, precision: str, runtime: str = "megatron") -> StaticMemory:
+    """Weights times the versions held, one gradient buffer (in the runtime's precision: ``memory_runtime``), Adam
+    state."""
     bytes_per = PRECISIONS[precision]  # simulator/models.py: the one precision table
-    return StaticMemory(params * bytes_per.weight_bytes * versions, params * bytes_per.grad_bytes,
+    return StaticMemory(params * bytes_per.weight_bytes * versions, params * grad_bytes(runtime, bytes_per.grad_bytes),
                         params * bytes_per.optimizer_bytes)
 
 
@@ -125,15 +128,16 @@ K = ActionKind
 
 
 def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], precision: str,
-           ) -> tuple[list[DeviceMemory], list[int]]:
-    """Per device: static state plus what compute ops stash and p2p buffers hold, over the timeline.
+           runtime: str = "megatron") -> tuple[list[DeviceMemory], list[int]]:
+    """Per device: static state plus what compute ops stash and p2p buffers hold, over the timeline; ``runtime``
+    says which buffers are held how long (``simulator.memory_runtime``).
 
     Returns:
         (memory timeline per device, static bytes per device).
     """
     home = np.asarray(schedule.stage_to_device)
     params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
-    static = [static_memory(int(params[d]), schedule.versions(d), precision).total
+    static = [static_memory(int(params[d]), schedule.versions(d), precision, runtime).total
               for d in range(schedule.num_devices)]
     stage, compute = records.stage, records.mask(Role.COMPUTE)
     at = stage[compute]
@@ -144,24 +148,10 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
         weight_grad=np.array([c.weight_grad_bytes for c in stage_costs], dtype=np.int64)[at],
         stage_input=np.array([c.input_bytes for c in stage_costs], dtype=np.int64)[at],
     )
-    parts = [op_memory_events(ops, schedule.recompute, schedule.chunks), _buffer_events(records)]
+    boundary = np.array([c.boundary_bytes for c in stage_costs], dtype=np.int64)
+    parts = [op_memory_events(ops, schedule.recompute, schedule.chunks), _held(*buffer_events(records, boundary,
+                                                                                             runtime))]
     return device_timelines(concat(parts), static), static
-
-
-def _buffer_events(records: Timeline) -> MemoryEvents:
-    """p2p buffers: the sender's copy from its producer's end until the transfer arrives; the receiver's from the
-    transfer's start until its consumer starts (a transfer nobody consumes is freed on arrival)."""
-    stage, microbatch = records.stage, records.microbatch
-    compute = np.flatnonzero(records.mask(Role.COMPUTE))
-    ops = ActionIndex(stage[compute], records.kind[compute], microbatch[compute], compute,
-                      int(microbatch.max(initial=0)) + 2)
-    sends, recvs = np.flatnonzero(records.is_kind(*SENT_BY)), np.flatnonzero(records.is_kind(*RECEIVED_FROM))
-    producer = ops.compute_op(stage[sends], microbatch[sends], records.is_kind(K.SEND_B)[sends])
-    consumer = ops.compute_op(stage[recvs], microbatch[recvs], records.is_kind(K.RECV_B)[recvs])
-    produced = np.where(producer >= 0, records.end[producer], records.start[sends])
-    consumed = np.maximum(records.end[recvs], np.where(consumer >= 0, records.start[consumer], 0))
-    return concat([_held(records.device[sends], produced, records.end[sends], records.nbytes[sends]),
-                   _held(records.device[recvs], records.start[recvs], consumed, records.nbytes[recvs])])
 
 
 def _held(device: np.ndarray, since: np.ndarray, until: np.ndarray, nbytes: np.ndarray) -> MemoryEvents:

@@ -38,7 +38,8 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         grad_sync: bucket size and overlap of the gradient all-reduce (default: DDP's).
         faults: stragglers and per-op jitter (``simulator.faults``).
         **extra: further ``SimResult`` fields: ``memory_capacity_bytes`` (to report OOM),
-            ``model_flops_per_iteration`` and ``peak_flops_per_device`` (MFU), ``config`` (what it came from).
+            ``model_flops_per_iteration`` and ``peak_flops_per_device`` (MFU), ``config`` (what it came from),
+            ``memory_runtime`` (whose buffers the ledger counts: ``simulator.memory_runtime``).
 
     Raises:
         ScheduleError: malformed or deadlocking schedule, naming the actions. Structure is checked first;

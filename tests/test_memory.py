@@ -1,8 +1,13 @@
 """The memory ledger: weight versions, optimizer state, activation stashes, against docs/schedules.md's formulas."""
 
+import argparse
+import dataclasses
+
+import numpy as np
 import pytest
 
-from pipescope.simulator.costs import AnalyticCosts, UniformCosts
+from pipescope.simulator.costs import AnalyticCosts, StageCost, UniformCosts
+from pipescope.simulator.memory_runtime import RUNTIMES
 from pipescope.simulator.memory import static_memory
 from pipescope.simulator.models import layer_work, preset
 from pipescope.topologies.devices import DEVICES
@@ -14,10 +19,13 @@ COSTS = AnalyticCosts(MODEL, DEVICES["h100"].peak_flops["bf16"], microbatch_size
 
 
 def test_static_bytes_per_parameter() -> None:
-    """Mixed precision: 2 (weights) + 2 (grads) + 12 (Adam, fp32 master) = 16 bytes; each extra version +2."""
-    assert static_memory(1000, 1, "bf16").total == 16_000
+    """Mixed precision: 2 (weights) + 2 (grads) + 12 (Adam, fp32 master) = 16 bytes under torch; Megatron's fp32
+    main_grad makes the gradient 4, so 18; each extra version +2. fp32: 16 under both."""
+    assert static_memory(1000, 1, "bf16", "torch").total == 16_000
+    assert static_memory(1000, 1, "bf16").total == static_memory(1000, 1, "bf16", "megatron").total == 18_000
+    assert static_memory(1000, 1, "bf16").gradients == 4_000
     assert static_memory(1000, 3, "bf16").weights == 6_000
-    assert static_memory(1000, 1, "fp32").total == 16_000
+    assert static_memory(1000, 1, "fp32").total == static_memory(1000, 1, "fp32", "torch").total == 16_000
 
 
 def test_pipedream_holds_p_minus_r_versions() -> None:
@@ -72,3 +80,45 @@ def test_memory_timeline_returns_to_static() -> None:
     for device, memory in zip(result.devices, result.memory):
         assert memory.bytes_in_use[-1] == device.static_memory_bytes
         assert memory.bytes_in_use.min() >= device.static_memory_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryCosts(UniformCosts):
+    """Uniform costs whose stages send BOUNDARY bytes (outputs and input gradients)."""
+
+    def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
+        return dataclasses.replace(super().stage_cost(stage, num_stages, chunks), boundary_bytes=BOUNDARY)
+
+
+BOUNDARY, ACTIVATION, PARAMS = 100, 1000, 10_000
+
+
+def _at(memory, time_ns: int) -> int:
+    """Bytes in use just after ``time_ns`` (the last row at that time: frees and allocations at it applied)."""
+    return int(memory.bytes_in_use[np.searchsorted(memory.times, time_ns, side="right") - 1])
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_runtimes_hold_outputs_and_sent_buffers_as_their_runtime_does(runtime: str) -> None:
+    """GPipe, p = 2, m = 4, instant transfers, so Megatron holds no p2p buffer for any time.
+
+    torch keeps device 0's four outputs (sent) until the end of the step, and each received gradient until its
+    backward ends: at its first backward 4 stashes + 4 outputs + 1 gradient. Device 1 keeps the input gradients it
+    sent: when its last backward starts, 3 of them. Megatron frees all of them, and its gradients are 4 bytes per
+    parameter under bf16 (torch: 2)."""
+    costs = BoundaryCosts(activation_bytes=ACTIVATION, params=PARAMS, precision="bf16")
+    result = simulate(build("gpipe", 2, 4), costs, memory_runtime=runtime)
+    torch = runtime == "torch"
+    static = PARAMS * (2 + (2 if torch else 4) + 12)  # params are per device-stage under uniform costs
+    assert [d.static_memory_bytes for d in result.devices] == [static, static]
+    assert result.devices[0].peak_memory_bytes == static + 4 * ACTIVATION + (5 * BOUNDARY if torch else 0)
+    frame = result.timeline
+    last_backward = frame[(frame["device"] == 1) & (frame["kind"] == "B")]["start_ns"].max()
+    assert _at(result.memory[1], last_backward) == static + ACTIVATION + (3 * BOUNDARY if torch else 0)
+    assert result.memory[0].bytes_in_use[-1] == result.memory[1].bytes_in_use[-1] == static  # all freed at the end
+
+
+def test_validate_simulates_with_torch_accounting() -> None:
+    from pipescope.experiments.validate_cmd import _sets
+    assert "memory.runtime=torch" in _sets(argparse.Namespace(schedule="1f1b", stages="2", microbatches="4",
+                                                              microbatch_size="1", chunks=None), "profile")

@@ -1,0 +1,101 @@
+"""Whose accounting the memory ledger follows: the ``memory.runtime`` key (docs/memory.md "Runtimes").
+
+Two training runtimes hold different buffers around the same program:
+
+- ``megatron`` (the default): a stage's output is freed once sent (``deallocate_output_tensor``), so only the
+  send's copy is held until the transfer arrives, and a received buffer until its consumer starts. Under mixed
+  precision the gradients are Megatron's fp32 ``main_grad``: 4 bytes per parameter, not 2.
+- ``torch`` (torch.distributed.pipelining's runtime, which pipescope's executor mirrors): a stage's output is kept
+  until its backward, and everything a rank sends (outputs and input gradients) until the end of the step, where
+  all sends are waited for. A received gradient is held until its backward ends.
+
+``simulator.memory.ledger`` calls ``buffer_events`` with the runtime's rule; the rest of the ledger is shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipescope.simulator.ir import ActionKind, Role
+from pipescope.simulator.program import KIND_CODE, RECEIVED_FROM, SENT_BY, ActionIndex
+from pipescope.simulator.timeline import Timeline
+
+K = ActionKind
+RUNTIMES = ("megatron", "torch")
+MAIN_GRAD_BYTES = 4  # Megatron's fp32 main_grad, whatever the compute precision
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """The ``memory`` section: ``runtime``, one of ``RUNTIMES``: whose buffers the ledger counts."""
+
+    runtime: str = "megatron"
+
+
+def grad_bytes(runtime: str, precision_grad_bytes: int) -> int:
+    """Bytes per parameter of the gradient buffer the runtime keeps."""
+    return MAIN_GRAD_BYTES if runtime == "megatron" else precision_grad_bytes
+
+
+def buffer_events(records: Timeline, boundary_bytes: np.ndarray, runtime: str,
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Held buffers as (device, since, until, bytes) arrays: p2p buffers and, under ``torch``, stage outputs.
+
+    Args:
+        records: a timeline (of a replay, or measured compute rows only: then there are no transfers).
+        boundary_bytes: per stage, the bytes of its output (and of its input's gradient).
+        runtime: one of ``RUNTIMES``.
+    """
+    stage, microbatch, end = records.stage, records.microbatch, records.end
+    compute = np.flatnonzero(records.mask(Role.COMPUTE))
+    ops = ActionIndex(stage[compute], records.kind[compute], microbatch[compute], compute,
+                      int(microbatch.max(initial=0)) + 2)
+    sends, recvs = np.flatnonzero(records.is_kind(*SENT_BY)), np.flatnonzero(records.is_kind(*RECEIVED_FROM))
+    producer = ops.compute_op(stage[sends], microbatch[sends], records.is_kind(K.SEND_B)[sends])
+    backward_recv = records.is_kind(K.RECV_B)[recvs]
+    consumer = ops.compute_op(stage[recvs], microbatch[recvs], backward_recv)
+    produced = np.where(producer >= 0, end[producer], records.start[sends])
+    consumer_start = np.where(consumer >= 0, records.start[consumer], 0)
+    if runtime != "torch":
+        held_sends = (records.device[sends], produced, end[sends], records.nbytes[sends])
+        consumed = np.maximum(end[recvs], consumer_start)
+        return _joined([held_sends, (records.device[recvs], records.start[recvs], consumed, records.nbytes[recvs])])
+    run_end = _run_end(records)
+    consumer_end = np.where(consumer >= 0, end[consumer], 0)
+    consumed = np.maximum(end[recvs], np.where(backward_recv, consumer_end, consumer_start))
+    gradients = records.is_kind(K.SEND_B)[sends]  # an output's send is the output itself: counted below
+    held_grads = (records.device[sends][gradients], produced[gradients], run_end[records.device[sends][gradients]],
+                  records.nbytes[sends][gradients])
+    held_recvs = (records.device[recvs], records.start[recvs], consumed, records.nbytes[recvs])
+    return _joined([held_grads, held_recvs, _outputs(records, ops, compute, boundary_bytes, run_end)])
+
+
+def _outputs(records: Timeline, ops: ActionIndex, compute: np.ndarray, boundary_bytes: np.ndarray,
+             run_end: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Every forward's output but the last stage's (a loss): from its end until its backward ends, or until the
+    end of the step when it was sent (torch waits for all sends there)."""
+    last = len(boundary_bytes) - 1
+    forwards = compute[(records.kind[compute] == KIND_CODE[K.F]) & (records.stage[compute] < last)]
+    stage, microbatch, device = records.stage[forwards], records.microbatch[forwards], records.device[forwards]
+    backward = ops.compute_op(stage, microbatch, np.ones(len(forwards), dtype=bool))
+    sends = np.flatnonzero(records.is_kind(K.SEND_F))
+    sent_index = ActionIndex(records.stage[sends], records.kind[sends], records.microbatch[sends], sends,
+                             int(records.microbatch.max(initial=0)) + 2)
+    sent = sent_index.find(stage, KIND_CODE[K.SEND_F], microbatch) >= 0
+    until = np.where(backward >= 0, records.end[np.maximum(backward, 0)], run_end[device])
+    until = np.where(sent, np.maximum(until, run_end[device]), until)
+    return device, records.end[forwards], until, boundary_bytes[stage]
+
+
+def _run_end(records: Timeline) -> np.ndarray:
+    """Per device, the end of its last op before the flush's steps (where torch waits for the sends)."""
+    ops = records.mask(Role.COMPUTE) & ~records.is_kind(K.OPT)
+    out = np.zeros(records.num_devices, dtype=np.int64)
+    np.maximum.at(out, records.device[ops], records.end[ops])
+    return out
+
+
+def _joined(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(np.concatenate([np.asarray(p[i], dtype=np.int64) for p in parts]) for i in range(4))
