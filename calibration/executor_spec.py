@@ -46,9 +46,7 @@ class RunSpec:
                 not isinstance(self.data_parallel, int) or self.data_parallel < 1),
                ("iterations", self.iterations, "an integer >= 1", self.iterations < 1),
                ("warmup", self.warmup, "an integer >= 0", self.warmup < 0),
-               ("device", self.device, "cpu or cuda", self.device not in ("cpu", "cuda")),
-               ("schedule", f"{self.schedule.name} with recompute", "a schedule without recompute (the executor "
-                "does not recompute yet)", self.schedule.recompute)]
+               ("device", self.device, "cpu or cuda", self.device not in ("cpu", "cuda"))]
         for name, value, expected, wrong in bad:
             if wrong:
                 raise ValueError(f"RunSpec.{name}: got {value!r}, expected {expected}")

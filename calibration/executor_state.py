@@ -150,24 +150,33 @@ class Rank:
                 x = self.arrived.pop(Action(a.stage, K.RECV_F, a.microbatch)).requires_grad_()
             self.tracker.hold(x, "saved", ("in", a.stage, a.microbatch))
         self.inputs[a.stage, a.microbatch] = x
-        deferrable = [m for i in self.parts[a.stage] if hasattr(m := stage.modules[i], "store")]
-        split = (a.stage, a.microbatch) in self.split
-        for module in deferrable:
-            module.store.deferring = split
         tensors = stage.versions[version]
         self._see("F", a, version, tensors)
-        with self.tracker.saving():
-            for index in self.parts[a.stage]:
-                extra = (targets,) if index == self.spec.shape.layers + 1 else ()
-                x = stage.call(index, tensors, x, *extra)
-        for module in deferrable:
-            module.store.deferring = False
+        recompute = self.program.recompute  # keep only the stage input: no graph, nothing saved
+        x = self._forward(a, tensors, x, targets, grad=not recompute)
         if a.stage == self.last_stage:
             self.losses[a.microbatch // self.program.num_microbatches] += x.item() / self.program.num_microbatches
             x = x / self.rule.loss_divisor
         self.outputs[a.stage, a.microbatch] = x
         self.tracker.hold(x, "outputs", ("out", a.stage, a.microbatch))
         self.tracker.release(("recv", Action(a.stage, K.RECV_F, a.microbatch)))
+
+    def _forward(self, a: Action, tensors: list[torch.Tensor], x: torch.Tensor, targets: torch.Tensor,
+                 grad: bool) -> torch.Tensor:
+        """The stage's modules on ``x`` with a version's ``tensors``: with autograd (its saved tensors tracked, the
+        Linears deferred when the program splits this backward into I and W), or under no_grad (recompute's F)."""
+        stage = self.stages[a.stage]
+        deferrable = [m for i in self.parts[a.stage] if hasattr(m := stage.modules[i], "store")]
+        split = (a.stage, a.microbatch) in self.split
+        for module in deferrable:
+            module.store.deferring = split
+        with self.tracker.saving() if grad else torch.no_grad():
+            for index in self.parts[a.stage]:
+                extra = (targets,) if index == self.spec.shape.layers + 1 else ()
+                x = stage.call(index, tensors, x, *extra)
+        for module in deferrable:
+            module.store.deferring = False
+        return x
 
     def _see(self, kind: str, a: Action, version: int, tensors: list[torch.Tensor]) -> None:
         """Which weight version an F or a backward ran against, the newest then, and the buffer's in-place write
@@ -181,6 +190,11 @@ class Rank:
         version = stage.used[a.microbatch]
         self._see("B", a, version, stage.versions[version])
         out = self.outputs.pop((a.stage, a.microbatch))
+        if self.program.recompute:  # the forward again, from the stage input, with the version the F used
+            out = self._forward(a, stage.versions[version], self.inputs[a.stage, a.microbatch],
+                                self.data[a.microbatch][1], grad=True)
+            if a.stage == self.last_stage:
+                out = out / self.rule.loss_divisor
         local_next = a.stage != self.last_stage and self.home[a.stage + 1] == self.index
         recv = Action(a.stage, K.RECV_B, a.microbatch)
         if a.stage == self.last_stage:
