@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stages", default="2", help="pipeline devices p = ranks (default 2)")
     p.add_argument("--microbatches", default="4", help="microbatches m (default 4)")
     p.add_argument("--chunks", help="stages per device v (default: the schedule's)")
+    p.add_argument("--recompute", action="store_true", help="recompute activations: F keeps only its stage input "
+                   "and every backward runs the forward again first")
     p.add_argument("--model", default="tiny", help="preset (default tiny; see 'pipescope calibrate --help')")
     p.add_argument("--microbatch-size", default="1", help="samples per microbatch (default 1)")
     p.add_argument("--device", default="cpu", help="cpu (cuda runs are not implemented yet)")
@@ -100,6 +102,7 @@ def _sets(args: argparse.Namespace, profile: str) -> list[str]:
             f"schedule.microbatches={args.microbatches}", "costs.kind=profile", f"costs.profile={json.dumps(profile)}",
             f"model.microbatch_size={args.microbatch_size}",
             "memory.runtime=torch"]  # the executor holds buffers as torch's pipelining runtime does
+    sets += ["schedule.recompute=true"] if getattr(args, "recompute", False) else []
     return sets + ([f"schedule.chunks={args.chunks}"] if args.chunks else [])
 
 

@@ -120,5 +120,7 @@ def test_runtimes_hold_outputs_and_sent_buffers_as_their_runtime_does(runtime: s
 
 def test_validate_simulates_with_torch_accounting() -> None:
     from pipescope.experiments.validate_cmd import _sets
-    assert "memory.runtime=torch" in _sets(argparse.Namespace(schedule="1f1b", stages="2", microbatches="4",
-                                                              microbatch_size="1", chunks=None), "profile")
+    args = argparse.Namespace(schedule="1f1b", stages="2", microbatches="4", microbatch_size="1", chunks=None,
+                              recompute=False)
+    assert "memory.runtime=torch" in _sets(args, "profile") and "schedule.recompute=true" not in _sets(args, "p")
+    assert "schedule.recompute=true" in _sets(argparse.Namespace(**{**vars(args), "recompute": True}), "p")
