@@ -35,8 +35,9 @@ class StageCost:
         boundary_bytes: bytes sent to the next stage (the gradient sent back has the same size).
         activation_bytes: M_B, what F stashes until the backward.
         weight_grad_bytes: M_W, what a deferred W still holds after I.
-        input_bytes: the stage input, all that F keeps under recompute.
+        input_bytes: the stage input, all that F keeps under recompute (the first stage's is its token ids).
         params: parameters of the stage.
+        param_tensors: its parameter tensors (torch's AdamW keeps a 4-byte step counter per tensor).
         optimizer_ns: the stage's optimizer step (AdamW with gradient norm and clipping), once per iteration after
             its last backward (0: not modelled, as in the closed forms).
     """
@@ -51,6 +52,7 @@ class StageCost:
     input_bytes: int = 0
     params: int = 0
     optimizer_ns: int = 0
+    param_tensors: int = 0
 
 
 class CostModel(Protocol):
@@ -138,6 +140,9 @@ class AnalyticCostsConfig:
     kind: CostKind = CostKind.ANALYTIC
     efficiency: float = 0.5
     memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
+
+
+TOKEN_ID_BYTES = 8  # the first stage's input: int64 token ids, not an activation
 
 
 @dataclass(frozen=True)
@@ -286,7 +291,7 @@ class AnalyticCosts(PerStageCache):
             boundary_bytes=work.boundary_bytes,
             activation_bytes=stash,
             weight_grad_bytes=n * work.weight_grad_bytes,
-            input_bytes=work.boundary_bytes,
+            input_bytes=work.boundary_bytes if stage else self.microbatch_size * self.model.seq * TOKEN_ID_BYTES,
             params=self._params(stage, num_stages, n),
             optimizer_ns=seconds_to_ns(seconds["optimizer"]),
         )

@@ -17,7 +17,7 @@ import numpy as np
 from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import ActionKind, Role, Schedule
 from pipescope.simulator.models import PRECISIONS
-from pipescope.simulator.memory_runtime import buffer_events, grad_bytes
+from pipescope.simulator.memory_runtime import buffer_events, grad_bytes, step_counter_bytes
 from pipescope.simulator.program import KIND_CODE
 from pipescope.simulator.timeline import Timeline
 
@@ -137,8 +137,9 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
     """
     home = np.asarray(schedule.stage_to_device)
     params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
+    tensors = np.bincount(home, [c.param_tensors for c in stage_costs], minlength=schedule.num_devices)
     static = [static_memory(int(params[d]), schedule.versions(d), precision, runtime).total
-              for d in range(schedule.num_devices)]
+              + int(tensors[d]) * step_counter_bytes(runtime) for d in range(schedule.num_devices)]
     stage, compute = records.stage, records.mask(Role.COMPUTE)
     at = stage[compute]
     ops = OpArrays(

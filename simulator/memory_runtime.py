@@ -7,7 +7,8 @@ Two training runtimes hold different buffers around the same program:
   precision the gradients are Megatron's fp32 ``main_grad``: 4 bytes per parameter, not 2.
 - ``torch`` (torch.distributed.pipelining's runtime, which pipescope's executor mirrors): a stage's output is kept
   until its backward, and everything a rank sends (outputs and input gradients) until the end of the step, where
-  all sends are waited for. A received gradient is held until its backward ends.
+  all sends are waited for. A received gradient is held until its backward ends. AdamW keeps a 4-byte step
+  counter per parameter tensor.
 
 ``simulator.memory.ledger`` calls ``buffer_events`` with the runtime's rule; the rest of the ledger is shared.
 """
@@ -25,6 +26,7 @@ from pipescope.simulator.timeline import Timeline
 K = ActionKind
 RUNTIMES = ("megatron", "torch")
 MAIN_GRAD_BYTES = 4  # Megatron's fp32 main_grad, whatever the compute precision
+STEP_COUNTER_BYTES = 4  # torch AdamW's per-tensor ``step``, a float32 scalar
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,12 @@ class MemoryConfig:
 def grad_bytes(runtime: str, precision_grad_bytes: int) -> int:
     """Bytes per parameter of the gradient buffer the runtime keeps."""
     return MAIN_GRAD_BYTES if runtime == "megatron" else precision_grad_bytes
+
+
+def step_counter_bytes(runtime: str) -> int:
+    """Bytes per parameter tensor of the optimizer's step count: torch's AdamW keeps a float32 tensor per parameter
+    (not fused, not capturable), Megatron's fused optimizers one number per parameter group."""
+    return STEP_COUNTER_BYTES if runtime == "torch" else 0
 
 
 def buffer_events(records: Timeline, boundary_bytes: np.ndarray, runtime: str,

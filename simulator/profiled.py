@@ -28,6 +28,7 @@ from pipescope.simulator.costs import (
     CostError,
     CostKind,
     PerStageCache,
+    TOKEN_ID_BYTES,
     StageCost,
     seconds_to_ns,
 )
@@ -377,7 +378,8 @@ class ProfiledCosts(PerStageCache):
             weight_grad_ns=self._ns(w, f"the weight gradient of {where}"),
             recompute_ns=self._ns(n * self.time_ns("layer", "R"), f"the recompute of {where}"),
             boundary_bytes=boundary, activation_bytes=int(round(act)), weight_grad_bytes=int(round(m_w)),
-            input_bytes=boundary, params=params, optimizer_ns=self.optimizer_ns(params, tensors),
+            input_bytes=boundary if stage else self.microbatch_size * self.seq * TOKEN_ID_BYTES, params=params,
+            optimizer_ns=self.optimizer_ns(params, tensors), param_tensors=tensors,
         )
 
     def vocab_shard_ns(self, shards: int) -> tuple[int, int]:

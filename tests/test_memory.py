@@ -49,14 +49,16 @@ def test_2bw_holds_exactly_two_versions() -> None:
 def test_2bw_activation_formula(recompute: bool) -> None:
     """docs/schedules.md section 3 on the ledger's first device, GPT 1.3B, d = 4 stages of 6 layers.
 
-    Without recompute d * |A_total(b)| / d = |A_total(b)|; with recompute |A_total(b)| / d + d * |A_input(b)|.
+    Without recompute d * |A_total(b)| / d = |A_total(b)|; with recompute |A_total(b)| / d + d * |A_input(b)|, where
+    the first stage's input is its token ids.
     The paper's extra d * |A_input(b)| without recompute is inside M_B here (a layer's stash includes its
     input), so it is not counted twice. p2p buffers may add up to two boundary tensors at the peak.
     """
     d, m = 4, 8
     work = layer_work(MODEL, 1, "bf16")
     a_total, a_input = MODEL.layers * work.activation_bytes, work.boundary_bytes
-    expected = a_total // d + d * a_input if recompute else a_total
+    token_ids = MODEL.seq * 8  # what the first stage keeps under recompute: its input is int64 token ids
+    expected = a_total // d + d * token_ids if recompute else a_total
     result = simulate(build("2bw", d, m, recompute=recompute), COSTS)
     device = result.devices[0]
     dynamic_peak = device.peak_memory_bytes - device.static_memory_bytes
@@ -87,10 +89,11 @@ class BoundaryCosts(UniformCosts):
     """Uniform costs whose stages send BOUNDARY bytes (outputs and input gradients)."""
 
     def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
-        return dataclasses.replace(super().stage_cost(stage, num_stages, chunks), boundary_bytes=BOUNDARY)
+        return dataclasses.replace(super().stage_cost(stage, num_stages, chunks), boundary_bytes=BOUNDARY,
+                                   param_tensors=TENSORS)
 
 
-BOUNDARY, ACTIVATION, PARAMS = 100, 1000, 10_000
+BOUNDARY, ACTIVATION, PARAMS, TENSORS = 100, 1000, 10_000, 7
 
 
 def _at(memory, time_ns: int) -> int:
@@ -105,11 +108,11 @@ def test_runtimes_hold_outputs_and_sent_buffers_as_their_runtime_does(runtime: s
     torch keeps device 0's four outputs (sent) until the end of the step, and each received gradient until its
     backward ends: at its first backward 4 stashes + 4 outputs + 1 gradient. Device 1 keeps the input gradients it
     sent: when its last backward starts, 3 of them. Megatron frees all of them, and its gradients are 4 bytes per
-    parameter under bf16 (torch: 2)."""
+    parameter under bf16 (torch: 2); torch's AdamW adds a 4-byte step counter per parameter tensor."""
     costs = BoundaryCosts(activation_bytes=ACTIVATION, params=PARAMS, precision="bf16")
     result = simulate(build("gpipe", 2, 4), costs, memory_runtime=runtime)
     torch = runtime == "torch"
-    static = PARAMS * (2 + (2 if torch else 4) + 12)  # params are per device-stage under uniform costs
+    static = PARAMS * (2 + (2 if torch else 4) + 12) + (4 * TENSORS if torch else 0)  # per device-stage
     assert [d.static_memory_bytes for d in result.devices] == [static, static]
     assert result.devices[0].peak_memory_bytes == static + 4 * ACTIVATION + (5 * BOUNDARY if torch else 0)
     frame = result.timeline

@@ -120,7 +120,9 @@ def test_stages_split_layers_with_embedding_first_and_output_last(tmp_path: Path
     first, last = costs.stage_cost(0, 2, 1), costs.stage_cost(1, 2, 1)
     assert (first.params, last.params) == (3 * 700 + 50, 2 * 700 + 60)
     assert first.recompute_ns == 3 * op_time("R", 2, 128) and last.input_grad_ns == 5 * op_time("I", 2, 128)
-    assert first.boundary_bytes == first.input_bytes == 64 * 2 * 128
+    assert first.boundary_bytes == last.input_bytes == 64 * 2 * 128
+    assert first.input_bytes == 2 * 128 * 8  # the first stage's input is int64 token ids, not an activation
+    assert (first.param_tensors, last.param_tensors) == (3 * 2 + 2, 2 * 2 + 2)  # AdamW's step counters count these
     assert first.weight_grad_bytes == 3 * 200 * 2 * 128 + 200 * 2 * 128
 
 
