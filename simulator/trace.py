@@ -82,8 +82,10 @@ def _op_events(result: SimResult, names: list[str], lanes: dict[tuple[int, str],
 
 
 def _name_collective(event: dict, op: Collective) -> None:
-    """A collective reads by what it does, not by its action code: 'all-reduce stage 3 bucket 2'."""
-    event["name"] = f"{event['cat']} stage {op.stage} bucket {op.bucket}"
+    """A collective reads by what it does, not by its action code: 'all-reduce stage 3 bucket 2', or for the one of no
+    stage (clipping's, ``lowering.NORM_BYTES``) 'all-reduce gradient norm'."""
+    event["name"] = f"{event['cat']} stage {op.stage} bucket {op.bucket}" if op.stage >= 0 else \
+        f"{event['cat']} gradient norm"
     event["args"].update(bytes=int(op.nbytes), bucket=op.bucket, members=len(op.group))
 
 

@@ -46,14 +46,16 @@ def test_trace_network_process(dp_result: SimResult, dp_trace: list[dict]) -> No
 
 
 def test_trace_collectives_per_device(dp_result: SimResult, dp_trace: list[dict]) -> None:
-    """Every collective row is an `all-reduce stage S bucket B` event with its bytes, on its device's collective
+    """Every collective row is an `all-reduce stage S bucket B` event (or, for clipping's 8-byte norm over a replica's
+    pipeline, `all-reduce gradient norm`) with its bytes, on its device's collective
     lanes; overlapping buckets take separate lanes, so no two events on one thread partly overlap."""
     frame = dp_result.timeline
     rows = frame[frame["stream"] == "collective"]
     events = [e for e in dp_trace if e["ph"] == "X" and e.get("cat") == "all-reduce"]
     assert Counter(e["pid"] for e in events) == Counter(rows["device"].tolist())
     assert set(rows["device"]) == set(range(16))
-    assert all(re.fullmatch(r"all-reduce stage \d+ bucket \d+", e["name"]) for e in events)
+    assert all(re.fullmatch(r"all-reduce (stage \d+ bucket \d+|gradient norm)", e["name"]) for e in events)
+    assert {e["args"]["bytes"] for e in events if e["name"] == "all-reduce gradient norm"} == {8}
     assert sorted(e["args"]["bytes"] for e in events) == sorted(rows["bytes"].tolist())
     lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in dp_trace if e["name"] == "thread_name"}
     assert all(lanes[(e["pid"], e["tid"])].startswith("collective") for e in events)
