@@ -163,7 +163,7 @@ def iteration_times(schedule: Schedule, microbatch: np.ndarray, start: np.ndarra
                     step: np.ndarray) -> tuple[int, int, int]:
     """(iteration, fill/drain, makespan) in ns from the timed rows of a run, simulated or measured; ``step`` marks
     the optimizer steps. One iteration: iteration = makespan. Several: the median gap between iteration ends, where
-    an iteration ends with its backwards (its steps run late, before the forward that needs them)."""
+    an iteration ends with its backwards (the steps after them delay what follows, so the gaps include them)."""
     makespan = int(end.max() - start.min())
     if schedule.iterations <= 1:
         return makespan, 0, makespan
