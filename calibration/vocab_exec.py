@@ -7,7 +7,7 @@ stage from its own seed). The last rank stands for the last pipeline stage: it d
 broadcasts them (C0). Then S, C1, T and, for vocab-1, C2 (``vocab_parallel``). Rank 0 stands for the first stage: it
 draws the token ids and broadcasts them, every rank looks up its rows and the parts are all-reduced; the output
 gradient it draws is broadcast and every rank computes its rows' gradient. This is a program of its own: the pipeline
-executor does not place S and T passes yet (docs/validation.md, "Vocabulary parallelism").
+executor does not place S and T passes yet (docs/validation.md, "Vocabulary parallelism, run for real").
 """
 
 from __future__ import annotations

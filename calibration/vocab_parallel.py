@@ -19,7 +19,7 @@ The output layer, on X (the last stage's normalised hidden states, broadcast to 
 
 ``reduce_shards`` is C1 over shards held in one process; ``calibration/vocab_exec.py`` runs the same functions with
 torch.distributed collectives. ``calibration/ops.py`` times ``s_pass`` and ``t_pass`` (rows S, T, S2, T2). See
-docs/validation.md, "Vocabulary parallelism".
+docs/validation.md, "Vocabulary parallelism, run for real".
 """
 
 from __future__ import annotations
