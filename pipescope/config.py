@@ -299,11 +299,17 @@ def read_yaml(name: str) -> dict:
 
 def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None = None) -> Config:
     """Defaults, then the YAML file (or ``raw``), then each ``--set`` in order."""
+    return _check_combinations(_build(Config, config_tree(path, sets, raw), ""))
+
+
+def config_tree(path: str | None = None, sets: list[str] = (), raw: dict | None = None) -> dict:
+    """The YAML file (or ``raw``) with each ``--set`` merged in, as a mapping not yet checked (the planner varies
+    keys of it before ``load_config(raw=...)`` checks each point)."""
     tree = dict(raw or {}) if path is None else read_yaml(path)
     for item in sets:
         key, value = parse_set(item)
         _merge(tree, key, value)
-    return _check_combinations(_build(Config, tree, ""))
+    return tree
 
 
 def _check_combinations(config: Config) -> Config:

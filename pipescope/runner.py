@@ -11,6 +11,7 @@ from pipescope.simulator.costs import (
     AnalyticCostsConfig,
     CostError,
     CostModel,
+    StageCost,
     UniformCostsConfig,
     seconds_to_ns,
 )
@@ -32,12 +33,34 @@ from pipescope.topologies.cluster import Cluster
 MAX_MICROBATCH_STAGES = 500_000
 
 
-def run(config: Config) -> SimResult:
-    """Build everything ``config`` names, simulate it, and return the result (which keeps ``config``).
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Everything ``run`` builds before it simulates: the resolved config, the schedule, the cluster, the cost model
+    and the model shape (None unless costs are analytic). The planner's bounds read it without simulating."""
+
+    config: Config
+    schedule: Schedule
+    cluster: Cluster
+    costs: CostModel
+    model: ModelSpec | None
+
+    def stage_costs(self) -> list[StageCost]:
+        s = self.schedule
+        return [self.costs.stage_cost(stage, s.num_stages, s.chunks) for stage in range(s.num_stages)]
+
+    @property
+    def capacity(self) -> int | None:
+        """Bytes per device: ``cluster.memory``, else the GPU's (none under uniform costs, which have no scale)."""
+        if self.config.cluster.memory is not None or isinstance(self.config.costs, UniformCostsConfig):
+            return self.config.cluster.memory
+        return self.cluster.memory_bytes
+
+
+def prepare(config: Config) -> Prepared:
+    """Check ``config`` and build what it names, short of simulating.
 
     Raises:
         ConfigError: a bad key, value or combination, naming the key.
-        ScheduleError: the schedule is malformed or deadlocks, naming the actions.
     """
     config = _with_precision(config)
     cluster = _precheck(config)
@@ -55,9 +78,19 @@ def run(config: Config) -> SimResult:
     if not isinstance(config.costs, UniformCostsConfig):
         _check_layers(config.model.layers or model.layers, schedule.num_stages)
         config = _with_layer_split(config, schedule.num_stages)
-    capacity = config.cluster.memory
-    if capacity is None and not isinstance(config.costs, UniformCostsConfig):
-        capacity = cluster.memory_bytes
+    return Prepared(config, schedule, cluster, costs, model)
+
+
+def run(config: Config) -> SimResult:
+    """Build everything ``config`` names, simulate it, and return the result (which keeps ``config``).
+
+    Raises:
+        ConfigError: a bad key, value or combination, naming the key.
+        ScheduleError: the schedule is malformed or deadlocks, naming the actions.
+    """
+    built = prepare(config)
+    config, schedule, cluster, costs, model = built.config, built.schedule, built.cluster, built.costs, built.model
+    analytic = model is not None
     try:
         network, faults = _network(config, cluster, costs), _compute_faults(config, cluster)
     except ValueError as err:
@@ -65,7 +98,7 @@ def run(config: Config) -> SimResult:
     try:
         result = simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,
                           data_parallel=config.cluster.data_parallel, grad_sync=config.cluster.grad_sync(),
-                          faults=faults, memory_capacity_bytes=capacity,
+                          faults=faults, memory_capacity_bytes=built.capacity,
                           model_flops_per_iteration=model_flops(model, config, schedule) if analytic else None,
                           peak_flops_per_device=_peak(config, cluster) if analytic else None, config=config)
     except CostError as err:
