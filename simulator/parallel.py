@@ -160,7 +160,7 @@ class TensorSplit:
         if self.tensor < 2 or not self.times:
             return 0, 0
         c = self.times[stage]
-        pair = c.all_gather + c.reduce_scatter if self.sequence else 2 * c.all_reduce
+        pair = 2 * (c.all_gather + c.reduce_scatter) if self.sequence else 2 * c.all_reduce
         to_whole = c.reduce_scatter if self.sequence else c.all_reduce
         forward = backward = layers * pair
         if first:
