@@ -187,11 +187,11 @@ def _peak(config: Config, cluster: Cluster) -> float:
 
 def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | None) -> None:
     """The ``parallel`` section and ``schedule.recompute=selective`` against the model and the cost model."""
-    kind = config.costs.kind
-    if kind != "analytic" and config.parallel.tensor > 1:
+    kind, analytic = config.costs.kind, isinstance(config.costs, AnalyticCostsConfig)
+    if not analytic and config.parallel.tensor > 1:
         raise ConfigError(f"parallel.tensor: got {config.parallel.tensor} under costs.kind {kind}, expected 1 (only "
                           f"analytic costs split the kernels over tensor-parallel GPUs)")
-    if kind != "analytic" and config.schedule.recompute == "selective":
+    if not analytic and config.schedule.recompute == "selective":
         raise ConfigError(f"schedule.recompute: got selective under costs.kind {kind}, expected none or full (only "
                           f"analytic costs separate the attention core)")
     per_node = cluster.graph.graph["gpus_per_node"] if cluster is not None else None
