@@ -21,20 +21,20 @@ if TYPE_CHECKING:
     from pipescope.simulator.routed import RoutedNetwork
 
 RECOMPUTE_MODES = ("none", "selective", "full")  # schedule.recompute; docs/cli.md
-_RECOMPUTE_BOOLS = {True: "full", False: "none"}  # the old boolean spelling
+# The old boolean key, in the config's boolean spellings (pipescope/config.py): true means full, false none.
+_RECOMPUTE_BOOLS = {**dict.fromkeys(("true", "yes", "1", "on"), "full"),
+                    **dict.fromkeys(("false", "no", "0", "off"), "none")}
 
 
 def parse_recompute(value: object) -> str:
-    """``schedule.recompute`` as one of ``RECOMPUTE_MODES``; ``true``/``false`` (the old boolean) are ``full``/``none``.
+    """``schedule.recompute`` as one of ``RECOMPUTE_MODES``; the old boolean's values are ``full``/``none``.
 
     Raises:
         ValueError: anything else (the caller names the key).
     """
-    if isinstance(value, bool):
-        return _RECOMPUTE_BOOLS[value]
-    text = str(value).strip().lower() if isinstance(value, str) else None
-    if text in ("true", "false"):
-        return _RECOMPUTE_BOOLS[text == "true"]
+    text = str(value).strip().lower() if isinstance(value, (bool, int, str)) else None
+    if text in _RECOMPUTE_BOOLS:
+        return _RECOMPUTE_BOOLS[text]
     if text not in RECOMPUTE_MODES:
         raise ValueError(f"got {short_repr(value)}, expected one of {', '.join(RECOMPUTE_MODES)} (or true/false for "
                          f"full/none)")
