@@ -24,13 +24,16 @@ making progress ends the run with one line naming it and its action, and no proc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing as mp
 import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,7 +44,9 @@ from pipescope.calibration.executor_spec import RunSpec
 from pipescope.calibration.executor_state import Rank, Row, update_points
 from pipescope.simulator.lowering import lower
 
-__all__ = ["Reference", "RunError", "RunResult", "RunSpec", "execute", "execute_all", "free_port", "reference_step"]
+__all__ = ["Reference", "RunError", "RunResult", "RunSpec", "execute", "execute_all", "free_port", "reference_step",
+           "run_ranks"]
+T = TypeVar("T")
 
 
 @dataclass
@@ -73,7 +78,7 @@ class RunError(RuntimeError):
     """A rank died or hung; the message is one line naming the rank and its action."""
 
 
-def _worker(rank: int, world: int, port: int, specs: list[RunSpec], out: str, progress) -> None:
+def _worker(rank: int, world: int, port: int, out: str, specs: list[RunSpec], progress) -> None:
     """One rank: every spec in turn. An exception is written, one line, for the supervisor to report."""
     try:
         torch.set_num_threads(1)  # two threads per rank on two cores run 2-6x slower
@@ -182,22 +187,32 @@ def execute_all(specs: list[RunSpec]) -> list[RunResult]:
     if any(spec.world != world or spec.device != specs[0].device for spec in specs):
         raise ValueError("execute_all: every spec must run on the same number of ranks (devices x data_parallel) "
                          "and the same device")
+    progress = mp.get_context("spawn").Array("i", [0, -1] * world, lock=False)  # per rank: (spec, step); -1 starting
+    return run_ranks(_worker, world, (specs, progress), functools.partial(_supervise, progress=progress, specs=specs),
+                     lambda out: [_collect(out, index, spec) for index, spec in enumerate(specs)])
+
+
+def run_ranks(target: Callable[..., None], world: int, args: tuple, supervise: Callable[[list, Path], None],
+              collect: Callable[[Path], T]) -> T:
+    """The launcher: ``world`` spawned processes ``target(rank, world, port, out, *args)`` (a free port on
+    127.0.0.1 for their process group, ``out`` a temporary folder for their files), ``supervise(processes, out)``
+    until they end (it raises to stop them), every process left killed, then ``collect(out)``. The real executor and
+    ``calibration.tensor_parallel`` both launch through it."""
     context = mp.get_context("spawn")
-    progress = context.Array("i", [0, -1] * world, lock=False)  # per rank: (spec index, step); -1 starting up
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
-        ranks = [context.Process(target=_worker, args=(r, world, port, specs, out, progress), daemon=True)
+        ranks = [context.Process(target=target, args=(r, world, port, out, *args), daemon=True)
                  for r in range(world)]
         for process in ranks:
             process.start()
         try:
-            _supervise(ranks, progress, specs, Path(out))
+            supervise(ranks, Path(out))
         finally:
             for process in ranks:
                 if process.is_alive():
                     process.kill()
                 process.join()
-        return [_collect(Path(out), index, spec) for index, spec in enumerate(specs)]
+        return collect(Path(out))
 
 
 def _collect(out: Path, index: int, spec: RunSpec) -> RunResult:
@@ -214,7 +229,7 @@ def _collect(out: Path, index: int, spec: RunSpec) -> RunResult:
     return RunResult(rows, losses, grads, weights, memory, [part["versions"] for part in parts], spec.world)
 
 
-def _supervise(ranks: list, progress, specs: list[RunSpec], out: Path) -> None:
+def _supervise(ranks: list, out: Path, *, progress, specs: list[RunSpec]) -> None:
     """Wait for every rank; RunError naming the first that died, or a stuck one when nothing moves for the
     spec's timeout."""
     programs = [lower(spec.schedule) for spec in specs]

@@ -255,3 +255,23 @@ def test_a_device_s_gpus_share_one_node() -> None:
     config = load_config(raw=small(parallel={"tensor": 2}, faults={"stragglers": "3:2.0"}))
     slow, plain = run(config), run(load_config(raw=small(parallel={"tensor": 2})))
     assert op_ns(slow, "F", 1) == pytest.approx(2 * op_ns(plain, "F", 1), abs=1)
+
+
+# The real thing: t = 2 on CPU (gloo) ------------------------------------------------------------------------------
+
+def test_two_gloo_ranks_give_the_unsplit_loss_and_gradients() -> None:
+    """Megatron's column/row-parallel blocks and vocabulary-parallel embedding and cross-entropy on 2 gloo ranks (one
+    launch, killed after 120 s): the loss and every gradient, gathered to full shape, are the unsplit model's."""
+    torch = pytest.importorskip("torch")
+    from pipescope.calibration.presets import Shape
+    from pipescope.calibration.tensor_parallel import check_tensor_parallel
+
+    shape = Shape("test", layers=2, hidden=32, heads=2, seq=16, vocab=64)
+    check = check_tensor_parallel(shape, tensor=2, microbatch_size=2, seed=5, timeout_s=120)
+    assert check.loss == pytest.approx(check.reference_loss, rel=1e-6)
+    assert set(check.grads) == set(check.reference_grads) and len(check.grads) == 2 + 2 * 12 + 3
+    for name, grad in check.reference_grads.items():
+        assert grad.abs().max() > 0, name  # every parameter takes part, so a wrong slice cannot hide
+        torch.testing.assert_close(check.grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match=r"^tensor: got 4, expected a divisor of heads \(2\)"):
+        check_tensor_parallel(shape, tensor=4)
