@@ -13,7 +13,15 @@ import pytest
 from pipescope import ConfigError, load_config, run
 from pipescope.simulator.costs import AnalyticCosts, Roofline, seconds_to_ns
 from pipescope.simulator.memory import static_memory
-from pipescope.simulator.models import PASSES, ModelSpec, layer_kernels, layer_work, output_kernels, preset
+from pipescope.simulator.models import (
+    PASSES,
+    ModelSpec,
+    layer_kernels,
+    layer_work,
+    output_activation_bytes,
+    output_kernels,
+    preset,
+)
 from pipescope.simulator.parallel import TensorSplit, parse_recompute
 from pipescope.simulator.schedules import ScheduleConfig
 from pipescope.topologies.cluster import gpu_nodes, placement_ranks
@@ -74,6 +82,19 @@ def test_tensor_one_stage_costs_follow_the_unsplit_formulas() -> None:
     assert costs.stage_cost(0, 2, 1).params == layers * (12 * h * h + 13 * h) + v * h + s * h
     assert last.boundary_bytes == last.input_bytes == 2 * s * b * h
     assert layer_kernels(model, b, "bf16", "flash", tensor=1) == layer_kernels(model, b, "bf16", "flash")
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt-355m", "gpt-3.8b"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("attention", ["flash", "eager"])
+def test_the_default_split_is_the_unsplit_model(name: str, precision: str, attention: str) -> None:
+    """TensorSplit() gives models.layer_work's bytes, the whole logits stash and ModelSpec's parameter counts."""
+    model, split = preset(name), TensorSplit()
+    assert split.layer_work(model, 3, precision, attention) == layer_work(model, 3, precision, attention)
+    assert split.output_bytes(model, 3, precision) == output_activation_bytes(model, 3, precision)
+    assert split.params(model, 5, True, True) == 5 * model.layer_params() + model.embedding_params() + \
+        model.output_params()
+    assert split.comm_ns(0, 5, True, True) == (0, 0)
 
 
 @pytest.mark.parametrize("tensor", [1, 2, 4, 8])
