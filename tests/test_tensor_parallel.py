@@ -296,3 +296,12 @@ def test_two_gloo_ranks_give_the_unsplit_loss_and_gradients() -> None:
         torch.testing.assert_close(check.grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     with pytest.raises(ValueError, match=r"^tensor: got 4, expected a divisor of heads \(2\)"):
         check_tensor_parallel(shape, tensor=4)
+
+
+def test_the_table_names_the_options() -> None:
+    """``simulate``'s headline says which recompute ran and the tensor width."""
+    from pipescope.experiments.report import table
+
+    raw = small(parallel={"tensor": 2, "sequence": True}, schedule={"recompute": "selective"})
+    assert "p=3 m=3 v=1 selective recompute t=2 sequence-parallel  weight" in table(run(load_config(raw=raw)))
+    assert "v=1 recompute  weight" in table(run(load_config(raw=small(schedule={"recompute": True}))))
