@@ -20,6 +20,7 @@ from typing import Any
 
 from pipescope.simulator.costs import MAX_OP_SECONDS, AnalyticCostsConfig, CostKind, UniformCostsConfig
 from pipescope.simulator.models import ATTENTIONS, PRECISIONS, PRESETS, ModelConfig
+from pipescope.simulator.parallel import ParallelConfig, parse_recompute
 from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.safe_yaml import YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig
@@ -55,6 +56,7 @@ class Config:
     cluster: ClusterConfig = ClusterConfig()
     costs: CostsConfig = AnalyticCostsConfig()
     faults: FaultsConfig = FaultsConfig()
+    parallel: ParallelConfig = ParallelConfig()
     iterations: int | None = None
     seed: int = 0
 
@@ -69,7 +71,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "model.layers": (1, 100_000), "model.hidden": (1, 1 << 20), "model.heads": (1, 1 << 20),
     "model.seq": (1, 1 << 24), "model.vocab": (1, 1 << 24), "model.microbatch_size": (1, 1 << 20),
     "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1, 1 << 50),
-    "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1),
+    "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1), "parallel.tensor": (1, 1024),
 }
 TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p", "costs.optimizer"}
 CHOICES = {
@@ -96,6 +98,8 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
         return parse_time(value)
     if unit == "size":
         return parse_size(value)
+    if unit == "recompute":
+        return parse_recompute(value)
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         if str(value) not in {m.value for m in kind}:
             raise ValueError(f"got {short_repr(value)}, expected one of {', '.join(m.value for m in kind)}")
