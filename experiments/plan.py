@@ -1,8 +1,9 @@
 """The planner: the fastest configuration of a model on a cluster under a memory cap (docs/planner.md).
 
-It searches schedule x tensor width x data-parallel width x pipeline depth x microbatch size x recompute, with
-every GPU used (tensor x width x depth = GPUs) and the global batch fixed (microbatches = batch / (width x
-microbatch size)). Three steps, each through the sweep's executor path (a process pool or Dask):
+It searches schedule x tensor width (with and without sequence parallelism) x data-parallel width x pipeline
+depth x microbatch size x recompute (none, selective, full), with every GPU used (tensor x width x depth = GPUs)
+and the global batch fixed (microbatches = batch / (width x microbatch size)). Three steps, each through the sweep's
+executor path (a process pool or Dask):
 
 1. **Screen** every candidate without simulating (``simulator.bounds``): a config ``load_config`` or ``prepare``
    refuses is rejected with its one-line reason; one whose memory lower bound exceeds the cap is rejected as OOM
@@ -36,7 +37,8 @@ from pipescope.experiments.sweep import Run, drain, process_pool, run_chunk, run
 # fits, but the planner says so rather than leaving it out.
 DEFAULT_SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream", "interleaved", "zb-h1", "zb-v", "v-half")
 DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
-PLAN_KEYS = ("schedule", "tensor", "width", "depth", "microbatch_size", "recompute")
+PLAN_KEYS = ("schedule", "tensor", "width", "depth", "microbatch_size", "recompute", "sequence")
+RECOMPUTE = ("none", "selective", "full")  # schedule.recompute (simulator/parallel.py)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ class Candidate:
     width: int
     depth: int
     microbatch_size: int
-    recompute: bool
+    recompute: str  # one of RECOMPUTE
+    sequence: bool = False  # sequence parallelism (only with tensor > 1)
 
     def overrides(self, global_batch: int) -> dict[str, Any]:
         """The dotted config keys this candidate sets (``global_batch`` divisible by width x microbatch size)."""
@@ -58,6 +61,7 @@ class Candidate:
                 "cluster.data_parallel": self.width}
         if self.tensor != 1:
             keys["parallel.tensor"] = self.tensor
+            keys["parallel.sequence"] = self.sequence
         return keys
 
     def as_dict(self) -> dict[str, Any]:
@@ -77,8 +81,9 @@ class PlanRequest:
     global_batch: int
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES
-    recompute: tuple[bool, ...] = (False, True)
-    tensor: tuple[int, ...] = (1,)
+    recompute: tuple[str, ...] = RECOMPUTE
+    tensor: tuple[int, ...] = (1, 2, 4, 8)
+    sequence: tuple[bool, ...] = (False, True)
     top: int = 5
 
 
@@ -131,7 +136,8 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
             depth = gpus // tensor // width
             for b in request.microbatch_sizes:
                 for name in _schedules_at(depth, request.schedules):
-                    out += [Candidate(name, tensor, width, depth, b, r) for r in request.recompute]
+                    out += [Candidate(name, tensor, width, depth, b, r, q) for r in request.recompute
+                            for q in (request.sequence if tensor > 1 else (False,))]
     return out
 
 
@@ -225,6 +231,9 @@ def _check_request(request: PlanRequest) -> None:
             raise ConfigError(f"{key}: got {list(values)}, expected positive integers")
     if not request.schedules:
         raise ConfigError("--schedules: got none, expected at least one schedule name")
+    bad = [r for r in request.recompute if r not in RECOMPUTE]
+    if bad or not request.recompute:
+        raise ConfigError(f"--recompute: got {list(request.recompute)}, expected some of {', '.join(RECOMPUTE)}")
     from pipescope.simulator.schedules import named_generator
 
     for name in request.schedules:  # a typo fails before any work, not once per candidate

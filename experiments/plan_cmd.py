@@ -18,7 +18,6 @@ if TYPE_CHECKING:  # the simulator loads when a plan runs, not for every 'pipesc
 
 MAX_GLOBAL_BATCH = 1 << 20
 MAX_TOP = 1000
-RECOMPUTE = {"none": False, "full": True}
 REASONS_SHOWN = 8
 EXIT_NOTHING_FITS = 1  # a finding, as the CLI's exit codes go: every candidate was rejected
 
@@ -46,9 +45,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatch-sizes", default=",".join(map(str, DEFAULT_MICROBATCH_SIZES)),
                    help="comma-separated microbatch sizes to try (default "
                         f"{','.join(map(str, DEFAULT_MICROBATCH_SIZES))})")
-    p.add_argument("--tensor", default="1", help="comma-separated tensor-parallel widths t to try (parallel.tensor; "
-                   "default 1)")
-    p.add_argument("--recompute", default="none,full", help="comma-separated: none, full (default none,full)")
+    p.add_argument("--tensor", default="1,2,4,8", help="comma-separated tensor-parallel widths t to try "
+                   "(parallel.tensor; widths that do not divide a node's GPUs or the heads are rejected; default "
+                   "1,2,4,8)")
+    p.add_argument("--sequence", default="off,on", help="sequence parallelism where t > 1 (parallel.sequence): "
+                   "off, on or both (default off,on)")
+    p.add_argument("--recompute", default="none,selective,full", help="comma-separated: none, selective (the "
+                   "attention core only), full (default all three)")
     p.add_argument("--config", metavar="FILE.yaml", help="a config whose other sections (costs, model precision, "
                    "cluster fabric, ...) every candidate shares; the flags above take precedence")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -85,7 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
     from pipescope.config import config_tree
-    from pipescope.experiments.plan import PlanRequest, base_config
+    from pipescope.experiments.plan import RECOMPUTE, PlanRequest, base_config
 
     if args.dask is not None and args.dask != "local" and not re.fullmatch(DASK_ADDRESS, args.dask):
         raise ValueError(f"--dask: got {short_repr(args.dask)}, expected local or tcp://HOST:PORT")
@@ -102,7 +105,8 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
         schedules=tuple(_names("--schedules", args.schedules)),
         microbatch_sizes=tuple(integer_flag("--microbatch-sizes", v, 1, MAX_GLOBAL_BATCH)
                                for v in _names("--microbatch-sizes", args.microbatch_sizes)),
-        recompute=tuple(_recompute(v) for v in _names("--recompute", args.recompute)),
+        recompute=tuple(_choice("--recompute", v, RECOMPUTE) for v in _names("--recompute", args.recompute)),
+        sequence=tuple(_choice("--sequence", v, ("off", "on")) == "on" for v in _names("--sequence", args.sequence)),
         tensor=tuple(integer_flag("--tensor", v, 1, 1024) for v in _names("--tensor", args.tensor)),
         top=integer_flag("--top", args.top, 1, MAX_TOP))
     workers = integer_flag("--workers", args.workers, 1, MAX_WORKERS) if args.workers is not None else None
@@ -117,10 +121,10 @@ def _names(flag: str, text: str) -> list[str]:
     return items
 
 
-def _recompute(value: str) -> bool:
-    if value not in RECOMPUTE:
-        raise ValueError(f"--recompute: got {short_repr(value)}, expected none or full")
-    return RECOMPUTE[value]
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{flag}: got {short_repr(value)}, expected one of {', '.join(choices)}")
+    return value
 
 
 def as_json(report: PlanReport) -> dict:
@@ -141,7 +145,7 @@ def summary(report: PlanReport, top: int) -> str:
         b = report.best
         lines.append(f"best: {b['schedule']}, width {b['width']} x depth {b['depth']} x tensor {b['tensor']}, "
                      f"microbatch {b['microbatch_size']} x {b['microbatches']}, "
-                     f"recompute {'full' if b['recompute'] else 'none'}: "
+                     f"{'sequence-parallel, ' if b['sequence'] else ''}recompute {b['recompute']}: "
                      f"{b['throughput_samples_per_s']:.1f} samples/s")
     groups = Counter(_reason_class(r["reason"]) for r in report.rejected)
     for reason, count in groups.most_common(REASONS_SHOWN):
@@ -151,10 +155,11 @@ def summary(report: PlanReport, top: int) -> str:
 
 
 def _ranked_table(rows: list[dict]) -> str:
-    head = (f"{'#':>3} {'schedule':<12}{'t':>3}{'w':>4}{'d':>4}{'mb':>4}{'m':>5} {'recompute':<10}"
+    head = (f"{'#':>3} {'schedule':<12}{'t':>3}{'sp':>4}{'w':>4}{'d':>4}{'mb':>4}{'m':>5} {'recompute':<10}"
             f"{'samples/s':>11}{'iteration':>12}{'peak GiB':>10}{'bubble':>8}")
-    body = [f"{i:>3} {r['schedule']:<12}{r['tensor']:>3}{r['width']:>4}{r['depth']:>4}{r['microbatch_size']:>4}"
-            f"{r['microbatches']:>5} {'full' if r['recompute'] else 'none':<10}{r['throughput_samples_per_s']:>11.1f}"
+    body = [f"{i:>3} {r['schedule']:<12}{r['tensor']:>3}{'yes' if r['sequence'] else '-':>4}{r['width']:>4}"
+            f"{r['depth']:>4}{r['microbatch_size']:>4}{r['microbatches']:>5} {r['recompute']:<10}"
+            f"{r['throughput_samples_per_s']:>11.1f}"
             f"{r['iteration_time_s'] * 1e3:>10.1f}ms{r['peak_memory_bytes'] / 2**30:>10.2f}{r['bubble_rate']:>8.1%}"
             for i, r in enumerate(rows, 1)]
     return "\n".join([head, *body])
@@ -170,5 +175,5 @@ def _reason_class(reason: str) -> str:
 
 
 def _label(row: dict) -> str:
-    return (f"{row['schedule']} w={row['width']} d={row['depth']} t={row['tensor']} mb={row['microbatch_size']}"
-            f"{' recompute' if row['recompute'] else ''}")
+    return (f"{row['schedule']} w={row['width']} d={row['depth']} t={row['tensor']}{' sp' if row['sequence'] else ''}"
+            f" mb={row['microbatch_size']} recompute={row['recompute']}")

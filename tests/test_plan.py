@@ -7,25 +7,26 @@ import pytest
 
 import pipescope
 from pipescope.config import ConfigError
-from pipescope.experiments.plan import PlanRequest, base_config, candidates, plan, screen
+from pipescope.experiments.plan import PLAN_KEYS, RECOMPUTE, PlanRequest, base_config, candidates, plan, screen
 from pipescope.experiments.sweep import dask_executor
 from pipescope.runner import prepare
 from pipescope.simulator.bounds import busy_per_iteration_ns, memory_lower_bounds
 
 SMALL = PlanRequest(base_config("gpt-355m", "dgx-a100", 1, None, {"model": {"layers": 8}}), 16,
                     schedules=("1f1b", "gpipe", "2bw", "zb-h1", "interleaved"), microbatch_sizes=(1, 2, 4),
-                    top=3)
+                    tensor=(1, 2), top=3)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "2bw", "pipedream", "zb-h1", "zb-v", "v-half", "interleaved"])
 def test_bounds_hold_against_simulation(name: str) -> None:
     """The busiest device's compute never exceeds the simulated iteration time, and the order-only stash never
     exceeds a device's simulated peak (with data parallelism and recompute too)."""
-    for p, m, dp, recompute in itertools.product([2, 4], [8], [1, 2], [False, True]):
-        config = pipescope.Config(schedule=pipescope.ScheduleConfig(name, stages=p, microbatches=m,
-                                                                    recompute=recompute),
-                                  model=pipescope.ModelConfig("gpt-355m", microbatch_size=2),
-                                  cluster=pipescope.ClusterConfig("dgx-a100", data_parallel=dp))
+    for p, m, dp, recompute in itertools.product([2, 4], [8], [1, 2], ["none", "selective", "full"]):
+        config = pipescope.load_config(raw={
+            "schedule": {"name": name, "stages": p, "microbatches": m, "recompute": recompute},
+            "model": {"preset": "gpt-355m", "microbatch_size": 2, "attention": "eager"},
+            "cluster": {"topology": "dgx-a100", "nodes": 2, "data_parallel": dp},
+            "parallel": {"tensor": 2, "sequence": dp > 1}})
         built = prepare(config)
         costs = built.stage_costs()
         result = pipescope.run(config)
@@ -56,8 +57,7 @@ def test_planner_finds_the_exhaustive_best() -> None:
     report = plan(SMALL, workers=2, progress=False)
     every = _exhaustive(SMALL)
     assert [r["throughput_samples_per_s"] for r in report.ranked[:3]] == pytest.approx([t for t, _, _ in every[:3]])
-    assert tuple(report.best[k] for k in ("schedule", "tensor", "width", "depth", "microbatch_size",
-                                          "recompute")) == every[0][2]
+    assert tuple(report.best[k] for k in PLAN_KEYS) == every[0][2]
     assert report.simulated < report.candidates
     assert len(report.ranked) + len(report.rejected) == report.candidates
 
@@ -66,14 +66,26 @@ def test_a_tighter_cap_moves_the_plan_to_less_memory() -> None:
     """The best plan fits its cap; under a cap below that plan's peak the planner picks another that fits, with
     recompute, a smaller microbatch or a deeper pipeline."""
     request = PlanRequest(base_config("gpt-1.3b", "dgx-h100", 1, None), 32, schedules=("1f1b", "gpipe"),
-                          microbatch_sizes=(1, 2, 4, 8), top=1)
+                          microbatch_sizes=(1, 2, 4, 8), tensor=(1,), top=1)
     loose = plan(request, workers=2, progress=False).best
     cap = int(loose["peak_memory_bytes"] * 0.6)
     tight = plan(PlanRequest(base_config("gpt-1.3b", "dgx-h100", 1, cap), 32, schedules=("1f1b", "gpipe"),
-                             microbatch_sizes=(1, 2, 4, 8), top=1), workers=2, progress=False).best
+                             microbatch_sizes=(1, 2, 4, 8), tensor=(1,), top=1), workers=2, progress=False).best
     assert tight["peak_memory_bytes"] <= cap < loose["peak_memory_bytes"]
-    assert (tight["recompute"] > loose["recompute"] or tight["microbatch_size"] < loose["microbatch_size"]
-            or tight["depth"] > loose["depth"])
+    saves = RECOMPUTE.index(tight["recompute"]) > RECOMPUTE.index(loose["recompute"])
+    assert saves or tight["microbatch_size"] < loose["microbatch_size"] or tight["depth"] > loose["depth"]
+
+
+def test_tensor_parallelism_is_searched() -> None:
+    """With tensor widths on offer, candidates at t = 2 and 4 (with and without sequence parallelism) are screened,
+    a t that does not divide the heads (12 here) is rejected with the parallel key's reason, and under a cap too
+    small for any t = 1 plan the best plan splits the layers."""
+    request = PlanRequest(base_config("gpt-3.8b", "dgx-a100", 1, 24 << 30, {"model": {"heads": 12}}), 8,
+                          schedules=("1f1b",), microbatch_sizes=(1,), recompute=("none",), tensor=(1, 2, 4, 8), top=1)
+    report = plan(request, workers=2, progress=False)
+    assert report.best is not None and report.best["tensor"] > 1
+    assert {(r["tensor"], r["sequence"]) for r in report.rejected + report.ranked} >= {(2, True), (4, False)}
+    assert any(r["tensor"] == 8 and "parallel.tensor" in r["reason"] for r in report.rejected)
 
 
 def test_rejections_name_their_reason() -> None:
@@ -97,7 +109,7 @@ def test_dask_and_the_process_pool_agree() -> None:
 def test_cli_json_and_errors(cli) -> None:
     code, out, _ = cli(["plan", "--model", "gpt-355m", "--topology", "dgx-a100", "--global-batch", "16",
                         "--schedules", "1f1b,2bw", "--microbatch-sizes", "1,2", "--memory-cap", "40GiB",
-                        "--workers", "2", "--no-progress", "--json", "--top", "2"])
+                        "--tensor", "1", "--workers", "2", "--no-progress", "--json", "--top", "2"])
     assert code == 0
     data = json.loads(out)
     assert set(data["best"]) >= {"schedule", "tensor", "width", "depth", "microbatch_size", "recompute"}
