@@ -84,6 +84,7 @@ class PlanRequest:
     recompute: tuple[str, ...] = RECOMPUTE
     tensor: tuple[int, ...] = (1, 2, 4, 8)
     sequence: tuple[bool, ...] = (False, True)
+    depths: tuple[int, ...] | None = None  # None: every pipeline depth that divides the GPUs
     top: int = 5
 
 
@@ -134,6 +135,8 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
             continue
         for width in _divisors(gpus // tensor):
             depth = gpus // tensor // width
+            if request.depths is not None and depth not in request.depths:
+                continue
             for b in request.microbatch_sizes:
                 for name in _schedules_at(depth, request.schedules):
                     out += [Candidate(name, tensor, width, depth, b, r, q) for r in request.recompute
@@ -226,7 +229,8 @@ def plan(request: PlanRequest, executor: Executor | None = None, workers: int | 
 def _check_request(request: PlanRequest) -> None:
     if request.global_batch < 1:
         raise ConfigError(f"--global-batch: got {request.global_batch}, expected a positive integer")
-    for key, values in (("--microbatch-sizes", request.microbatch_sizes), ("--tensor", request.tensor)):
+    for key, values in (("--microbatch-sizes", request.microbatch_sizes), ("--tensor", request.tensor),
+                        ("--depths", request.depths or (1,))):
         if not values or any(v < 1 for v in values):
             raise ConfigError(f"{key}: got {list(values)}, expected positive integers")
     if not request.schedules:

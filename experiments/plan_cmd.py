@@ -50,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "1,2,4,8)")
     p.add_argument("--sequence", default="off,on", help="sequence parallelism where t > 1 (parallel.sequence): "
                    "off, on or both (default off,on)")
+    p.add_argument("--depths", help="comma-separated pipeline depths to keep (default: every depth; 1 plans without "
+                   "pipelining, e.g. tensor and data parallelism only)")
     p.add_argument("--recompute", default="none,selective,full", help="comma-separated: none, selective (the "
                    "attention core only), full (default all three)")
     p.add_argument("--config", metavar="FILE.yaml", help="a config whose other sections (costs, model precision, "
@@ -108,6 +110,8 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
         recompute=tuple(_choice("--recompute", v, RECOMPUTE) for v in _names("--recompute", args.recompute)),
         sequence=tuple(_choice("--sequence", v, ("off", "on")) == "on" for v in _names("--sequence", args.sequence)),
         tensor=tuple(integer_flag("--tensor", v, 1, 1024) for v in _names("--tensor", args.tensor)),
+        depths=None if args.depths is None else tuple(integer_flag("--depths", v, 1, 100_000)
+                                                      for v in _names("--depths", args.depths)),
         top=integer_flag("--top", args.top, 1, MAX_TOP))
     workers = integer_flag("--workers", args.workers, 1, MAX_WORKERS) if args.workers is not None else None
     return request, workers

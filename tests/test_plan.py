@@ -88,6 +88,15 @@ def test_tensor_parallelism_is_searched() -> None:
     assert any(r["tensor"] == 8 and "parallel.tensor" in r["reason"] for r in report.rejected)
 
 
+def test_depths_restrict_the_search() -> None:
+    """``depths=(1,)`` plans tensor and data parallelism only: every candidate has depth 1."""
+    request = PlanRequest(base_config("gpt-355m", "dgx-a100", 1, None), 16, schedules=("1f1b",),
+                          microbatch_sizes=(1, 2), depths=(1,), top=1)
+    report = plan(request, workers=1, progress=False)
+    assert {r["depth"] for r in report.ranked + report.rejected} == {1}
+    assert {r["tensor"] for r in report.ranked + report.rejected} == {1, 2, 4, 8}
+
+
 def test_rejections_name_their_reason() -> None:
     """OOM names the device and the bytes; an indivisible batch and a schedule's own constraint are one line."""
     report = plan(PlanRequest(base_config("gpt-1.3b", "dgx-h100", 1, 8 << 30), 8, schedules=("gpipe", "2bw"),
