@@ -32,7 +32,7 @@ class CalibrationConfig:
         precision: ``bf16``, ``fp16`` or ``fp32`` (parameters and activations).
         device: ``cuda``, ``cuda:N`` or ``cpu``.
         out: the profile folder.
-        vocab_shards: time the vocabulary-parallel S/T passes for 1..this many shards.
+        vocab_shards: time the vocabulary-parallel S, T, S2, T2 passes for 1..this many shards.
         threads: CPU threads torch measures with: None pins 1 on CPU and leaves CUDA runs at torch's default, 0
             keeps torch's default, N pins N (``measuring_threads``); recorded either way.
         optimizer_layers: blocks in the largest optimizer-step group.

@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cal.add_argument("--precision", help="bf16, fp16 or fp32 (default bf16 on cuda, fp32 on cpu)")
     cal.add_argument("--device", help="cuda, cuda:N or cpu (default cuda when available)")
     cal.add_argument("--out", help="profile folder to write (created if missing)")
-    cal.add_argument("--vocab-shards", default="8", help="time vocabulary-parallel S/T for 1..P shards (default 8)")
+    cal.add_argument("--vocab-shards", default="8", help="time vocab-parallel S/T/S2/T2 for 1..P shards (default 8)")
     cal.add_argument("--threads", help="CPU threads torch measures with: N, or auto for torch's choice (default: 1 "
                      "on cpu, torch's choice on cuda); recorded in the profile")
     add_timing_args(cal, budget=2.0)

@@ -29,6 +29,7 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +42,8 @@ from pipescope.calibration.executor_spec import RunSpec
 from pipescope.calibration.executor_state import Rank, Row
 from pipescope.simulator.lowering import lower, step_points
 
-__all__ = ["Reference", "RunError", "RunResult", "RunSpec", "execute", "execute_all", "free_port", "reference_step"]
+__all__ = ["Reference", "RunError", "RunResult", "RunSpec", "execute", "execute_all", "free_port", "launch",
+           "reference_step"]
 
 
 @dataclass
@@ -73,23 +75,29 @@ class RunError(RuntimeError):
     """A rank died or hung; the message is one line naming the rank and its action."""
 
 
-def _worker(rank: int, world: int, port: int, specs: list[RunSpec], out: str, progress) -> None:
-    """One rank: every spec in turn. An exception is written, one line, for the supervisor to report."""
+def _worker(rank: int, world: int, port: int, backend: str, body: Callable, payload: object, out: str,
+            progress) -> None:
+    """One rank: ``body(rank, payload, out, progress)`` in the process group. An exception is written, one line, for
+    the supervisor to report."""
     try:
         torch.set_num_threads(1)  # two threads per rank on two cores run 2-6x slower
         torch.set_num_interop_threads(1)
-        backend = "nccl" if specs[0].device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        cache: dict[tuple[int, ...], object] = {}
-        for index, spec in enumerate(specs):
-            progress[2 * rank] = index
-            groups = _groups(spec, rank, cache)
-            _run_spec(rank, spec, os.path.join(out, f"{index}.{rank}.pt"), progress, groups)
+        body(rank, payload, out, progress)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as err:  # noqa: BLE001 (the rank ends here either way; the reason must reach the parent)
         Path(out, f"error.{rank}").write_text(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         os._exit(1)
+
+
+def _run_specs(rank: int, specs: list[RunSpec], out: str, progress) -> None:
+    """The executor's rank body: every spec in turn."""
+    cache: dict[tuple[int, ...], object] = {}
+    for index, spec in enumerate(specs):
+        progress[2 * rank] = index
+        groups = _groups(spec, rank, cache)
+        _run_spec(rank, spec, os.path.join(out, f"{index}.{rank}.pt"), progress, groups)
 
 
 def _groups(spec: RunSpec, rank: int, cache: dict[tuple[int, ...], object]) -> dict[str, object]:
@@ -182,22 +190,38 @@ def execute_all(specs: list[RunSpec]) -> list[RunResult]:
     if any(spec.world != world or spec.device != specs[0].device for spec in specs):
         raise ValueError("execute_all: every spec must run on the same number of ranks (devices x data_parallel) "
                          "and the same device")
-    context = mp.get_context("spawn")
-    progress = context.Array("i", [0, -1] * world, lock=False)  # per rank: (spec index, step); -1 starting up
     with tempfile.TemporaryDirectory() as out:
-        port = free_port()
-        ranks = [context.Process(target=_worker, args=(r, world, port, specs, out, progress), daemon=True)
-                 for r in range(world)]
-        for process in ranks:
-            process.start()
-        try:
-            _supervise(ranks, progress, specs, Path(out))
-        finally:
-            for process in ranks:
-                if process.is_alive():
-                    process.kill()
-                process.join()
+        launch(world, "nccl" if specs[0].device == "cuda" else "gloo", _run_specs, specs, Path(out), _where(specs),
+               lambda index: specs[index].timeout_s)
         return [_collect(Path(out), index, spec) for index, spec in enumerate(specs)]
+
+
+def launch(world: int, backend: str, body: Callable, payload: object, out: Path,
+           where: Callable[[int, int, int], str], timeout_s: Callable[[int], float]) -> None:
+    """Spawn ``world`` ranks (one process group on 127.0.0.1, one thread each) that run
+    ``body(rank, payload, str(out), progress)``, and supervise them until every rank has ended.
+
+    ``body`` (a module-level function) sets ``progress[2 * rank]`` to the part it runs (a spec, a case) and
+    ``progress[2 * rank + 1]`` to its step there; ``where(rank, part, step)`` names that for an error and
+    ``timeout_s(part)`` is how long no rank may move. Every rank is killed and reaped on the way out.
+
+    Raises:
+        RunError: a rank exited with an error or no rank made progress in time.
+    """
+    context = mp.get_context("spawn")
+    progress = context.Array("i", [0, -1] * world, lock=False)  # per rank: (part, step); -1 starting up
+    port = free_port()
+    ranks = [context.Process(target=_worker, args=(r, world, port, backend, body, payload, str(out), progress),
+                             daemon=True) for r in range(world)]
+    for process in ranks:
+        process.start()
+    try:
+        _supervise(ranks, progress, out, where, timeout_s)
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+            process.join()
 
 
 def _collect(out: Path, index: int, spec: RunSpec) -> RunResult:
@@ -214,19 +238,28 @@ def _collect(out: Path, index: int, spec: RunSpec) -> RunResult:
     return RunResult(rows, losses, grads, weights, memory, [part["versions"] for part in parts], spec.world)
 
 
-def _supervise(ranks: list, progress, specs: list[RunSpec], out: Path) -> None:
-    """Wait for every rank; RunError naming the first that died, or a stuck one when nothing moves for the
-    spec's timeout."""
+def _where(specs: list[RunSpec]) -> Callable[[int, int, int], str]:
+    """Names a rank's step of a spec: its action and the schedule."""
     programs = [lower(spec.schedule) for spec in specs]
 
-    def where(r: int) -> str:
-        index, step = progress[2 * r], progress[2 * r + 1]
+    def where(r: int, index: int, step: int) -> str:
         program = programs[index]
         actions = [a for a in program.device_actions[r % program.num_devices] if a is not None]
         what = (f"step {step}, {actions[step]}" if 0 <= step < len(actions) else
                 "its start (spawn, process group, building its stages)" if step < 0 else "the end of its program")
+        return f"{what} of {specs[index].schedule.name}"
+    return where
+
+
+def _supervise(ranks: list, progress, out: Path, where_step: Callable[[int, int, int], str],
+               timeout_s: Callable[[int], float]) -> None:
+    """Wait for every rank; RunError naming the first that died, or a stuck one when nothing moves for the
+    part's timeout."""
+
+    def where(r: int) -> str:
         error = out / f"error.{r}"
-        return f"{what} of {specs[index].schedule.name}" + (f": {error.read_text()}" if error.is_file() else "")
+        return where_step(r, progress[2 * r], progress[2 * r + 1]) + (f": {error.read_text()}" if error.is_file()
+                                                                       else "")
 
     def died() -> RunError | None:
         """The rank that caused a failure: one that ended without raising (exited or killed) before one that
@@ -247,7 +280,7 @@ def _supervise(ranks: list, progress, specs: list[RunSpec], out: Path) -> None:
             raise error
         starting = any(progress[2 * r + 1] < 0 for r in range(len(ranks)))
         # Starting (importing torch, building the model) is not the program: it has a limit of its own
-        limit = max(STARTUP_S, specs[0].timeout_s) if starting else specs[progress[0]].timeout_s
+        limit = max(STARTUP_S, timeout_s(0)) if starting else timeout_s(progress[0])
         if list(progress) != last:
             last, moved = list(progress), time.monotonic()
         elif time.monotonic() - moved > limit:

@@ -149,31 +149,3 @@ class GPT(nn.Module):
             x = block(x)
         return self.output(x, targets)
 
-
-def shard_size(vocab: int, shards: int) -> int:
-    """Rows of the output projection on one of ``shards`` devices, the vocabulary padded to a multiple of 2p."""
-    multiple = 2 * shards
-    padded = -(-vocab // multiple) * multiple
-    return padded // shards
-
-
-def shard_forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Vocabulary-parallel S pass on one shard: local logits, max, sum of exponentials, softmax.
-
-    The all-reduce of max and sum between shards (C1) is a collective, timed by calibrate-comms, not here.
-    """
-    logits = x @ weight.t()
-    shifted = logits - logits.amax(dim=-1, keepdim=True)
-    exp = shifted.exp()
-    return exp / exp.sum(dim=-1, keepdim=True)
-
-
-def shard_backward(x: torch.Tensor, weight: torch.Tensor, softmax: torch.Tensor,
-                   local_targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vocabulary-parallel T pass: dL/dlogits from the softmax, then this shard's grad W and partial grad X."""
-    # Subtract one at each row's target when this shard holds it; scatter with a mask rather than indexing the
-    # hits, which would synchronise the host with the GPU inside the timed window.
-    hit = (local_targets >= 0).to(softmax.dtype).unsqueeze(1)
-    grad = softmax.scatter_add(1, local_targets.clamp(min=0).unsqueeze(1), -hit)
-    grad /= x.shape[0]
-    return grad.t() @ x, grad @ weight

@@ -5,7 +5,8 @@ input and the LayerNorm affine parameters, every Linear deferred), W (the deferr
 gradients from the stashed inputs and output grads), B (fused ``autograd.backward``), R (the forward a
 recomputing backward replays from the stashed input). Embedding: F and W (its whole backward, a weight
 gradient). Output layer (LayerNorm, projection, cross-entropy): F, I, W, B as for a layer. Vocabulary shards:
-S and T per shard count. Optimizer: AdamW ``step()`` on fp32 master copies of several parameter groups.
+S, T (vocab-1) and S2, T2 (vocab-2) per shard count. Optimizer: AdamW ``step()`` on fp32 master copies of several
+parameter groups.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import torch
 from torch import nn
 
 from pipescope.calibration.memory import peak_backward_bytes, saved_tensor_bytes
-from pipescope.calibration.model import Block, Embedding, OutputLayer, shard_backward, shard_forward, shard_size
+from pipescope.calibration.model import Block, Embedding, OutputLayer
 from pipescope.simulator.profile_schema import EMBEDDING, LAYER, OPTIMIZER, OUTPUT, OUTPUT_SHARD
 from pipescope.calibration.timing import Bench, Stats, Timer, spread
+from pipescope.calibration.vocab_parallel import Reduced, Shard, SPass, reduce_shards, s_pass, t_pass
 
 Row = dict[str, object]
 
@@ -131,23 +133,37 @@ def output_rows(timer: Timer, output: OutputLayer, mb: int, seq: int) -> tuple[l
 
 
 def shard_rows(timer: Timer, output: OutputLayer, mb: int, seq: int, max_shards: int) -> list[Row]:
-    """Time the vocabulary-parallel S and T passes of one shard, for 1..max_shards shards."""
+    """Time shard 0's vocabulary-parallel passes (``calibration/vocab_parallel.py``) for 1..max_shards shards: S and T
+    of vocab-1 (T: grad W and the partial grad X), S2 and T2 of vocab-2 (S2: S plus ``exp(Y - m) W`` and
+    ``W[target]``; T2: grad W only). The collectives between them are timed by calibrate-comms, not here."""
     full = output.head.weight
     vocab, hidden = full.shape
     x = torch.randn(mb * seq, hidden, dtype=full.dtype, device=full.device)
     targets = torch.randint(vocab, (mb * seq,), device=full.device)
     rows = []
     for shards in range(1, max_shards + 1):
-        rows_k = shard_size(vocab, shards)
-        weight = torch.randn(rows_k, hidden, dtype=full.dtype, device=full.device)
-        # Shard 0's view of the targets: its own rows keep their index, the others are marked -1.
-        local = torch.where(targets < rows_k, targets, torch.full_like(targets, -1))
-        s = timer.measure(Bench(lambda _, w=weight: shard_forward(x, w)))
-        t = timer.measure(Bench(lambda soft, w=weight, lt=local: shard_backward(x, w, soft, lt),
-                                lambda w=weight: shard_forward(x, w)))
-        rows += [timing_row(OUTPUT_SHARD, op, mb, seq, st, rows_k * hidden, 1, shards)
-                 for op, st in (("S", s), ("T", t))]
+        shard = Shard(0, shards, vocab)
+        # Shard 0's rows of the real head: random N(0, 1) rows would give logits of spread sqrt(h), whose
+        # exponentials underflow to denormals and run 5-10x slower on CPU.
+        weight = shard.take(full.detach())
+        local = shard.local(targets)  # shard 0's view: its own rows keep their index, the others are -1
+        for suffix, extras in (("", False), ("2", True)):
+            benches = shard_benches(x, weight, local, shard.valid, extras)
+            rows += [timing_row(OUTPUT_SHARD, op + suffix, mb, seq, timer.measure(bench), shard.rows * hidden, 1,
+                                shards) for op, bench in benches.items()]
     return rows
+
+
+def shard_benches(x: torch.Tensor, weight: torch.Tensor, local: torch.Tensor, valid: int,
+                  extras: bool) -> dict[str, Bench]:
+    """S and T benches of one shard; T's setup runs S and C1's arithmetic on this shard alone (no collective)."""
+
+    def after_c1() -> tuple[SPass, Reduced]:
+        s = s_pass(x, weight, local, valid, extras)
+        return s, reduce_shards([s])
+
+    return {"S": Bench(lambda _: s_pass(x, weight, local, valid, extras)),
+            "T": Bench(lambda sr: t_pass(x, weight, local, *sr, input_grad=not extras), after_c1)}
 
 
 def optimizer_groups(blocks: list[Block], embedding: Embedding, output: OutputLayer) -> list[list[nn.Module]]:

@@ -245,11 +245,12 @@ def build_parser() -> Parser:
                    "on a local Dask cluster, 2 workers each (runs/s and overhead per run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench)
-    from pipescope.experiments import collective_cmd, plot_cmd, sweep_cmd, topology_cmd, validate_cmd
+    from pipescope.experiments import collective_cmd, plan_cmd, plot_cmd, sweep_cmd, topology_cmd, validate_cmd
     topology_cmd.register(sub)
     collective_cmd.register(sub)
     validate_cmd.register(sub)
     sweep_cmd.register(sub)
+    plan_cmd.register(sub)
     plot_cmd.register(sub)
     _register_calibration(sub)
     return parser

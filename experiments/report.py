@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pipescope.simulator.costs import CostKind
 from pipescope.simulator.ir import Role
 from pipescope.simulator.result import SimResult
 from pipescope.simulator.units import format_bytes, format_time
+
+if TYPE_CHECKING:
+    from pipescope.config import Config
 
 
 def _headline(result: SimResult) -> str:
@@ -15,8 +20,16 @@ def _headline(result: SimResult) -> str:
     uniform = costs is CostKind.UNIFORM
     model = "uniform costs" if uniform else f"{m.label} mb={m.microbatch_size} {m.precision} ({costs})"
     return (f"{s.name}: p={s.num_devices} m={s.num_microbatches} v={s.chunks}"
-            f"{' recompute' if s.recompute else ''}  weight update {s.weight_update}  {model}  "
+            f"{_options(config)}  weight update {s.weight_update}  {model}  "
             f"on {c.topology} x{c.nodes}")
+
+
+def _options(config: Config) -> str:
+    """`` recompute`` or `` selective recompute``, then `` t=2`` (or `` t=2 sequence-parallel``) under tensor
+    parallelism."""
+    text = {"full": " recompute", "selective": " selective recompute"}.get(config.schedule.recompute, "")
+    p = config.parallel
+    return text + (f" t={p.tensor}{' sequence-parallel' if p.sequence else ''}" if p.tensor > 1 else "")
 
 
 def _totals(result: SimResult) -> list[str]:

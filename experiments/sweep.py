@@ -107,7 +107,7 @@ def expand(experiment: str | os.PathLike | Mapping[str, Any]) -> SweepPlan:
     runs: dict[str, Run] = {}
     for parts in itertools.product(*axes):
         overrides = {key: value for part in parts for key, value in part.items()}
-        config = _validated(base, overrides)
+        config = validated_config(base, overrides)
         rid = run_id(config)
         runs.setdefault(rid, Run(rid, config, overrides))
     keys = tuple(key for axis in axes for key in axis[0])
@@ -155,7 +155,7 @@ def _lists(section: str, value: Any) -> dict[str, list]:
     return value
 
 
-def _validated(base: dict, overrides: dict[str, Any]) -> Config:
+def validated_config(base: dict, overrides: dict[str, Any]) -> Config:
     """The base config with one combination set, through the normal loader (a copy: ``_merge`` edits in place)."""
     tree = copy.deepcopy(base)
     for key, value in overrides.items():
@@ -313,7 +313,7 @@ def run_sweep(plan: SweepPlan, out: str | os.PathLike, executor: Executor | None
         own = executor is None and bool(chunks)
         pool = process_pool(min(workers, len(chunks))) if own else executor
         try:
-            lost = _drain(pool, chunks, log, 2 * workers, _bar(len(plan.runs), len(plan.runs) - len(todo), progress))
+            lost = drain(pool, chunks, log, 2 * workers, _bar(len(plan.runs), len(plan.runs) - len(todo), progress))
         finally:
             if own:
                 pool.shutdown(wait=True, cancel_futures=True)
@@ -328,8 +328,10 @@ def _bar(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, unit="run", desc="sweep", disable=not enabled, smoothing=0.1)
 
 
-def _drain(executor: Executor, chunks: list[list[Run]], log: RunLog, window: int, bar) -> list[tuple[str, str]]:
-    """Submit chunks, at most ``window`` in flight, and log each chunk's rows as it ends (one fsync a chunk). A chunk
+def drain(executor: Executor, chunks: list[list[Run]], log: RunLog, window: int, bar, task=None
+          ) -> list[tuple[str, str]]:
+    """Submit chunks, at most ``window`` in flight, and log each chunk's rows as it ends (one fsync a chunk). ``task``
+    (default ``run_chunk``) runs one chunk in a worker; the planner passes its own, and an in-memory ``log``. A chunk
     whose task failed (a worker died) is lost, not logged, so running the sweep again retries it. On Ctrl-C the
     chunks already running are waited for and logged (a second Ctrl-C stops at once)."""
     pending: dict[Future, list[Run]] = {}
@@ -339,7 +341,7 @@ def _drain(executor: Executor, chunks: list[list[Run]], log: RunLog, window: int
             while True:
                 for chunk in itertools.islice(queue, max(0, window - len(pending))):
                     try:
-                        pending[executor.submit(run_chunk, chunk)] = chunk
+                        pending[executor.submit(task or run_chunk, chunk)] = chunk
                     except Exception as err:  # a broken executor (a pool whose worker died) takes no more tasks
                         lost.extend((item.run_id, _one_line(err)) for rest in [chunk, *queue] for item in rest)
                 if not pending:

@@ -20,6 +20,7 @@ from typing import Any
 
 from pipescope.simulator.costs import MAX_OP_SECONDS, AnalyticCostsConfig, CostKind, UniformCostsConfig
 from pipescope.simulator.models import ATTENTIONS, PRECISIONS, PRESETS, ModelConfig
+from pipescope.simulator.parallel import ParallelConfig, parse_recompute
 from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.safe_yaml import YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig
@@ -56,6 +57,7 @@ class Config:
     cluster: ClusterConfig = ClusterConfig()
     costs: CostsConfig = AnalyticCostsConfig()
     faults: FaultsConfig = FaultsConfig()
+    parallel: ParallelConfig = ParallelConfig()
     memory: MemoryConfig = MemoryConfig()
     iterations: int | None = None
     seed: int = 0
@@ -71,7 +73,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "model.layers": (1, 100_000), "model.hidden": (1, 1 << 20), "model.heads": (1, 1 << 20),
     "model.seq": (1, 1 << 24), "model.vocab": (1, 1 << 24), "model.microbatch_size": (1, 1 << 20),
     "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1, 1 << 50),
-    "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1),
+    "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1), "parallel.tensor": (1, 1024),
 }
 TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p", "costs.optimizer"}
 CHOICES = {
@@ -99,6 +101,8 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
         return parse_time(value)
     if unit == "size":
         return parse_size(value)
+    if unit == "recompute":
+        return parse_recompute(value)
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         if str(value) not in {m.value for m in kind}:
             raise ValueError(f"got {short_repr(value)}, expected one of {', '.join(m.value for m in kind)}")
@@ -302,11 +306,17 @@ def read_yaml(name: str) -> dict:
 
 def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None = None) -> Config:
     """Defaults, then the YAML file (or ``raw``), then each ``--set`` in order."""
+    return _check_combinations(_build(Config, config_tree(path, sets, raw), ""))
+
+
+def config_tree(path: str | None = None, sets: list[str] = (), raw: dict | None = None) -> dict:
+    """The YAML file (or ``raw``) with each ``--set`` merged in, as a mapping not yet checked (the planner varies
+    keys of it before ``load_config(raw=...)`` checks each point)."""
     tree = dict(raw or {}) if path is None else read_yaml(path)
     for item in sets:
         key, value = parse_set(item)
         _merge(tree, key, value)
-    return _check_combinations(_build(Config, tree, ""))
+    return tree
 
 
 def _check_combinations(config: Config) -> Config:

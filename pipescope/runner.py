@@ -11,14 +11,16 @@ from pipescope.simulator.costs import (
     AnalyticCostsConfig,
     CostError,
     CostModel,
+    StageCost,
     UniformCostsConfig,
     seconds_to_ns,
 )
 from pipescope.simulator.ir import Schedule
-from pipescope.simulator.models import PRESETS, ModelSpec, layer_work, output_layer_flops, stage_layers
+from pipescope.simulator.models import PRECISIONS, PRESETS, ModelSpec, layer_work, output_layer_flops, stage_layers
 from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
+from pipescope.simulator.parallel import TensorSplit, check_parallel, stage_times
 from pipescope.simulator.profiled import ProfiledCosts, ProfiledCostsConfig
 from pipescope.simulator.replicas import SyncError
 from pipescope.simulator.result import SimResult
@@ -32,6 +34,55 @@ from pipescope.topologies.cluster import Cluster
 MAX_MICROBATCH_STAGES = 500_000
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Everything ``run`` builds before it simulates: the resolved config, the schedule, the cluster, the cost model
+    and the model shape (None unless costs are analytic). The planner's bounds read it without simulating."""
+
+    config: Config
+    schedule: Schedule
+    cluster: Cluster
+    costs: CostModel
+    model: ModelSpec | None
+
+    def stage_costs(self) -> list[StageCost]:
+        s = self.schedule
+        return [self.costs.stage_cost(stage, s.num_stages, s.chunks) for stage in range(s.num_stages)]
+
+    @property
+    def capacity(self) -> int | None:
+        """Bytes per device: ``cluster.memory``, else the GPU's (none under uniform costs, which have no scale)."""
+        if self.config.cluster.memory is not None or isinstance(self.config.costs, UniformCostsConfig):
+            return self.config.cluster.memory
+        return self.cluster.memory_bytes
+
+
+def prepare(config: Config) -> Prepared:
+    """Check ``config`` and build what it names, short of simulating.
+
+    Raises:
+        ConfigError: a bad key, value or combination, naming the key.
+    """
+    config = _with_precision(config)
+    cluster = _precheck(config)
+    analytic = isinstance(config.costs, AnalyticCostsConfig)
+    model = _model(config) if analytic else None
+    _check_parallel(config, model, cluster)
+    if model is not None and _generated(config):
+        _check_layers(model.layers, config.schedule.p * _chunks(config))  # before building a schedule that big
+    schedule = _schedule(config)
+    if cluster is None:  # a CSV schedule: its size was in the file
+        _check_size(schedule.num_stages * schedule.total_microbatches * config.cluster.data_parallel)
+        cluster = _cluster(config, schedule.num_devices)
+    costs = _costs(config, cluster, model, schedule)
+    if isinstance(costs, ProfiledCosts):
+        config = _with_profile_model(config, costs)
+    if not isinstance(config.costs, UniformCostsConfig):
+        _check_layers(config.model.layers or model.layers, schedule.num_stages)
+        config = _with_layer_split(config, schedule.num_stages)
+    return Prepared(config, schedule, cluster, costs, model)
+
+
 def run(config: Config) -> SimResult:
     """Build everything ``config`` names, simulate it, and return the result (which keeps ``config``).
 
@@ -39,25 +90,9 @@ def run(config: Config) -> SimResult:
         ConfigError: a bad key, value or combination, naming the key.
         ScheduleError: the schedule is malformed or deadlocks, naming the actions.
     """
-    config = _with_precision(config)
-    cluster = _precheck(config)
-    analytic = isinstance(config.costs, AnalyticCostsConfig)
-    model = _model(config) if analytic else None
-    if model is not None and _generated(config):
-        _check_layers(model.layers, config.schedule.p * _chunks(config))  # before building a schedule that big
-    schedule = _schedule(config)
-    if cluster is None:  # a CSV schedule: its size was in the file
-        _check_size(schedule.num_stages * schedule.total_microbatches * config.cluster.data_parallel)
-        cluster = _cluster(config, schedule.num_devices)
-    costs = _costs(config, cluster, model)
-    if isinstance(costs, ProfiledCosts):
-        config = _with_profile_model(config, costs)
-    if not isinstance(config.costs, UniformCostsConfig):
-        _check_layers(config.model.layers or model.layers, schedule.num_stages)
-        config = _with_layer_split(config, schedule.num_stages)
-    capacity = config.cluster.memory
-    if capacity is None and not isinstance(config.costs, UniformCostsConfig):
-        capacity = cluster.memory_bytes
+    built = prepare(config)
+    config, schedule, cluster, costs, model = built.config, built.schedule, built.cluster, built.costs, built.model
+    analytic = model is not None
     try:
         network, faults = _network(config, cluster, costs), _compute_faults(config, cluster)
     except ValueError as err:
@@ -65,10 +100,10 @@ def run(config: Config) -> SimResult:
     try:
         result = simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,
                           data_parallel=config.cluster.data_parallel, grad_sync=config.cluster.grad_sync(),
-                          faults=faults, memory_capacity_bytes=capacity,
+                          faults=faults, memory_capacity_bytes=built.capacity,
                           model_flops_per_iteration=model_flops(model, config, schedule) if analytic else None,
-                          peak_flops_per_device=_peak(config, cluster) if analytic else None, config=config,
-                          memory_runtime=config.memory.runtime)
+                          peak_flops_per_device=_peak(config, cluster) * config.parallel.tensor if analytic else None,
+                          config=config, memory_runtime=config.memory.runtime)
     except CostError as err:
         raise ConfigError(f"costs: {err}") from None
     except SyncError as err:
@@ -174,7 +209,7 @@ def _torch_schedule(name: str, stages: int, microbatches: int, chunks: int) -> S
 
 def _cluster(config: Config, devices: int) -> Cluster:
     try:
-        return config.cluster.build(devices)
+        return config.cluster.build(devices, config.parallel.tensor)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -183,14 +218,46 @@ def _peak(config: Config, cluster: Cluster) -> float:
     return cluster.device_spec.peak_flops[config.model.precision]
 
 
-def _costs(config: Config, cluster: Cluster, model: ModelSpec | None) -> CostModel:
+def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | None) -> None:
+    """The ``parallel`` section and ``schedule.recompute=selective`` against the model and the cost model."""
+    kind, analytic = config.costs.kind, isinstance(config.costs, AnalyticCostsConfig)
+    if not analytic and config.parallel.tensor > 1:
+        raise ConfigError(f"parallel.tensor: got {config.parallel.tensor} under costs.kind {kind}, expected 1 (only "
+                          f"analytic costs split the kernels over tensor-parallel GPUs)")
+    if not analytic and config.schedule.recompute == "selective":
+        raise ConfigError(f"schedule.recompute: got selective under costs.kind {kind}, expected none or full (only "
+                          f"analytic costs separate the attention core)")
+    per_node = cluster.graph.graph["gpus_per_node"] if cluster is not None else None
+    try:
+        check_parallel(config.parallel, model, per_node)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _tensor_split(config: Config, cluster: Cluster, model: ModelSpec, schedule: Schedule) -> TensorSplit:
+    """Tensor parallelism and selective recompute for the analytic costs, with each stage's collective times."""
+    p, b = config.parallel, config.model.microbatch_size
+    split = TensorSplit(p.tensor, p.sequence, config.schedule.recompute == "selective")
+    if p.tensor < 2:
+        return split
+    network = cluster.tensor_network(schedule.num_devices, config.seed, config.cluster.collective, config.faults)
+    activation = model.seq * b * model.hidden * PRECISIONS[config.model.precision].activation_bytes
+    try:
+        times = stage_times(network, p.tensor, list(schedule.stage_to_device), activation, model.seq * b)
+    except NetworkError as err:
+        raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
+    return dataclasses.replace(split, times=times)
+
+
+def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: Schedule) -> CostModel:
     c, m = config.costs, config.model
     if isinstance(c, UniformCostsConfig):
         return c.costs(m.precision)
     if isinstance(c, AnalyticCostsConfig):
         return AnalyticCosts(model, _peak(config, cluster), m.microbatch_size, m.precision, c.efficiency,
                              layers_per_stage=m.layers_per_stage, memory_bandwidth=cluster.device_spec.memory_bandwidth,
-                             memory_efficiency=c.memory_efficiency, attention=m.attention)
+                             memory_efficiency=c.memory_efficiency, attention=m.attention,
+                             split=_tensor_split(config, cluster, model, schedule))
     if not c.profile:
         raise ConfigError("costs.profile: missing, expected a profile folder written by 'pipescope calibrate'")
     try:

@@ -7,7 +7,7 @@ so uniform, analytic and profiled costs are interchangeable.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
@@ -15,14 +15,14 @@ from pipescope.simulator.models import (
     PASSES,
     Kernel,
     ModelSpec,
+    attention_core_kernels,
     check_attention,
     layer_kernels,
-    layer_work,
     optimizer_kernels,
-    output_activation_bytes,
     output_kernels,
     stage_layers,
 )
+from pipescope.simulator.parallel import TensorSplit
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,9 @@ class AnalyticCosts(PerStageCache):
     cross-entropy) on the last, as in a naive pipeline (no vocabulary parallelism). Each stage holds its share of
     transformer blocks (``layers_per_stage``, else the equal split; ``models.stage_layers``). Without a
     ``memory_bandwidth`` memory traffic is not timed: all FLOPs at ``efficiency`` of the peak and no optimizer step,
-    the model before the roofline. Activation bytes follow ``attention`` (``models.layer_work``).
+    the model before the roofline. Activation bytes follow ``attention`` (``models.layer_work``). ``split`` is
+    tensor parallelism and selective recompute (``simulator.parallel``): every number is one GPU's, and F and I
+    add the stage's tensor-parallel collectives (docs/costs.md, "Tensor parallelism").
     """
 
     model: ModelSpec
@@ -263,6 +265,7 @@ class AnalyticCosts(PerStageCache):
     memory_bandwidth: float | None = None  # the device's datasheet bytes/s; None: memory traffic not timed
     memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
     attention: str = "flash"
+    split: TensorSplit = TensorSplit()
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -275,43 +278,44 @@ class AnalyticCosts(PerStageCache):
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
         n = self._layers_of(stage, num_stages, self.model.layers)
-        work = layer_work(self.model, self.microbatch_size, self.precision, self.attention)
+        work = self.split.layer_work(self.model, self.microbatch_size, self.precision, self.attention)
         seconds = dict.fromkeys(PASSES, 0.0)
         for _, count, kernels in self._parts(stage, num_stages):
             for op, value in self.roofline.pass_seconds(kernels).items():
                 seconds[op] += count * value
         stash = n * work.activation_bytes
         if stage == num_stages - 1:
-            stash += output_activation_bytes(self.model, self.microbatch_size, self.precision)
+            stash += self.split.output_bytes(self.model, self.microbatch_size, self.precision)
+        comm_f, comm_i = self.split.comm_ns(stage, n, stage == 0, stage == num_stages - 1)
         return StageCost(
-            forward_ns=seconds_to_ns(seconds["F"]),
-            input_grad_ns=seconds_to_ns(seconds["I"]),
+            forward_ns=seconds_to_ns(seconds["F"]) + comm_f,
+            input_grad_ns=seconds_to_ns(seconds["I"]) + comm_i,
             weight_grad_ns=seconds_to_ns(seconds["W"]),
-            recompute_ns=seconds_to_ns(seconds["F"]),
+            recompute_ns=seconds_to_ns(seconds["F"]) + comm_f,
             boundary_bytes=work.boundary_bytes,
             activation_bytes=stash,
             weight_grad_bytes=n * work.weight_grad_bytes,
-            input_bytes=work.boundary_bytes if stage else self.microbatch_size * self.model.seq * TOKEN_ID_BYTES,
+            input_bytes=self.split.stage_input_bytes(self.model, self.microbatch_size, self.precision) if stage
+            else self.microbatch_size * self.model.seq * TOKEN_ID_BYTES,  # the first stage keeps its token ids
             params=self._params(stage, num_stages, n),
             optimizer_ns=seconds_to_ns(seconds["optimizer"]),
         )
 
     def _params(self, stage: int, num_stages: int, layers: int) -> int:
-        """Parameters of the stage: its blocks, the embedding on the first, the output projection on the last."""
-        params = layers * self.model.layer_params()
-        if stage == num_stages - 1:
-            params += self.model.output_params()
-        if stage == 0:
-            params += self.model.embedding_params()
-        return params
+        """Parameters of the stage (one GPU's under tensor parallelism): its blocks, the embedding on the first, the
+        output projection on the last."""
+        return self.split.params(self.model, layers, stage == 0, stage == num_stages - 1)
 
     def _parts(self, stage: int, num_stages: int) -> list[tuple[str, int, list[Kernel]]]:
         """(component, instances, kernels of one instance) of the stage: its blocks, the output layer on the last
         stage, and one optimizer step over its parameters (without a memory bandwidth: none)."""
-        n = self._layers_of(stage, num_stages, self.model.layers)
-        parts = [("layer", n, layer_kernels(self.model, self.microbatch_size, self.precision, self.attention))]
+        n, t, sp = self._layers_of(stage, num_stages, self.model.layers), self.split.tensor, self.split.sequence
+        parts = [("layer", n, layer_kernels(self.model, self.microbatch_size, self.precision, self.attention, t, sp))]
+        if self.split.selective:  # the backward re-runs the attention core's forward first
+            core = attention_core_kernels(self.model, self.microbatch_size, self.precision, self.attention, t)
+            parts.append(("recompute", n, [replace(k, op="I") for k in core]))
         if stage == num_stages - 1:
-            parts.append(("output", 1, output_kernels(self.model, self.microbatch_size, self.precision)))
+            parts.append(("output", 1, output_kernels(self.model, self.microbatch_size, self.precision, t, sp)))
         if self.memory_bandwidth:
             parts.append(("optimizer", 1, optimizer_kernels(self._params(stage, num_stages, n), self.precision)))
         return parts

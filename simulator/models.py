@@ -202,12 +202,25 @@ class _Shape:
     act: int  # bytes per activation element
     weight: int  # bytes per weight element
     grad: int  # bytes per gradient element
+    tensor: int = 1  # tensor-parallel GPUs the block is split over (simulator/parallel.py)
+    sequence: bool = False  # sequence parallelism over them
 
     @classmethod
-    def of(cls, model: ModelSpec, microbatch_size: int, precision: str) -> _Shape:
+    def of(cls, model: ModelSpec, microbatch_size: int, precision: str, tensor: int = 1,
+           sequence: bool = False) -> _Shape:
         p = PRECISIONS[precision]
         return cls(model.seq * microbatch_size, model.hidden, model.seq, model.heads, model.vocab,
-                   p.activation_bytes, p.weight_bytes, p.grad_bytes)
+                   p.activation_bytes, p.weight_bytes, p.grad_bytes, tensor, sequence)
+
+    def split(self) -> _Shape:
+        """What one of t GPUs holds of a Megatron-split block: hidden, heads and vocabulary over t (ceil)."""
+        t = self.tensor
+        return replace(self, hidden=self.hidden // t, heads=self.heads // t, vocab=-(-self.vocab // t), tensor=1)
+
+    def whole(self) -> _Shape:
+        """What Megatron keeps whole on each GPU (layer norms, dropouts, residuals), unless sequence parallelism
+        splits their tokens over t."""
+        return replace(self, tokens=self.tokens // self.tensor) if self.sequence else self
 
     @property
     def sbh(self) -> int:
@@ -255,17 +268,18 @@ def _attention(x: _Shape, op: str, attention: str) -> list[Kernel]:
 
 
 def _layer_forward(x: _Shape, attention: str) -> list[Kernel]:
-    h, sbh, mask = x.hidden, x.sbh, x.tokens * x.hidden
+    h, c, e = x.hidden, x.split(), x.whole()  # c: a GPU's split part; e: what it keeps whole
+    sbh, mask = e.sbh, e.tokens * e.hidden
     return [Kernel("layer norm 1", "F", 0, 2 * sbh),
-            _matmul("QKV", "F", x, h, 3 * h),
-            *_attention(x, "F", attention),
-            _matmul("out projection", "F", x, h, h),
+            _matmul("QKV", "F", x, h, 3 * c.hidden),
+            *_attention(c, "F", attention),
+            _matmul("out projection", "F", x, c.hidden, h),
             Kernel("dropout (attention)", "F", 0, 2 * sbh + mask),
             Kernel("residual add 1", "F", 0, 3 * sbh),
             Kernel("layer norm 2", "F", 0, 2 * sbh),
-            _matmul("MLP up", "F", x, h, 4 * h),
-            Kernel("GeLU", "F", 0, 2 * 4 * sbh),
-            _matmul("MLP down", "F", x, 4 * h, h),
+            _matmul("MLP up", "F", x, h, 4 * c.hidden),
+            Kernel("GeLU", "F", 0, 2 * 4 * c.sbh),
+            _matmul("MLP down", "F", x, 4 * c.hidden, h),
             Kernel("dropout (MLP)", "F", 0, 2 * sbh + mask),
             Kernel("residual add 2", "F", 0, 3 * sbh)]
 
@@ -273,42 +287,53 @@ def _layer_forward(x: _Shape, attention: str) -> list[Kernel]:
 def _layer_input_grad(x: _Shape, attention: str) -> list[Kernel]:
     """The backward to the block's input, last kernel first. A residual add's backward is the sum of the two
     gradients at its fork; a layer norm's reads the gradient and its input; GeLU's its gradient and its input."""
-    h, sbh, mask = x.hidden, x.sbh, x.tokens * x.hidden
+    h, c, e = x.hidden, x.split(), x.whole()
+    sbh, mask = e.sbh, e.tokens * e.hidden
     return [Kernel("residual add 2", "I", 0, 3 * sbh),
             Kernel("dropout (MLP)", "I", 0, 2 * sbh + mask),
-            _matmul("MLP down", "I", x, 4 * h, h),
-            Kernel("GeLU", "I", 0, 3 * 4 * sbh),
-            _matmul("MLP up", "I", x, h, 4 * h),
+            _matmul("MLP down", "I", x, 4 * c.hidden, h),
+            Kernel("GeLU", "I", 0, 3 * 4 * c.sbh),
+            _matmul("MLP up", "I", x, h, 4 * c.hidden),
             Kernel("layer norm 2", "I", 0, 3 * sbh),
             Kernel("residual add 1", "I", 0, 3 * sbh),
             Kernel("dropout (attention)", "I", 0, 2 * sbh + mask),
-            _matmul("out projection", "I", x, h, h),
-            *_attention(x, "I", attention),
-            _matmul("QKV", "I", x, h, 3 * h),
+            _matmul("out projection", "I", x, c.hidden, h),
+            *_attention(c, "I", attention),
+            _matmul("QKV", "I", x, h, 3 * c.hidden),
             Kernel("layer norm 1", "I", 0, 3 * sbh)]
 
 
 def _layer_weight_grad(x: _Shape) -> list[Kernel]:
-    h = x.hidden
-    return [_matmul("QKV", "W", x, h, 3 * h), _matmul("out projection", "W", x, h, h),
-            _matmul("MLP up", "W", x, h, 4 * h), _matmul("MLP down", "W", x, 4 * h, h)]
+    h, c = x.hidden, x.split()
+    return [_matmul("QKV", "W", x, h, 3 * c.hidden), _matmul("out projection", "W", x, c.hidden, h),
+            _matmul("MLP up", "W", x, h, 4 * c.hidden), _matmul("MLP down", "W", x, 4 * c.hidden, h)]
 
 
-def layer_kernels(model: ModelSpec, microbatch_size: int, precision: str, attention: str = "flash"
-                  ) -> list[Kernel]:
+def layer_kernels(model: ModelSpec, microbatch_size: int, precision: str, attention: str = "flash",
+                  tensor: int = 1, sequence: bool = False) -> list[Kernel]:
     """The kernels of one transformer block's F, I and W (pre-LN, as calibration/model.py's Block, plus the
-    dropouts the ZB paper's M_B counts). Their FLOPs add up to ``layer_work``'s per pass."""
+    dropouts the ZB paper's M_B counts). Their FLOPs add up to ``layer_work``'s per pass. With ``tensor`` t, one
+    GPU's share: matmuls, the attention core and GeLU over t; layer norms, dropouts and residuals whole unless
+    ``sequence`` (docs/costs.md, "Tensor parallelism")."""
     check_attention(attention)
-    x = _Shape.of(model, microbatch_size, precision)
+    x = _Shape.of(model, microbatch_size, precision, tensor, sequence)
     return [*_layer_forward(x, attention), *_layer_input_grad(x, attention), *_layer_weight_grad(x)]
 
 
-def output_kernels(model: ModelSpec, microbatch_size: int, precision: str) -> list[Kernel]:
+def attention_core_kernels(model: ModelSpec, microbatch_size: int, precision: str, attention: str = "flash",
+                           tensor: int = 1) -> list[Kernel]:
+    """The attention core's forward kernels on one of t GPUs: what selective recompute re-runs in the backward."""
+    check_attention(attention)
+    return _attention(_Shape.of(model, microbatch_size, precision, tensor).split(), "F", attention)
+
+
+def output_kernels(model: ModelSpec, microbatch_size: int, precision: str, tensor: int = 1,
+                   sequence: bool = False) -> list[Kernel]:
     """The output layer's kernels: final layer norm, logits, softmax (kept in fp32 for cross-entropy, as the
     ledger counts), cross-entropy (F: each token's target probability; I: d logits = softmax - one-hot, fused).
-    Their FLOPs add up to ``output_layer_flops``."""
-    x = _Shape.of(model, microbatch_size, precision)
-    h, v, sbh = x.hidden, x.vocab, x.sbh
+    Their FLOPs add up to ``output_layer_flops``; with ``tensor`` t, one GPU's vocabulary slice."""
+    x = _Shape.of(model, microbatch_size, precision, tensor, sequence)
+    h, v, sbh = x.hidden, x.split().vocab, x.whole().sbh
     logits, targets = x.tokens * v, 8 * x.tokens  # int64 targets
     return [Kernel("final layer norm", "F", 0, 2 * sbh),
             _matmul("logits", "F", x, h, v),

@@ -30,7 +30,7 @@ COMMS_META = "comms.json"
 # Components and ops of the timings table (see the README for what each one times).
 LAYER, EMBEDDING, OUTPUT, OUTPUT_SHARD, OPTIMIZER = "layer", "embedding", "output", "output_shard", "optimizer"
 COMPONENTS = (LAYER, EMBEDDING, OUTPUT, OUTPUT_SHARD, OPTIMIZER)
-OPS = ("F", "I", "W", "B", "R", "S", "T", "step")
+OPS = ("F", "I", "W", "B", "R", "S", "T", "S2", "T2", "step")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 # Bounds on what a reader accepts. MAX_NUMBER (2**53) is the largest integer a float64 holds exactly, so no count

@@ -137,7 +137,7 @@ def test_malformed_comms_metadata_is_refused(tmp_path: Path) -> None:
     ("timings", "seq", 128.5, "column 'seq' row 1: 128.5"),
     ("timings", "shards", 0, "column 'shards' row 1: 0; expected a whole number from 1"),
     ("timings", "params", "9" * 400, "column 'params' row 1: 999"),
-    ("timings", "op", "X", "column 'op' row 1: 'X'; expected one of F, I, W, B, R, S, T, step"),
+    ("timings", "op", "X", "column 'op' row 1: 'X'; expected one of F, I, W, B, R, S, T, S2, T2, step"),
     ("timings", "component", "", "column 'component' row 1: nan; expected one of layer"),
     ("memory", "activation_bytes", "nan", "column 'activation_bytes' row 1: nan; expected a number of bytes"),
     ("memory", "boundary_bytes", -1, "column 'boundary_bytes' row 1: -1"),

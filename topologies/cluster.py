@@ -17,7 +17,7 @@ from pipescope.topologies.topology_io import load_topology, machine_device
 
 PLACEMENTS = ("linear", "spread")
 COLLECTIVE_ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
-MAX_GPUS = 100_000  # GPUs one run places (stages x data_parallel)
+MAX_GPUS = 100_000  # GPUs one run places (stages x parallel.tensor x data_parallel)
 
 
 @dataclass(frozen=True)
@@ -49,14 +49,20 @@ class ClusterConfig:
     def grad_sync(self) -> GradSync:
         return GradSync(self.bucket_size, self.overlap_grad_sync)
 
-    def build(self, devices: int) -> Cluster:
-        """The cluster for ``devices`` devices per replica (ValueError naming the key if it cannot)."""
+    def build(self, devices: int, tensor: int = 1) -> Cluster:
+        """The cluster for ``devices`` devices per replica, each ``tensor`` GPUs of one node (ValueError naming the
+        key if it cannot)."""
         total = devices * self.data_parallel
-        if total > MAX_GPUS:
-            raise ValueError(f"cluster.data_parallel: stages x data_parallel = {total:,} GPUs, expected at most "
+        if total * tensor > MAX_GPUS:
+            raise ValueError(f"cluster.data_parallel: {_product(tensor)} = {total * tensor:,} GPUs, expected at most "
                              f"{MAX_GPUS:,}")
         graph = load_topology(self.topology, self.nodes, self.fabric, self.oversubscription)
-        return Cluster(graph, self.placement, total)
+        return Cluster(graph, self.placement, total, tensor)
+
+
+def _product(tensor: int) -> str:
+    """How a run's GPU count is made, for messages (t = 1 keeps the words it always had)."""
+    return "stages x data_parallel" if tensor == 1 else "stages x parallel.tensor x data_parallel"
 
 
 def gpu_nodes(graph: nx.DiGraph) -> list[str]:
@@ -66,18 +72,23 @@ def gpu_nodes(graph: nx.DiGraph) -> list[str]:
 
 
 class Cluster:
-    """A topology graph plus the GPU rank each simulated device runs on."""
+    """A topology graph plus the GPU rank each simulated device runs on: with ``tensor`` t, the first of the t
+    consecutive GPUs of one node the device stands for (its p2p transfers and gradient all-reduces start there)."""
 
-    def __init__(self, graph: nx.DiGraph, placement: str, devices: int):
+    def __init__(self, graph: nx.DiGraph, placement: str, devices: int, tensor: int = 1):
         self.graph = graph
         self.gpus = gpu_nodes(graph)
         self.name = graph.graph.get("name", "cluster")
+        self.tensor = tensor
         per_node, nodes = graph.graph["gpus_per_node"], graph.graph["nodes"]
-        if devices > len(self.gpus):
-            raise ValueError(f"cluster.nodes: the run needs {devices:,} GPUs (stages x data_parallel) but "
+        if per_node % tensor:
+            raise ValueError(f"parallel.tensor: got {tensor}, expected a divisor of the {per_node} GPUs per node of "
+                             f"{self.name} (a stage's tensor-parallel GPUs share one node)")
+        if devices * tensor > len(self.gpus):
+            raise ValueError(f"cluster.nodes: the run needs {devices * tensor:,} GPUs ({_product(tensor)}) but "
                              f"{nodes} x {per_node} GPUs of {self.name} give {len(self.gpus):,}; expected "
-                             f"cluster.nodes >= {-(-devices // per_node)}")
-        self.rank_of = placement_ranks(placement, devices, nodes, per_node)
+                             f"cluster.nodes >= {-(-devices * tensor // per_node)}")
+        self.rank_of = placement_ranks(placement, devices, nodes, per_node, tensor)
 
     @property
     def device_spec(self) -> DeviceSpec:
@@ -94,9 +105,19 @@ class Cluster:
         graph = apply_link_faults(self.graph, faults.degraded_links, faults.failed_links)
         return RoutedNetwork(graph, [self.gpus[rank] for rank in self.rank_of], seed, algorithm)
 
+    def tensor_network(self, devices: int, seed: int = 0, algorithm: str = "auto",
+                       faults: FaultsConfig | None = None) -> RoutedNetwork:
+        """The routed network over the t GPUs of each of the first ``devices`` devices, link faults applied: its
+        device d * t + i is device d's i-th GPU. Their tensor-parallel collectives run there (simulator/parallel.py).
+        """
+        faults = faults or FaultsConfig()
+        graph = apply_link_faults(self.graph, faults.degraded_links, faults.failed_links)
+        gpus = [self.gpus[rank + i] for rank in self.rank_of[:devices] for i in range(self.tensor)]
+        return RoutedNetwork(graph, gpus, seed, algorithm)
+
     def slowdown(self, faults: FaultsConfig) -> dict[int, float]:
         """Per device, the slowdown of the straggler GPU it runs on (ValueError naming a GPU no device uses)."""
-        device_of = {rank: d for d, rank in enumerate(self.rank_of)}
+        device_of = {rank + i: d for d, rank in enumerate(self.rank_of) for i in range(self.tensor)}
         slow = {}
         for rank, factor in parse_stragglers(faults.stragglers).items():
             if rank not in device_of:
@@ -106,12 +127,13 @@ class Cluster:
         return slow
 
 
-def placement_ranks(placement: str, devices: int, nodes: int, per_node: int) -> list[int]:
-    """The GPU rank of each device: ``linear``, ``spread`` or an explicit list (ValueError naming the key)."""
+def placement_ranks(placement: str, devices: int, nodes: int, per_node: int, tensor: int = 1) -> list[int]:
+    """The GPU rank of each device (the first of its ``tensor`` GPUs): ``linear``, ``spread`` or an explicit list
+    (ValueError naming the key)."""
     if placement == "linear":
-        return list(range(devices))
+        return [d * tensor for d in range(devices)]
     if placement == "spread":  # device d on node d % nodes, filling each node's GPUs in order
-        return [(d % nodes) * per_node + d // nodes for d in range(devices)]
+        return [(d % nodes) * per_node + d // nodes * tensor for d in range(devices)]
     if not re.fullmatch(r"[0-9]{1,9}(\s*,\s*[0-9]{1,9})*", placement.strip()):
         raise ValueError(f"cluster.placement: got {short_repr(placement)}, expected linear, spread or a "
                          f"comma-separated list of GPU ranks, one per device")
@@ -125,6 +147,21 @@ def placement_ranks(placement: str, devices: int, nodes: int, per_node: int) -> 
     if len(set(ranks)) != len(ranks):
         twice = next(r for r in ranks if ranks.count(r) > 1)
         raise ValueError(f"cluster.placement: GPU {twice} is given twice, expected one device per GPU")
+    return _check_groups(ranks, per_node, tensor) if tensor > 1 else ranks
+
+
+def _check_groups(ranks: list[int], per_node: int, tensor: int) -> list[int]:
+    """Explicit ranks under tensor parallelism: each device's GPUs rank..rank+t-1 in one node, no GPU twice."""
+    used: dict[int, int] = {}
+    for rank in ranks:
+        if rank % per_node + tensor > per_node:
+            raise ValueError(f"cluster.placement: GPU {rank} starts a device's {tensor} tensor-parallel GPUs past its "
+                             f"node's last GPU, expected ranks whose GPUs rank..rank+{tensor - 1} share one node")
+        for gpu in range(rank, rank + tensor):
+            if gpu in used:
+                raise ValueError(f"cluster.placement: GPU {gpu} is in the tensor-parallel GPUs of devices starting "
+                                 f"at {used[gpu]} and {rank}, expected one device per GPU")
+            used[gpu] = rank
     return ranks
 
 

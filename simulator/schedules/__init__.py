@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 
 from pipescope.simulator.csvio import read_csv
 from pipescope.simulator.ir import Schedule
+from pipescope.simulator.parallel import parse_recompute
 from pipescope.simulator.units import short_repr
 from pipescope.simulator.schedules.basic import gpipe, one_f_one_b
 from pipescope.simulator.schedules.interleaved import interleaved
@@ -79,9 +80,12 @@ class ScheduleConfig:
     stages: int | None = None
     microbatches: int | None = None
     chunks: int | None = None  # None: the schedule's own (2 for interleaved and the V schedules, else 1)
-    recompute: bool = False
+    recompute: str = field(default="none", metadata={"unit": "recompute"})  # parallel.RECOMPUTE_MODES
     vocab: str = "naive"
     vertical_sync: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", parse_recompute(self.recompute))  # True/False still mean full/none
 
     @property
     def p(self) -> int:
@@ -117,7 +121,8 @@ def build_schedule(config: ScheduleConfig, iterations: int | None = None) -> Sch
             raise ValueError(f"iterations: got {iterations}, but {gen.name} has a flush and simulates one iteration; "
                              f"iterations applies to schedules without a flush")
         options["iterations"] = iterations
-    return build(gen.name, config.p, config.m, chunks=config.chunks, recompute=config.recompute, **options)
+    return build(gen.name, config.p, config.m, chunks=config.chunks, recompute=config.recompute == "full",
+                 **options)
 
 
 def _csv_schedule(config: ScheduleConfig) -> Schedule:
@@ -134,4 +139,4 @@ def _csv_schedule(config: ScheduleConfig) -> Schedule:
         raise ValueError(f"schedule.stages: got {config.stages}, but {path!r} has {schedule.num_devices} devices")
     if config.chunks is not None and config.chunks != schedule.chunks:
         raise ValueError(f"schedule.chunks: got {config.chunks}, but {path!r} has {schedule.chunks} per device")
-    return replace(schedule, recompute=config.recompute)
+    return replace(schedule, recompute=config.recompute == "full")

@@ -1,0 +1,183 @@
+"""``pipescope plan``: the fastest configuration of a model on a cluster under a memory cap (docs/planner.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from pipescope.config import ConfigError
+from pipescope.experiments.cli import integer_flag, usage_error
+from pipescope.experiments.sweep_cmd import DASK_ADDRESS, MAX_WORKERS
+from pipescope.simulator.units import parse_size, short_repr
+
+if TYPE_CHECKING:  # the simulator loads when a plan runs, not for every 'pipescope --help'
+    from pipescope.experiments.plan import PlanReport, PlanRequest
+
+MAX_GLOBAL_BATCH = 1 << 20
+MAX_TOP = 1000
+REASONS_SHOWN = 8
+EXIT_NOTHING_FITS = 1  # a finding, as the CLI's exit codes go: every candidate was rejected
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``plan`` parser to the ``pipescope`` subcommands."""
+    from pipescope.experiments.plan import DEFAULT_MICROBATCH_SIZES, DEFAULT_SCHEDULES
+
+    p = sub.add_parser(
+        "plan", help="find the fastest schedule, data-parallel width, pipeline depth, microbatch size and "
+                     "recompute for a model on a cluster under a memory cap",
+        description="Search schedule x tensor width x data-parallel width x pipeline depth x microbatch size x "
+                    "recompute, using every GPU of the cluster and a fixed global batch. Candidates that cannot "
+                    "run or cannot fit are rejected with their reason before anything is simulated; the rest are "
+                    "simulated in order of a throughput bound, until no bound can beat the top N "
+                    "(docs/planner.md).")
+    p.add_argument("--model", default="gpt-1.3b", help="model.preset (default gpt-1.3b)")
+    p.add_argument("--topology", default="dgx-h100", help="cluster.topology: a built-in machine or a topology file "
+                   "(default dgx-h100; see 'pipescope topology')")
+    p.add_argument("--nodes", default="1", help="cluster.nodes: machines in the cluster (default 1)")
+    p.add_argument("--global-batch", required=True, help="samples per optimizer step, over all replicas")
+    p.add_argument("--memory-cap", help="bytes per GPU, e.g. 16GiB (default: the GPU's memory)")
+    p.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES), help="comma-separated schedule names "
+                   f"(default {','.join(DEFAULT_SCHEDULES)})")
+    p.add_argument("--microbatch-sizes", default=",".join(map(str, DEFAULT_MICROBATCH_SIZES)),
+                   help="comma-separated microbatch sizes to try (default "
+                        f"{','.join(map(str, DEFAULT_MICROBATCH_SIZES))})")
+    p.add_argument("--tensor", default="1,2,4,8", help="comma-separated tensor-parallel widths t to try "
+                   "(parallel.tensor; widths that do not divide a node's GPUs or the heads are rejected; default "
+                   "1,2,4,8)")
+    p.add_argument("--sequence", default="off,on", help="sequence parallelism where t > 1 (parallel.sequence): "
+                   "off, on or both (default off,on)")
+    p.add_argument("--depths", help="comma-separated pipeline depths to keep (default: every depth; 1 plans without "
+                   "pipelining, e.g. tensor and data parallelism only)")
+    p.add_argument("--recompute", default="none,selective,full", help="comma-separated: none, selective (the "
+                   "attention core only), full (default all three)")
+    p.add_argument("--config", metavar="FILE.yaml", help="a config whose other sections (costs, model precision, "
+                   "cluster fabric, ...) every candidate shares; the flags above take precedence")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one dotted key of that config (repeatable)")
+    p.add_argument("--top", default="10", help="rows of the ranked table, all of them exact (default 10)")
+    p.add_argument("--workers", metavar="N", help="worker processes (default: the CPUs this process may use)")
+    p.add_argument("--dask", metavar="local|tcp://HOST:PORT", help="run on Dask as 'pipescope sweep' does (a tcp "
+                   "address is trusted input: Dask unpickles what its scheduler sends)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: best, ranked, rejected")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Check the flags, plan, print the table or JSON; exit 2 on bad input."""
+    from pipescope.experiments.plan import plan
+
+    try:
+        request, workers = _request(args)
+        if args.dask is None:
+            report = plan(request, workers=workers, progress=not args.no_progress)
+        else:
+            from pipescope.experiments.sweep import dask_executor
+
+            with dask_executor(args.dask, workers) as (executor, threads):
+                report = plan(request, executor, threads, progress=not args.no_progress)
+    except (ConfigError, ValueError) as err:
+        return usage_error(str(err))
+    except OSError as err:
+        return usage_error(f"--dask: {args.dask!r}: {err}, expected a running Dask scheduler")
+    print(json.dumps(as_json(report)) if args.json else summary(report, request.top))
+    return 0 if report.best is not None else EXIT_NOTHING_FITS
+
+
+def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
+    from pipescope.config import config_tree
+    from pipescope.experiments.plan import RECOMPUTE, PlanRequest, base_config
+
+    if args.dask is not None and args.dask != "local" and not re.fullmatch(DASK_ADDRESS, args.dask):
+        raise ValueError(f"--dask: got {short_repr(args.dask)}, expected local or tcp://HOST:PORT")
+    cap = None
+    if args.memory_cap is not None:
+        try:
+            cap = parse_size(args.memory_cap)
+        except ValueError as err:
+            raise ValueError(f"--memory-cap: {err}") from None
+    base = base_config(args.model, args.topology, integer_flag("--nodes", args.nodes, 1, 4096), cap,
+                       config_tree(args.config, args.sets))
+    request = PlanRequest(
+        base, integer_flag("--global-batch", args.global_batch, 1, MAX_GLOBAL_BATCH),
+        schedules=tuple(_names("--schedules", args.schedules)),
+        microbatch_sizes=tuple(integer_flag("--microbatch-sizes", v, 1, MAX_GLOBAL_BATCH)
+                               for v in _names("--microbatch-sizes", args.microbatch_sizes)),
+        recompute=tuple(_choice("--recompute", v, RECOMPUTE) for v in _names("--recompute", args.recompute)),
+        sequence=tuple(_choice("--sequence", v, ("off", "on")) == "on" for v in _names("--sequence", args.sequence)),
+        tensor=tuple(integer_flag("--tensor", v, 1, 1024) for v in _names("--tensor", args.tensor)),
+        depths=None if args.depths is None else tuple(integer_flag("--depths", v, 1, 100_000)
+                                                      for v in _names("--depths", args.depths)),
+        top=integer_flag("--top", args.top, 1, MAX_TOP))
+    workers = integer_flag("--workers", args.workers, 1, MAX_WORKERS) if args.workers is not None else None
+    return request, workers
+
+
+def _names(flag: str, text: str) -> list[str]:
+    """The items of a comma-separated flag, each once, in order; ValueError naming the flag if none."""
+    items = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    if not items:
+        raise ValueError(f"{flag}: got {short_repr(text)}, expected a comma-separated list")
+    return items
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{flag}: got {short_repr(value)}, expected one of {', '.join(choices)}")
+    return value
+
+
+def as_json(report: PlanReport) -> dict:
+    """``best`` (schedule, tensor, width, depth, microbatch_size, recompute and its metrics), ``ranked``,
+    ``rejected`` (each with ``reason``) and the counts."""
+    return {"best": report.best, "ranked": report.ranked, "rejected": report.rejected, "gpus": report.gpus,
+            "candidates": report.candidates, "simulated": report.simulated, "plan_wall_s": report.wall_s}
+
+
+def summary(report: PlanReport, top: int) -> str:
+    """The ranked table, then rejections grouped by reason."""
+    lines = [f"plan: {report.candidates} candidates on {report.gpus} GPUs: {report.simulated} simulated, "
+             f"{len(report.ranked)} fit, {len(report.rejected)} rejected; {report.wall_s:.1f} s"]
+    if report.best is None:
+        lines.append("nothing fits: every candidate was rejected (reasons below)")
+    else:
+        lines.append(_ranked_table(report.ranked[:top]))
+        b = report.best
+        lines.append(f"best: {b['schedule']}, width {b['width']} x depth {b['depth']} x tensor {b['tensor']}, "
+                     f"microbatch {b['microbatch_size']} x {b['microbatches']}, "
+                     f"{'sequence-parallel, ' if b['sequence'] else ''}recompute {b['recompute']}: "
+                     f"{b['throughput_samples_per_s']:.1f} samples/s")
+    groups = Counter(_reason_class(r["reason"]) for r in report.rejected)
+    for reason, count in groups.most_common(REASONS_SHOWN):
+        example = next(r for r in report.rejected if _reason_class(r["reason"]) == reason)
+        lines.append(f"rejected {count}: {reason} (e.g. {_label(example)}: {example['reason']})")
+    return "\n".join(lines)
+
+
+def _ranked_table(rows: list[dict]) -> str:
+    head = (f"{'#':>3} {'schedule':<12}{'t':>3}{'sp':>4}{'w':>4}{'d':>4}{'mb':>4}{'m':>5} {'recompute':<10}"
+            f"{'samples/s':>11}{'iteration':>12}{'peak GiB':>10}{'bubble':>8}")
+    body = [f"{i:>3} {r['schedule']:<12}{r['tensor']:>3}{'yes' if r['sequence'] else '-':>4}{r['width']:>4}"
+            f"{r['depth']:>4}{r['microbatch_size']:>4}{r['microbatches']:>5} {r['recompute']:<10}"
+            f"{r['throughput_samples_per_s']:>11.1f}"
+            f"{r['iteration_time_s'] * 1e3:>10.1f}ms{r['peak_memory_bytes'] / 2**30:>10.2f}{r['bubble_rate']:>8.1%}"
+            for i, r in enumerate(rows, 1)]
+    return "\n".join([head, *body])
+
+
+def _reason_class(reason: str) -> str:
+    """The kind of a rejection: its text up to the first number or colon-separated detail."""
+    if reason.startswith("OOM"):
+        return "OOM"
+    if reason.startswith("pruned"):
+        return "pruned by the throughput bound"
+    return re.split(r"[:(=]", reason, maxsplit=1)[0].strip()
+
+
+def _label(row: dict) -> str:
+    return (f"{row['schedule']} w={row['width']} d={row['depth']} t={row['tensor']}{' sp' if row['sequence'] else ''}"
+            f" mb={row['microbatch_size']} recompute={row['recompute']}")

@@ -1,0 +1,74 @@
+"""Bounds a schedule's result cannot beat, from its order and its stage costs alone (no replay).
+
+The planner (``experiments/plan.py``, docs/planner.md) prunes with them before it simulates anything, so both must
+be true bounds, never estimates:
+
+- **busy time**: a device cannot finish an iteration faster than the compute it runs in one, so the iteration
+  time is at least the busiest device's compute per iteration, and the throughput at most samples over that;
+- **memory**: what a device holds at its peak is at least its static state (weights x versions, gradients,
+  optimizer state) plus what its compute ops stash, and that stash depends only on the device's own op order
+  (docs/schedules.md section 0's bookkeeping). The timed ledger adds p2p buffers on top, never less.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pipescope.simulator.costs import StageCost
+from pipescope.simulator.ir import ActionKind, Schedule
+from pipescope.simulator.memory import OpArrays, device_timelines, op_memory_events, static_memory
+from pipescope.simulator.program import KIND_CODE, op_durations
+
+
+def busy_per_iteration_ns(schedule: Schedule, stage_costs: Sequence[StageCost]) -> list[int]:
+    """Compute ns each device runs per iteration: its F, I, W and B ops, recompute included, plus, for a flush
+    schedule, one optimizer step per stage (where the cost model gives it time). A schedule that spans iterations
+    (PipeDream, 2BW) is timed by the gaps between iteration ends, and with few iterations one gap holds no step
+    (docs/schedules.md, "The optimizer step"), so its steps are left out of the bound."""
+    durations = op_durations(stage_costs, schedule.recompute)
+    busy = [0] * schedule.num_devices
+    for device in range(schedule.num_devices):
+        total = sum(durations[a.stage, a.kind] for a in schedule.compute_actions(device))
+        busy[device] = total // schedule.iterations
+    if schedule.iterations == 1:
+        for stage, device in enumerate(schedule.stage_to_device):
+            busy[device] += durations[stage, ActionKind.OPT]
+    return busy
+
+
+def memory_lower_bounds(schedule: Schedule, stage_costs: Sequence[StageCost], precision: str,
+                        runtime: str = "megatron") -> list[int]:
+    """Per device, bytes its peak cannot be under: static state (as ``memory.runtime`` counts it) plus its ops'
+    stash, replayed in list order."""
+    home = np.asarray(schedule.stage_to_device)
+    params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
+    static = [static_memory(int(params[d]), schedule.versions(d), precision, runtime).total
+              for d in range(schedule.num_devices)]
+    return [memory.peak_bytes for memory in device_timelines(_ordered_events(schedule, stage_costs), static)]
+
+
+def _ordered_events(schedule: Schedule, stage_costs: Sequence[StageCost]):
+    """The stash events of every compute op, each device's ops at consecutive instants in list order (an op
+    starts at 2i and ends at 2i + 1, so the ledger sees the order a timed run has)."""
+    devices, kinds, stages = [], [], []
+    for device in range(schedule.num_devices):
+        for action in schedule.compute_actions(device):
+            devices.append(device)
+            kinds.append(KIND_CODE[action.kind])
+            stages.append(action.stage)
+    at = np.asarray(stages, dtype=np.int64)
+    slot = np.zeros(len(devices), dtype=np.int64)
+    device = np.asarray(devices, dtype=np.int64)
+    for d in range(schedule.num_devices):  # position within the device's own list
+        mask = device == d
+        slot[mask] = np.arange(int(mask.sum()), dtype=np.int64)
+
+    def column(name: str) -> np.ndarray:
+        return np.array([getattr(c, name) for c in stage_costs], dtype=np.int64)[at]
+
+    ops = OpArrays(device=device, kind=np.asarray(kinds, dtype=np.int64), start=2 * slot, end=2 * slot + 1,
+                   activation=column("activation_bytes"), weight_grad=column("weight_grad_bytes"),
+                   stage_input=column("input_bytes"))
+    return op_memory_events(ops, schedule.recompute, schedule.chunks)

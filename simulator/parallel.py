@@ -1,0 +1,197 @@
+"""Tensor parallelism (Megatron-style) and the recompute modes: the ``parallel`` config section, what one of a
+stage's t GPUs holds and sends, and the time of its tensor-parallel collectives.
+
+A simulated device is a pipeline device: with ``parallel.tensor`` t > 1 it stands for t GPUs of one node that split
+each layer's matmuls (column-parallel QKV and MLP up, row-parallel out projection and MLP down) and the vocabulary
+layers. The analytic kernels divide by t where Megatron splits (``models.layer_kernels``); this module gives the
+per-GPU bytes (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"; docs/memory.md,
+"Tensor parallelism") and the collectives each op runs, priced on the idle network of the stage's GPU group and
+added to the op's time (docs/network.md, "Tensor parallelism").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from pipescope.simulator.models import PRECISIONS, LayerWork, ModelSpec, layer_work, output_activation_bytes
+from pipescope.simulator.units import short_repr
+
+if TYPE_CHECKING:
+    from pipescope.simulator.routed import RoutedNetwork
+
+RECOMPUTE_MODES = ("none", "selective", "full")  # schedule.recompute; docs/cli.md
+# The old boolean key, in the config's boolean spellings (pipescope/config.py): true means full, false none.
+_RECOMPUTE_BOOLS = {**dict.fromkeys(("true", "yes", "1", "on"), "full"),
+                    **dict.fromkeys(("false", "no", "0", "off"), "none")}
+
+
+def parse_recompute(value: object) -> str:
+    """``schedule.recompute`` as one of ``RECOMPUTE_MODES``; the old boolean's values are ``full``/``none``.
+
+    Raises:
+        ValueError: anything else (the caller names the key).
+    """
+    text = str(value).strip().lower() if isinstance(value, (bool, int, str)) else None
+    if text in _RECOMPUTE_BOOLS:
+        return _RECOMPUTE_BOOLS[text]
+    if text not in RECOMPUTE_MODES:
+        raise ValueError(f"got {short_repr(value)}, expected one of {', '.join(RECOMPUTE_MODES)} (or true/false for "
+                         f"full/none)")
+    return text
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The ``parallel`` section: ``tensor`` GPUs of one node per pipeline device (Megatron tensor parallelism, 1:
+    none) and ``sequence`` parallelism over them (reduce-scatter and all-gather in place of the all-reduces, the layer
+    norms and dropouts split over t; needs tensor > 1). docs/cli.md, "parallel"."""
+
+    tensor: int = 1
+    sequence: bool = False
+
+
+def check_parallel(parallel: ParallelConfig, model: ModelSpec | None, gpus_per_node: int | None) -> None:
+    """ValueError naming the key unless t divides the node's GPUs, the heads (so the hidden and MLP sizes) and, with
+    sequence parallelism, the sequence; and sequence parallelism has t > 1. ``None``: that part is not checked."""
+    t = parallel.tensor
+    if parallel.sequence and t < 2:
+        raise ValueError("parallel.sequence: got true with parallel.tensor = 1, expected parallel.tensor > 1 "
+                         "(sequence parallelism splits over the tensor-parallel GPUs)")
+    if gpus_per_node is not None and gpus_per_node % t:
+        raise ValueError(f"parallel.tensor: got {t}, expected a divisor of the {gpus_per_node} GPUs per node "
+                         f"(a stage's tensor-parallel GPUs share one node)")
+    if model is None:
+        return
+    if model.heads % t:
+        raise ValueError(f"parallel.tensor: got {t}, expected a divisor of model.heads (={model.heads}), so each GPU "
+                         f"holds whole heads")
+    if model.hidden % t:
+        raise ValueError(f"parallel.tensor: got {t}, expected a divisor of model.hidden (={model.hidden})")
+    if parallel.sequence and model.seq % t:
+        raise ValueError(f"parallel.tensor: got {t} with parallel.sequence, expected a divisor of model.seq "
+                         f"(={model.seq}), which sequence parallelism splits")
+
+
+@dataclass(frozen=True)
+class CollectiveTimes:
+    """ns of the tensor-parallel collectives of one stage's GPU group on the idle network: all-reduce, all-gather
+    and reduce-scatter of one activation (s x b x h elements), and the all-reduce of cross-entropy's fp32 per-token
+    statistics (max, sum of exponentials, target logit: three of these per microbatch)."""
+
+    all_reduce: int = 0
+    all_gather: int = 0
+    reduce_scatter: int = 0
+    token_all_reduce: int = 0
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """What one of a stage's ``tensor`` GPUs computes, holds and waits for; the defaults are no split at all.
+
+    Attributes:
+        tensor: t, the tensor-parallel width.
+        sequence: sequence parallelism over the t GPUs.
+        selective: selective recompute (the attention core is not stashed; the backward re-runs it).
+        times: per stage, the idle-network time of its group's collectives (empty: free, as at t = 1).
+    """
+
+    tensor: int = 1
+    sequence: bool = False
+    selective: bool = False
+    times: tuple[CollectiveTimes, ...] = ()
+
+    def layer_work(self, model: ModelSpec, microbatch_size: int, precision: str, attention: str) -> LayerWork:
+        """``models.layer_work`` with per-GPU bytes (FLOPs stay the whole layer's: the MFU convention's).
+
+        ``M_B`` per layer (bf16, Korthikanti's Table 2 and its flash analogue, docs/memory.md):
+        eager ``sbh(10 + 24/t) + 5as^2b/t``, flash ``sbh(10 + 24/t) + 4abs/t``; with sequence parallelism the
+        ``10sbh`` kept whole is split too (``34sbh/t``); selective recompute drops the attention core's term.
+        ``M_W`` is ``8sbh + 24sbh/t`` (``32sbh/t`` with sequence parallelism). The boundary is one GPU's slice,
+        ``sbh/t``: Megatron sends a stage's output as t slices in parallel, one per GPU.
+        """
+        whole = layer_work(model, microbatch_size, precision, attention)
+        t = self.tensor
+        s, b, h, a = model.seq, microbatch_size, model.hidden, model.heads
+        scale = PRECISIONS[precision].activation_bytes / 2  # the paper's counts are for 2-byte activations
+        kept_whole, split = (0, 34 * (h // t)) if self.sequence else (10 * h, 24 * (h // t))
+        stash = int(s * b * (kept_whole + split) * scale)
+        if not self.selective:
+            stash += (int(s * b * 5 * (a // t) * s * scale) if attention == "eager"
+                      else 4 * (a // t) * s * b)  # flash's fp32 log-sum-exp per row and head
+        w_whole, w_split = (0, 32 * (h // t)) if self.sequence else (8 * h, 24 * (h // t))
+        return replace(whole, activation_bytes=stash, weight_grad_bytes=int(s * b * (w_whole + w_split) * scale),
+                       boundary_bytes=whole.boundary_bytes // t)
+
+    def stage_input_bytes(self, model: ModelSpec, microbatch_size: int, precision: str) -> int:
+        """The stage input, all ``F`` keeps under full recompute: whole on every GPU, or its 1/t sequence slice."""
+        nbytes = model.seq * microbatch_size * model.hidden * PRECISIONS[precision].activation_bytes
+        return nbytes // self.tensor if self.sequence else nbytes
+
+    def output_bytes(self, model: ModelSpec, microbatch_size: int, precision: str) -> int:
+        """The output layer's stash on one GPU: its vocabulary slice of the logits plus their fp32 softmax."""
+        return output_activation_bytes(replace(model, vocab=self.vocab_slice(model)), microbatch_size, precision)
+
+    def vocab_slice(self, model: ModelSpec) -> int:
+        """Vocabulary rows per GPU: ceil(V / t) (Megatron pads the vocabulary to a multiple of t)."""
+        return -(-model.vocab // self.tensor)
+
+    def params(self, model: ModelSpec, layers: int, first: bool, last: bool) -> int:
+        """Parameters on one GPU: the split matmuls' weights and biases over t; the out projection's and MLP
+        down's biases and the layer norms whole; the token embedding and output projection by vocabulary slice,
+        the position embedding whole."""
+        t, h = self.tensor, model.hidden
+        params = layers * (12 * h * h // t + 7 * h // t + 6 * h) if t > 1 else layers * model.layer_params()
+        if last:
+            params += self.vocab_slice(model) * h
+        if first:
+            params += self.vocab_slice(model) * h + model.seq * h
+        return params
+
+    def comm_ns(self, stage: int, layers: int, first: bool, last: bool) -> tuple[int, int]:
+        """(ns added to F, ns added to I) of ``stage`` for its tensor-parallel collectives.
+
+        Per layer, F and I each run two all-reduces of the activation (after the row-parallel out projection and
+        MLP down; in I, before the column-parallel QKV and MLP up), or with sequence parallelism two all-gathers
+        and two reduce-scatters. The vocabulary-parallel embedding all-reduces (reduce-scatters) its output in F;
+        the output layer all-reduces (reduce-scatters) the gradient of its input in I, all-gathers its input in
+        F under sequence parallelism, and cross-entropy all-reduces three fp32 values per token in F.
+        """
+        if self.tensor < 2 or not self.times:
+            return 0, 0
+        c = self.times[stage]
+        pair = 2 * (c.all_gather + c.reduce_scatter) if self.sequence else 2 * c.all_reduce
+        to_whole = c.reduce_scatter if self.sequence else c.all_reduce
+        forward = backward = layers * pair
+        if first:
+            forward += to_whole
+        if last:
+            forward += 3 * c.token_all_reduce + (c.all_gather if self.sequence else 0)
+            backward += to_whole
+        return forward, backward
+
+
+def collective_times(network: RoutedNetwork, group: list[int], activation_bytes: int, tokens: int
+                     ) -> CollectiveTimes:
+    """The collectives of the tensor-parallel ``group`` (devices of ``network``) on an otherwise idle network
+    (``routed.time_alone``); the collective model (``simulator/collectives.py``) picks the algorithm as for any."""
+    from pipescope.simulator.ir import ActionKind as K
+    from pipescope.simulator.routed import time_alone
+
+    def alone(kind: K, nbytes: int) -> int:
+        return time_alone(network, collective=(kind, group, nbytes))[0]
+
+    return CollectiveTimes(alone(K.ALL_REDUCE, activation_bytes), alone(K.ALL_GATHER, activation_bytes),
+                           alone(K.REDUCE_SCATTER, activation_bytes), alone(K.ALL_REDUCE, 4 * tokens))
+
+
+def stage_times(network: RoutedNetwork, tensor: int, stage_to_device: list[int], activation_bytes: int,
+                tokens: int) -> tuple[CollectiveTimes, ...]:
+    """Per stage, its device's group times (device d's group is ``network``'s devices d*t .. d*t+t-1), each
+    distinct group priced once."""
+    by_device: dict[int, CollectiveTimes] = {}
+    for device in stage_to_device:
+        if device not in by_device:
+            group = list(range(device * tensor, (device + 1) * tensor))
+            by_device[device] = collective_times(network, group, activation_bytes, tokens)
+    return tuple(by_device[device] for device in stage_to_device)

@@ -1,0 +1,143 @@
+"""The planner (docs/planner.md): bounds that hold, the exhaustive answer, the memory cap, the CLI."""
+
+import itertools
+import json
+
+import pytest
+
+import pipescope
+from pipescope.config import ConfigError
+from pipescope.experiments.plan import PLAN_KEYS, RECOMPUTE, PlanRequest, base_config, candidates, plan, screen
+from pipescope.experiments.sweep import dask_executor
+from pipescope.runner import prepare
+from pipescope.simulator.bounds import busy_per_iteration_ns, memory_lower_bounds
+
+SMALL = PlanRequest(base_config("gpt-355m", "dgx-a100", 1, None, {"model": {"layers": 8}}), 16,
+                    schedules=("1f1b", "gpipe", "2bw", "zb-h1", "interleaved"), microbatch_sizes=(1, 2, 4),
+                    tensor=(1, 2), top=3)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "2bw", "pipedream", "zb-h1", "zb-v", "v-half", "interleaved"])
+def test_bounds_hold_against_simulation(name: str) -> None:
+    """The busiest device's compute never exceeds the simulated iteration time, and the order-only stash never
+    exceeds a device's simulated peak (with data parallelism and recompute too)."""
+    for p, m, dp, recompute in itertools.product([2, 4], [8], [1, 2], ["none", "selective", "full"]):
+        config = pipescope.load_config(raw={
+            "schedule": {"name": name, "stages": p, "microbatches": m, "recompute": recompute},
+            "model": {"preset": "gpt-355m", "microbatch_size": 2, "attention": "eager"},
+            "cluster": {"topology": "dgx-a100", "nodes": 2, "data_parallel": dp},
+            "parallel": {"tensor": 2, "sequence": dp > 1}})
+        built = prepare(config)
+        costs = built.stage_costs()
+        result = pipescope.run(config)
+        assert max(busy_per_iteration_ns(built.schedule, costs)) <= result.iteration_time_s * 1e9 + 1
+        bounds = memory_lower_bounds(built.schedule, costs, built.config.model.precision)
+        peaks = [row["peak_memory_bytes"] for row in result.summary()["per_device"]]
+        assert all(b <= peak for b, peak in zip(bounds, peaks))
+        assert all(b >= 0.9 * peak for b, peak in zip(bounds, peaks))  # and close: only p2p buffers are left out
+
+
+def _exhaustive(request: PlanRequest) -> list[tuple[float, int, tuple]]:
+    """Every candidate that runs and fits, simulated one by one in this process: (throughput, peak, key)."""
+    out = []
+    for candidate in candidates(request, 8):
+        screened = screen(request, candidate)
+        if screened.run is None:
+            continue
+        result = pipescope.run(screened.run.config)
+        if not result.oom():
+            out.append((result.throughput_samples_per_s, result.peak_memory_bytes,
+                        tuple(candidate.as_dict().values())))
+    return sorted(out, key=lambda row: (-row[0], row[1]))
+
+
+def test_planner_finds_the_exhaustive_best() -> None:
+    """Its ranked top 3 are an exhaustive simulation's top 3 (same throughputs; ties ranked by memory), and it
+    simulated fewer candidates than exist."""
+    report = plan(SMALL, workers=2, progress=False)
+    every = _exhaustive(SMALL)
+    assert [r["throughput_samples_per_s"] for r in report.ranked[:3]] == pytest.approx([t for t, _, _ in every[:3]])
+    assert tuple(report.best[k] for k in PLAN_KEYS) == every[0][2]
+    assert report.simulated < report.candidates
+    assert len(report.ranked) + len(report.rejected) == report.candidates
+
+
+def test_a_tighter_cap_moves_the_plan_to_less_memory() -> None:
+    """The best plan fits its cap; under a cap below that plan's peak the planner picks another that fits, with
+    recompute, a smaller microbatch or a deeper pipeline."""
+    request = PlanRequest(base_config("gpt-1.3b", "dgx-h100", 1, None), 32, schedules=("1f1b", "gpipe"),
+                          microbatch_sizes=(1, 2, 4, 8), tensor=(1,), top=1)
+    loose = plan(request, workers=2, progress=False).best
+    cap = int(loose["peak_memory_bytes"] * 0.6)
+    tight = plan(PlanRequest(base_config("gpt-1.3b", "dgx-h100", 1, cap), 32, schedules=("1f1b", "gpipe"),
+                             microbatch_sizes=(1, 2, 4, 8), tensor=(1,), top=1), workers=2, progress=False).best
+    assert tight["peak_memory_bytes"] <= cap < loose["peak_memory_bytes"]
+    saves = RECOMPUTE.index(tight["recompute"]) > RECOMPUTE.index(loose["recompute"])
+    assert saves or tight["microbatch_size"] < loose["microbatch_size"] or tight["depth"] > loose["depth"]
+
+
+def test_tensor_parallelism_is_searched() -> None:
+    """With tensor widths on offer, candidates at t = 2 and 4 (with and without sequence parallelism) are screened,
+    a t that does not divide the heads (12 here) is rejected with the parallel key's reason, and under a cap too
+    small for any t = 1 plan the best plan splits the layers."""
+    request = PlanRequest(base_config("gpt-3.8b", "dgx-a100", 1, 24 << 30, {"model": {"heads": 12}}), 8,
+                          schedules=("1f1b",), microbatch_sizes=(1,), recompute=("none",), tensor=(1, 2, 4, 8), top=1)
+    report = plan(request, workers=2, progress=False)
+    assert report.best is not None and report.best["tensor"] > 1
+    assert {(r["tensor"], r["sequence"]) for r in report.rejected + report.ranked} >= {(2, True), (4, False)}
+    assert any(r["tensor"] == 8 and "parallel.tensor" in r["reason"] for r in report.rejected)
+
+
+def test_depths_restrict_the_search() -> None:
+    """``depths=(1,)`` plans tensor and data parallelism only: every candidate has depth 1."""
+    request = PlanRequest(base_config("gpt-355m", "dgx-a100", 1, None), 16, schedules=("1f1b",),
+                          microbatch_sizes=(1, 2), depths=(1,), top=1)
+    report = plan(request, workers=1, progress=False)
+    assert {r["depth"] for r in report.ranked + report.rejected} == {1}
+    assert {r["tensor"] for r in report.ranked + report.rejected} == {1, 2, 4, 8}
+
+
+def test_rejections_name_their_reason() -> None:
+    """OOM names the device and the bytes; an indivisible batch and a schedule's own constraint are one line."""
+    report = plan(PlanRequest(base_config("gpt-1.3b", "dgx-h100", 1, 8 << 30), 8, schedules=("gpipe", "2bw"),
+                              microbatch_sizes=(2, 32), top=1), workers=2, progress=False)
+    reasons = [r["reason"] for r in report.rejected]
+    assert any(r.startswith("OOM on device") and "bytes" in r for r in reasons)
+    assert any("not divisible by width x microbatch size" in r for r in reasons)
+    assert any("must be >= schedule.stages" in r for r in reasons)
+    assert all("\n" not in r for r in reasons)
+
+
+def test_dask_and_the_process_pool_agree() -> None:
+    """The same plan on a Dask LocalCluster (the sweep's executor path) as on the process pool."""
+    with dask_executor("local", workers=2) as (executor, threads):
+        on_dask = plan(SMALL, executor, threads, progress=False)
+    assert on_dask.ranked == plan(SMALL, workers=2, progress=False).ranked
+
+
+def test_cli_json_and_errors(cli) -> None:
+    code, out, _ = cli(["plan", "--model", "gpt-355m", "--topology", "dgx-a100", "--global-batch", "16",
+                        "--schedules", "1f1b,2bw", "--microbatch-sizes", "1,2", "--memory-cap", "40GiB",
+                        "--tensor", "1", "--workers", "2", "--no-progress", "--json", "--top", "2"])
+    assert code == 0
+    data = json.loads(out)
+    assert set(data["best"]) >= {"schedule", "tensor", "width", "depth", "microbatch_size", "recompute"}
+    assert data["best"]["peak_memory_bytes"] <= 40 << 30
+    assert len(data["ranked"]) >= 2 and all("reason" in r for r in data["rejected"])
+    for flags, key in [(["--global-batch", "0"], "--global-batch"), (["--global-batch", "8", "--schedules", "nope"],
+                       "--schedules"), (["--global-batch", "8", "--recompute", "half"], "--recompute"),
+                       (["--global-batch", "8", "--memory-cap", "lots"], "--memory-cap"),
+                       (["--global-batch", "8", "--set", "cluster.fabric=mesh"], "cluster.fabric")]:
+        code, out, err = cli(["plan", "--no-progress", *flags])
+        assert code == 2 and err.count("\n") == 1 and key in err
+
+
+def test_nothing_fits_is_a_finding(cli) -> None:
+    code, out, _ = cli(["plan", "--model", "gpt-3.8b", "--topology", "dgx-a100", "--global-batch", "8",
+                        "--memory-cap", "1GiB", "--schedules", "1f1b", "--workers", "1", "--no-progress"])
+    assert code == 1 and "nothing fits" in out and "OOM" in out
+
+
+def test_bad_request_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="--top"):
+        plan(PlanRequest(SMALL.base, 16, top=0), workers=1, progress=False)
