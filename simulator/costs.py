@@ -39,7 +39,7 @@ class StageCost:
         params: parameters of the stage.
         param_tensors: its parameter tensors (torch's AdamW keeps a 4-byte step counter per tensor).
         optimizer_ns: the stage's optimizer step (AdamW with gradient norm and clipping), once per iteration after
-            its last backward (0: not modelled, as in the closed forms).
+            its last backward, or after every backward under PipeDream (0: not modelled, as in the closed forms).
     """
 
     forward_ns: int

@@ -24,8 +24,8 @@ class ActionKind(StrEnum):
 
     F forward, I input-grad, W weight-grad, B fused backward (I + W); SEND_*/RECV_* the p2p transfers lowering adds;
     torch's per-stage UNSHARD/RESHARD/REDUCE_GRAD (kept, no work here); collectives over a group of devices; OPT a
-    stage's optimizer step, once per iteration (``lowering.add_optimizer_steps``; ``3OPT7`` is stage 3's step after
-    the iteration whose last microbatch is 7).
+    stage's optimizer step, once per iteration, or per backward under PipeDream (``lowering.add_optimizer_steps``;
+    ``3OPT7`` is stage 3's step after the iteration whose last microbatch is 7, or under PipeDream after 7's backward).
     """
 
     F = "F"

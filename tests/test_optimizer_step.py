@@ -1,5 +1,7 @@
-"""The optimizer step as part of the iteration: one ``sOPTk`` per stage and iteration, after the backwards it
-applies (simulator/lowering.py ``add_optimizer_steps``), waiting for the stage's gradient all-reduce."""
+"""The optimizer step as part of the iteration: ``sOPTk`` ops where the real executor runs them (after the device's
+last op behind clipping's norm all-reduce for flush schedules, after each stage's last backward of an iteration for
+2BW, after every backward for PipeDream; simulator/lowering.py ``add_optimizer_steps``), each waiting for its stage's
+gradient all-reduce."""
 
 from __future__ import annotations
 
