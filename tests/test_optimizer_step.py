@@ -162,3 +162,37 @@ def test_data_parallel_steps_wait_for_their_own_all_reduce(name: str, iterations
             assert engine.entry_start[entry] >= max(engine.flow_end[f] for f in reduces)
     steps = sum(a.kind is ActionKind.OPT for a in program.actions)
     assert steps == 2 * 4 * iterations * 8 // per_step
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCosts(UniformCosts):
+    """Parameters to all-reduce, no step time: no OPT op."""
+
+    def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
+        return dataclasses.replace(super().stage_cost(stage, num_stages, chunks), params=10**9 // chunks)
+
+
+def test_without_step_time_pipedreams_next_forward_waits_for_the_backwards_all_reduce() -> None:
+    """PipeDream's next forward runs on the newest weights, so with no step op it waits for the all-reduce of the
+    stage's previous backward instead."""
+    schedule = build("pipedream", 4, 8, iterations=2)
+    program, stage_costs = prepare(schedule, ParamCosts())
+    assert not any(a.kind is ActionKind.OPT for a in program.actions)
+    program = data_parallel(program, schedule, 2, [c.params * 2 for c in stage_costs], GradSync(512 << 20))
+    engine = Engine(program, servers(2, 4, 450 * GB, 2 * GB)).run()
+    assert engine == Oracle(program, servers(2, 4, 450 * GB, 2 * GB)).run()
+    ends = {}
+    for i, a in enumerate(program.actions):
+        if isinstance(a, Collective):
+            key = (a.stage, a.microbatch, program.device[i] // 4)
+            ends[key] = max(ends.get(key, 0), engine.flow_end[program.flow_of[i]])
+    checked = 0
+    for device in range(8):
+        ops = [i for i in program.device_steps[device] if not isinstance(program.actions[i], Collective)]
+        for at, i in enumerate(ops):
+            done = program.actions[i]
+            forward = next((j for j in ops[at + 1:] if program.actions[j].kind is ActionKind.F), None)
+            if done.kind is ActionKind.B and forward is not None:
+                assert engine.entry_start[forward] >= ends[done.stage, done.microbatch, device // 4]
+                checked += 1
+    assert checked > 0
