@@ -7,8 +7,8 @@ Two training runtimes hold different buffers around the same program:
   precision the gradients are Megatron's fp32 ``main_grad``: 4 bytes per parameter, not 2.
 - ``torch`` (torch.distributed.pipelining's runtime, which pipescope's executor mirrors): a stage's output is kept
   until its backward, and everything a rank sends (outputs and input gradients) until the end of the step, where
-  all sends are waited for. A received gradient is held until its backward ends. AdamW keeps a 4-byte step
-  counter per parameter tensor.
+  all sends are waited for. A receive buffer is taken when the receive is posted (its place in the device's list)
+  and a received gradient is held until its backward ends. AdamW keeps a 4-byte step counter per parameter tensor.
 
 ``simulator.memory.ledger`` calls ``buffer_events`` with the runtime's rule; the rest of the ledger is shared.
 """
@@ -76,8 +76,21 @@ def buffer_events(records: Timeline, boundary_bytes: np.ndarray, runtime: str,
     gradients = records.is_kind(K.SEND_B)[sends]  # an output's send is the output itself: counted below
     held_grads = (records.device[sends][gradients], produced[gradients], run_end[records.device[sends][gradients]],
                   records.nbytes[sends][gradients])
-    held_recvs = (records.device[recvs], records.start[recvs], consumed, records.nbytes[recvs])
+    posted = _posted(records)[recvs]
+    held_recvs = (records.device[recvs], posted, np.maximum(consumed, posted), records.nbytes[recvs])
     return _joined([held_grads, held_recvs, _outputs(records, ops, compute, boundary_bytes, run_end)])
+
+
+def _posted(records: Timeline) -> np.ndarray:
+    """Per row, when its device posted it: the end of the last compute op before it in the device's list (rows are
+    in program order), or 0. torch's ``irecv`` takes its buffer then, however late the data comes."""
+    ends = np.where(records.mask(Role.COMPUTE), records.end, 0)
+    posted = np.zeros(len(ends), dtype=np.int64)
+    for device in range(records.num_devices):
+        rows = np.flatnonzero(records.device == device)
+        if rows.size:
+            posted[rows] = np.concatenate([[0], np.maximum.accumulate(ends[rows])[:-1]])
+    return posted
 
 
 def _outputs(records: Timeline, ops: ActionIndex, compute: np.ndarray, boundary_bytes: np.ndarray,
