@@ -24,6 +24,7 @@ from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.safe_yaml import YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig
 from pipescope.simulator.units import parse_size, parse_time, short_repr
+from pipescope.simulator.vocab import VocabMethod
 from pipescope.simulator.faults import FaultsConfig
 from pipescope.topologies.cluster import COLLECTIVE_ALGORITHMS, ClusterConfig
 from pipescope.topologies.graphs import FABRICS, MAX_NODES, MAX_OVERSUBSCRIPTION
@@ -71,9 +72,10 @@ RANGES: dict[str, tuple[int, int]] = {
     "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1, 1 << 50),
     "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1),
 }
-TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p", "costs.optimizer"}
+TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p", "costs.optimizer",
+             "costs.vocab_s", "costs.vocab_t"}
 CHOICES = {
-    "schedule.vocab": ("naive",),
+    "schedule.vocab": tuple(VocabMethod),
     "model.precision": tuple(PRECISIONS),
     "model.preset": tuple(PRESETS),
     "model.attention": ATTENTIONS,

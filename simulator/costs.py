@@ -23,6 +23,7 @@ from pipescope.simulator.models import (
     output_kernels,
     stage_layers,
 )
+from pipescope.simulator.vocab import VocabShards
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class StageCost:
         params: parameters of the stage.
         optimizer_ns: the stage's optimizer step (AdamW with gradient norm and clipping), once per iteration after
             its last backward (0: not modelled, as in the closed forms).
+        vocab_s_ns, vocab_t_ns: the S and T passes over the vocabulary shard of the stage's device, per microbatch
+            (vocabulary parallelism, ``simulator.vocab``; set on the device's first stage only, else 0).
+        vocab_bytes: what the S pass stashes until the T pass (the shard's logits and softmax).
     """
 
     forward_ns: int
@@ -51,6 +55,9 @@ class StageCost:
     input_bytes: int = 0
     params: int = 0
     optimizer_ns: int = 0
+    vocab_s_ns: int = 0
+    vocab_t_ns: int = 0
+    vocab_bytes: int = 0
 
 
 class CostModel(Protocol):
@@ -119,10 +126,12 @@ class UniformCostsConfig:
     backward_weight: float = _time(1.0)
     p2p: float = _time(0.0)
     optimizer: float = _time(0.0)  # 0: no optimizer step, so the closed forms of docs/schedules.md hold
+    vocab_s: float = _time(0.0)  # a device's S pass under vocab-1/vocab-2/interlaced (0: the closed forms hold)
+    vocab_t: float = _time(0.0)  # a device's T pass
 
     def costs(self, precision: str) -> UniformCosts:
         return UniformCosts(self.forward, self.backward_input, self.backward_weight, precision=precision,
-                            optimizer=self.optimizer)
+                            optimizer=self.optimizer, vocab_s=self.vocab_s, vocab_t=self.vocab_t)
 
 
 # A large streaming kernel gets close to the datasheet bandwidth, the many short ones of a layer less: 0.8 is a
@@ -158,6 +167,8 @@ class UniformCosts:
     params: int = 0
     precision: str = "bf16"
     optimizer: float = 0.0  # the optimizer step per whole device-stage (0: none, as in the closed forms)
+    vocab_s: float = 0.0  # a device's S and T passes (vocabulary parallelism; run only where a schedule has them)
+    vocab_t: float = 0.0
 
     def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
         share = 1.0 / chunks
@@ -170,6 +181,8 @@ class UniformCosts:
             weight_grad_bytes=int(self.weight_grad_bytes * share),
             params=int(self.params * share),
             optimizer_ns=seconds_to_ns(self.optimizer * share),
+            vocab_s_ns=seconds_to_ns(self.vocab_s),
+            vocab_t_ns=seconds_to_ns(self.vocab_t),
         )
 
     def notes(self) -> list[str]:
@@ -258,6 +271,7 @@ class AnalyticCosts(PerStageCache):
     memory_bandwidth: float | None = None  # the device's datasheet bytes/s; None: memory traffic not timed
     memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
     attention: str = "flash"
+    vocab: VocabShards | None = None  # None: naive placement; else vocabulary parallelism (simulator/vocab.py)
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -276,8 +290,9 @@ class AnalyticCosts(PerStageCache):
             for op, value in self.roofline.pass_seconds(kernels).items():
                 seconds[op] += count * value
         stash = n * work.activation_bytes
-        if stage == num_stages - 1:
+        if stage == num_stages - 1 and self.vocab is None:
             stash += output_activation_bytes(self.model, self.microbatch_size, self.precision)
+        vocab = self._vocab_passes(stage)
         return StageCost(
             forward_ns=seconds_to_ns(seconds["F"]),
             input_grad_ns=seconds_to_ns(seconds["I"]),
@@ -289,11 +304,23 @@ class AnalyticCosts(PerStageCache):
             input_bytes=work.boundary_bytes,
             params=self._params(stage, num_stages, n),
             optimizer_ns=seconds_to_ns(seconds["optimizer"]),
+            **vocab,
         )
 
+    def _vocab_passes(self, stage: int) -> dict[str, int]:
+        """The S and T pass times and stash of the stage's vocabulary shard (empty under the naive placement)."""
+        if self.vocab is None or not self.vocab.owns(stage):
+            return {}
+        passes = {op: sum(map(self.roofline.seconds, kernels)) for op, kernels in self.vocab.pass_kernels().items()}
+        return {"vocab_s_ns": seconds_to_ns(passes["S"]), "vocab_t_ns": seconds_to_ns(passes["T"]),
+                "vocab_bytes": self.vocab.stash_bytes()}
+
     def _params(self, stage: int, num_stages: int, layers: int) -> int:
-        """Parameters of the stage: its blocks, the embedding on the first, the output projection on the last."""
+        """Parameters of the stage: its blocks, the embedding on the first, the output projection on the last (under
+        vocabulary parallelism: its device's shard of both, ``VocabShards.params``)."""
         params = layers * self.model.layer_params()
+        if self.vocab is not None:
+            return params + self.vocab.params(stage)
         if stage == num_stages - 1:
             params += self.model.output_params()
         if stage == 0:
@@ -305,7 +332,7 @@ class AnalyticCosts(PerStageCache):
         stage, and one optimizer step over its parameters (without a memory bandwidth: none)."""
         n = self._layers_of(stage, num_stages, self.model.layers)
         parts = [("layer", n, layer_kernels(self.model, self.microbatch_size, self.precision, self.attention))]
-        if stage == num_stages - 1:
+        if stage == num_stages - 1 and self.vocab is None:
             parts.append(("output", 1, output_kernels(self.model, self.microbatch_size, self.precision)))
         if self.memory_bandwidth:
             parts.append(("optimizer", 1, optimizer_kernels(self._params(stage, num_stages, n), self.precision)))

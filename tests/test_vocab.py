@@ -1,0 +1,174 @@
+"""``schedule.vocab``: vocabulary layers as explicit work (docs/schedules.md section 7).
+
+Real runs through ``pipescope.run`` (analytic costs on a DGX A100's routed network, or uniform costs), checked for
+what the paper's methods promise: balanced compute and parameters, the activation peaks of 1F1B with vocab-1
+(p+2), vocab-2 (p+1) and interlaced (1.5p), the C0/C1/C2 collectives on the network, and redistribute's split."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipescope.config import ConfigError, load_config
+from pipescope.runner import run
+from pipescope.simulator.costs import AnalyticCosts
+from pipescope.simulator.csvio import to_csv_text
+from pipescope.simulator.ir import ActionKind, Collective
+from pipescope.simulator.models import PRESETS, stage_layers
+from pipescope.simulator.result import SimResult
+from pipescope.simulator.vocab import VocabMethod, VocabShards, padded_vocab
+
+K = ActionKind
+VOCABS = (32_000, 64_000, 128_000, 256_000)
+BASE = ["model.preset=gpt-355m", "model.seq=1024", "cluster.topology=dgx-a100", "schedule.stages=4",
+        "schedule.microbatches=8"]
+
+
+def simulate(vocab: str, *sets: str) -> SimResult:
+    return run(load_config(None, [*BASE, f"schedule.vocab={vocab}", *sets]))
+
+
+def compute_ns_per_device(result: SimResult, kinds: tuple[str, ...]) -> list[int]:
+    """Each device's summed duration of the ops of ``kinds``."""
+    frame = result.timeline
+    ops = frame[frame["kind"].isin(kinds)]
+    return (ops["end_ns"] - ops["start_ns"]).groupby(ops["device"]).sum().reindex(range(4), fill_value=0).tolist()
+
+
+@pytest.mark.parametrize("method", ["vocab-1", "vocab-2"])
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_per_device_compute_is_uniform(method: str, vocab: int) -> None:
+    result = simulate(method, f"model.vocab={vocab}")
+    per_device = compute_ns_per_device(result, ("F", "B", "S", "T"))
+    assert len(set(per_device)) == 1, per_device
+    vocab_ns = compute_ns_per_device(result, ("S", "T"))
+    assert len(set(vocab_ns)) == 1 and vocab_ns[0] > 0
+
+
+def test_naive_last_stage_grows_linearly_with_the_vocabulary() -> None:
+    model = PRESETS["gpt-355m"]
+    totals = []
+    for vocab in VOCABS:
+        costs = AnalyticCosts(model.__class__(**{**vars(model), "vocab": vocab}), 312e12)
+        c = costs.stage_cost(3, 4, 1)
+        totals.append(c.forward_ns + c.input_grad_ns + c.weight_grad_ns)
+    steps = np.diff(totals) / np.diff(VOCABS)  # ns per vocabulary entry between neighbours
+    assert steps.min() > 0 and steps.max() / steps.min() < 1.001, steps
+    middle = costs.stage_cost(1, 4, 1)
+    assert totals[-1] > 2 * (middle.forward_ns + middle.input_grad_ns + middle.weight_grad_ns)
+
+
+@pytest.mark.parametrize("vocab", [32_000, 256_000])
+def test_redistribute_is_no_worse_than_naive_and_reports_its_split(vocab: int) -> None:
+    naive = simulate("naive", f"model.vocab={vocab}")
+    moved = simulate("redistribute", f"model.vocab={vocab}")
+    assert moved.iteration_ns <= naive.iteration_ns
+    split = json.loads(json.dumps(moved.summary()))["layers_per_stage"]
+    assert sum(split) == PRESETS["gpt-355m"].layers and len(split) == 4
+    if vocab == 256_000:  # the output layer outweighs layers: the last stage gives some away and the run gains
+        assert split[-1] < stage_layers(24, 4)[-1] and moved.iteration_ns < naive.iteration_ns
+
+
+@pytest.mark.parametrize(("method", "extra"), [("vocab-1", 2), ("vocab-2", 1)])
+@pytest.mark.parametrize("p", [4, 6])
+def test_activation_peak_on_the_first_device(method: str, extra: int, p: int) -> None:
+    result = simulate(method, f"schedule.stages={p}", f"schedule.microbatches={3 * p}", "model.layers=24")
+    assert result.devices[0].peak_activations == p + extra
+    naive = simulate("naive", f"schedule.stages={p}", f"schedule.microbatches={3 * p}", "model.layers=24")
+    assert naive.devices[0].peak_activations == p
+
+
+def test_interlaced_holds_one_and_a_half_p() -> None:
+    result = simulate("interlaced", "schedule.microbatches=12")
+    assert result.devices[0].peak_activations == 6
+
+
+@pytest.mark.parametrize(("method", "kinds"), [("vocab-1", {K.BROADCAST, K.ALL_REDUCE, K.REDUCE_SCATTER}),
+                                               ("vocab-2", {K.BROADCAST, K.ALL_REDUCE})])
+def test_collectives_run_on_the_network(method: str, kinds: set[ActionKind]) -> None:
+    result = simulate(method, "model.vocab=128000")
+    records = result.records
+    rows = [i for i, a in enumerate(records.actions) if isinstance(a, Collective)]
+    assert {records.actions[i].kind for i in rows} == kinds
+    for kind in kinds:  # one per microbatch, every device a member
+        per_kind = {records.actions[i] for i in rows if records.actions[i].kind is kind}
+        assert sorted(c.microbatch for c in per_kind) == list(range(8))
+        assert all(c.group == (0, 1, 2, 3) and c.nbytes > 0 for c in per_kind)
+    assert all(records.end[i] > records.start[i] for i in rows)  # the routed network took time to move them
+    shards = VocabShards(VocabMethod(method), 4, PRESETS["gpt-355m"].__class__(
+        **{**vars(PRESETS["gpt-355m"]), "seq": 1024, "vocab": 128000}), 1, "bf16")
+    assert {records.actions[i].kind: records.actions[i].nbytes for i in rows} == shards.collective_bytes()
+
+
+def test_overlapped_collectives_do_not_hold_the_stream() -> None:
+    """vocab-2's collectives run beside the compute stream: its devices idle less than interlaced's, whose
+    all-reduces hold every stream."""
+    overlapped, held = simulate("vocab-1", "model.vocab=256000"), simulate("interlaced", "model.vocab=256000")
+    assert overlapped.iteration_ns < held.iteration_ns
+
+
+def test_parameters_are_balanced() -> None:
+    result = simulate("vocab-2", "model.vocab=256000")
+    static = [d.static_memory_bytes for d in result.devices]
+    position = 1024 * 1024 * 16  # the position embedding stays on device 0 (16 bytes per parameter)
+    assert static[1] == static[2] == static[3] and static[0] - static[1] == position
+    naive = simulate("naive", "model.vocab=256000")
+    assert max(d.static_memory_bytes for d in naive.devices) > max(static)
+
+
+def test_uniform_costs_keep_the_closed_form() -> None:
+    """With S and T of 0 and free collectives, vocab-2's longer warm-up changes nothing: (m + p - 1)(F + B)."""
+    for method in ("vocab-1", "vocab-2"):
+        result = run(load_config(None, ["costs.kind=uniform", "schedule.stages=4", "schedule.microbatches=8",
+                                        f"schedule.vocab={method}"]))
+        assert result.iteration_ns == (8 + 4 - 1) * 3 * 10**9
+    timed = run(load_config(None, ["costs.kind=uniform", "schedule.stages=4", "schedule.microbatches=8",
+                                   "schedule.vocab=vocab-2", "costs.vocab_s=0.25", "costs.vocab_t=0.25"]))
+    assert compute_ns_per_device(timed, ("S", "T")) == [8 * 5 * 10**8] * 4
+
+
+def test_v_half_gets_the_passes_too() -> None:
+    result = simulate("vocab-2", "schedule.name=v-half", "schedule.microbatches=8", "model.vocab=256000")
+    per_device = compute_ns_per_device(result, ("F", "I", "W", "S", "T"))
+    assert len(set(per_device)) == 1
+    assert result.schedule.name == "v-half+vocab-2"
+
+
+def test_padding_to_a_multiple_of_2p() -> None:
+    assert padded_vocab(50257, 4) == 50264 and padded_vocab(50264, 4) == 50264
+    assert VocabShards(VocabMethod.VOCAB_1, 8, PRESETS["gpt-355m"], 1, "bf16").shard_vocab * 8 == padded_vocab(50257, 8)
+
+
+@pytest.mark.parametrize(("sets", "names"), [
+    (["schedule.vocab=vocab-3"], ("schedule.vocab", "naive, redistribute, vocab-1, vocab-2, interlaced")),
+    (["schedule.vocab=vocab-1", "schedule.name=gpipe"], ("schedule.vocab", "schedule.name", "gpipe")),
+    (["schedule.vocab=interlaced", "schedule.name=v-half"], ("schedule.vocab", "schedule.name", "v-half")),
+    (["schedule.vocab=redistribute", "model.layers_per_stage=6,6,6,6"], ("schedule.vocab", "model.layers_per_stage")),
+    (["schedule.vocab=redistribute", "costs.kind=uniform"], ("schedule.vocab", "costs.kind")),
+    (["schedule.vocab=vocab-2", "cluster.data_parallel=2"], ("schedule.vocab", "cluster.data_parallel")),
+])
+def test_bad_combinations_are_one_line_errors(sets: list[str], names: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError) as err:
+        run(load_config(None, [*BASE, *sets]))
+    message = str(err.value)
+    assert "\n" not in message and all(name in message for name in names), message
+    assert err.value.key == "schedule.vocab"
+
+
+def test_csv_export_refuses_vocabulary_passes() -> None:
+    result = simulate("vocab-2")
+    with pytest.raises(ValueError) as err:
+        to_csv_text(result.schedule)
+    assert "\n" not in str(err.value) and "S/T" in str(err.value)
+    assert to_csv_text(simulate("redistribute").schedule).count("\n") == 4
+
+
+def test_cli_refuses_csv_export_before_running(tmp_path, capsys) -> None:
+    from pipescope.experiments.cli import main
+
+    out = tmp_path / "s.csv"
+    assert main(["simulate", "--config", "demo", "--set", "schedule.vocab=vocab-1", "--csv", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--csv" in err and "schedule.vocab" in err and not out.exists()
