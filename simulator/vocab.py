@@ -213,6 +213,8 @@ def place_passes(orders: list[list[Action]], home: Sequence[int], durations: dic
     p, num_stages = len(orders), len(home)
     last, gradx_kind = num_stages - 1, grad_x_ready_after(method)
     present = {a for order in orders for a in order}
+    needs = {a: _needs(a, num_stages, present, gradx_kind) for a in present}
+    known: list[int | None] = [None] * p  # the start-ready time of each device's next transformer op, once known
     end: dict[Action, int] = {}
     free, cursor = [0] * p, [0] * p
     pending: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]  # per device: (ready, 0 S / 1 T, mb)
@@ -229,7 +231,8 @@ def place_passes(orders: list[list[Action]], home: Sequence[int], durations: dic
                 best = option if best is None or option < best else best
             if cursor[d] < len(orders[d]):
                 action = orders[d][cursor[d]]
-                ready = _ready(action, num_stages, present, end, done_at, gradx_kind)
+                ready = known[d] if known[d] is not None else _ready(needs[action], end, done_at)
+                known[d] = ready
                 if ready is not None:
                     option = (max(free[d], ready), 1, d, action)
                     best = option if best is None or option < best else best
@@ -238,7 +241,7 @@ def place_passes(orders: list[list[Action]], home: Sequence[int], durations: dic
             raise ValueError(f"vocabulary placement found nothing to run; next ops {', '.join(stuck)}")
         start, is_transformer, d, action = best
         if is_transformer:
-            cursor[d] += 1
+            cursor[d], known[d] = cursor[d] + 1, None
         else:
             pending[d].remove(min(pending[d]))
         free[d] = end[action] = start + durations.get((action.stage, action.kind), 0)
@@ -248,12 +251,21 @@ def place_passes(orders: list[list[Action]], home: Sequence[int], durations: dic
     return out
 
 
-def _ready(action: Action, num_stages: int, present: set[Action], end: dict[Action, int],
-           done_at: dict[tuple[ActionKind, int], int], gradx_kind: ActionKind) -> int | None:
-    """When ``action``'s inputs are all in, or None while one is still to run."""
-    times = [end.get(a) for a in producers(action, num_stages, present)]
-    if action.stage == num_stages - 1 and action.kind in (K.I, K.B):
-        times.append(done_at.get((gradx_kind, action.microbatch)))
+def _needs(action: Action, num_stages: int, present: set[Action], gradx_kind: ActionKind,
+           ) -> tuple[list[Action], tuple[ActionKind, int] | None]:
+    """The ops ``action`` waits for (``ir.producers``), and for the last stage's backward the vocabulary pass whose
+    end on every device brings its grad X."""
+    last_backward = action.stage == num_stages - 1 and action.kind in (K.I, K.B)
+    return producers(action, num_stages, present), ((gradx_kind, action.microbatch) if last_backward else None)
+
+
+def _ready(needs: tuple[list[Action], tuple[ActionKind, int] | None], end: dict[Action, int],
+           done_at: dict[tuple[ActionKind, int], int]) -> int | None:
+    """When an op's inputs are all in, or None while one is still to run."""
+    ops, vocab = needs
+    times = [end.get(a) for a in ops]
+    if vocab is not None:
+        times.append(done_at.get(vocab))
     return None if None in times else max(times, default=0)
 
 
