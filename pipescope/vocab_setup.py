@@ -79,9 +79,11 @@ def _sharded(config: Config, schedule: Schedule, costs: CostModel, model: ModelS
              method: VocabMethod) -> tuple[CostModel, dict[ActionKind, int]]:
     """The cost model with the vocabulary layers sharded over the devices, and the collectives' bytes."""
     assert method in SHARDED
-    if isinstance(costs, ProfiledCosts):
-        raise ConfigError(f"schedule.vocab: {method.value} under costs.kind profile is not built yet; expected "
-                          f"costs.kind analytic or uniform")
+    if isinstance(costs, ProfiledCosts):  # the profile times one shard's passes; its collectives are the model's
+        costs = dataclasses.replace(costs, vocab_shards=schedule.num_devices, vocab_2=method is VocabMethod.VOCAB_2,
+                                    _cache={}, warnings=list(costs.warnings))
+        x_bytes = int(round(costs.bytes_of("layer", "boundary_bytes")))  # the last stage's output X
+        return costs, collective_bytes(method, x_bytes, 2 * 4 * costs.microbatch_size * costs.seq)
     if not isinstance(costs, AnalyticCosts):  # uniform: the passes' times are costs.vocab_s and costs.vocab_t
         return costs, collective_bytes(method, 0, 0)
     m = config.model

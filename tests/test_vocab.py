@@ -172,3 +172,46 @@ def test_cli_refuses_csv_export_before_running(tmp_path, capsys) -> None:
     assert main(["simulate", "--config", "demo", "--set", "schedule.vocab=vocab-1", "--csv", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--csv" in err and "schedule.vocab" in err and not out.exists()
+
+
+PROFILE_SETS = ["costs.kind=profile", "schedule.stages=2", "schedule.microbatches=4", "model.microbatch_size=4",
+                "model.seq=128"]
+
+
+def profile_run(folder, vocab: str) -> SimResult:
+    return run(load_config(None, [*PROFILE_SETS, f"costs.profile={folder}", f"schedule.vocab={vocab}"]))
+
+
+def test_profiled_costs_read_the_shard_rows(tmp_path) -> None:
+    """vocab-1 takes the profile's 2-shard S and T rows (2,000 ns each in the test profile); vocab-2 without S2/T2
+    rows estimates S2 = S + T/2 and T2 = T/2 and says so."""
+    from test_profiled_costs import make_profile
+
+    folder = make_profile(tmp_path / "p")
+    one = profile_run(folder, "vocab-1")
+    per_op = one.timeline.groupby("kind").apply(lambda f: set(f["end_ns"] - f["start_ns"]))
+    assert per_op["S"] == {2000} and per_op["T"] == {2000}
+    assert not any("S2" in w for w in one.warnings)
+    two = profile_run(folder, "vocab-2")
+    per_op = two.timeline.groupby("kind").apply(lambda f: set(f["end_ns"] - f["start_ns"]))
+    assert per_op["S"] == {3000} and per_op["T"] == {1000}
+    assert any("S2" in w and "T2" in w for w in two.warnings)
+    assert len(set(compute_ns_per_device(two, ("F", "B", "S", "T"))[:2])) == 2  # the embedding lookup stays on 0
+
+
+def test_profiled_costs_use_s2_t2_rows_when_present(tmp_path) -> None:
+    """Rows S2 and T2 (the calibration of vocab-2's passes) win over the estimate. The schema takes them once
+    calibration writes them, so they are added to the loaded table here."""
+    import pandas as pd
+    from test_profiled_costs import make_profile
+
+    from pipescope.simulator.profiled import ProfiledCosts
+
+    costs = ProfiledCosts.load(make_profile(tmp_path / "p"), microbatch_size=4)
+    extra = costs.timings[costs.timings["component"] == "output_shard"].copy()
+    extra["op"] = extra["op"].map({"S": "S2", "T": "T2"})
+    extra["median_ns"] = extra["median_ns"].where(extra["op"] == "T2", extra["median_ns"] * 2)
+    costs.timings = pd.concat([costs.timings, extra], ignore_index=True)
+    assert costs.vocab_passes_ns(2, vocab_2=True) == (4000, 2000)
+    assert costs.vocab_passes_ns(2, vocab_2=False) == (2000, 2000)
+    assert not any("S2" in w for w in costs.warnings)
