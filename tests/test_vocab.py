@@ -215,3 +215,37 @@ def test_profiled_costs_use_s2_t2_rows_when_present(tmp_path) -> None:
     assert costs.vocab_passes_ns(2, vocab_2=True) == (4000, 2000)
     assert costs.vocab_passes_ns(2, vocab_2=False) == (2000, 2000)
     assert not any("S2" in w for w in costs.warnings)
+
+
+def test_trace_and_gantt_show_the_passes_in_their_own_kind(tmp_path) -> None:
+    from pipescope.experiments.plots import write_gantt
+    from pipescope.experiments.plots_style import COLORS, LABELS
+    from pipescope.simulator.trace import write_trace
+
+    result = simulate("vocab-1")
+    write_trace(result, str(tmp_path / "t.json"))
+    events = json.loads((tmp_path / "t.json").read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    cats = {e.get("cat") for e in events}
+    assert {"vocabulary S", "vocabulary T", "broadcast", "all-reduce", "reduce-scatter"} <= cats
+    assert len({COLORS[k] for k in (K.F, K.B, K.I, K.W, K.OPT, K.S, K.T)}) == 7 and "S pass" in LABELS[K.S]
+    write_gantt(result, str(tmp_path / "g.png"))
+    assert (tmp_path / "g.png").stat().st_size > 10_000
+
+
+def test_mfu_counts_the_vocabulary_layers() -> None:
+    """MFU is model FLOPs (layers and the 6bshV output layer at the real vocabulary, padding not counted) over the
+    devices' peak; balancing the vocabulary raises it at 256k."""
+    naive, split = simulate("naive", "model.vocab=256000"), simulate("vocab-2", "model.vocab=256000")
+    model = PRESETS["gpt-355m"]
+    tokens, h = 1024, model.hidden
+    from pipescope.simulator.models import layer_work
+    work = layer_work(model.__class__(**{**vars(model), "seq": 1024}), 1, "bf16")
+    per_mb = 24 * (work.forward_flops + work.input_grad_flops + work.weight_grad_flops) + 6 * tokens * h * 256000
+    assert split.model_flops_per_iteration == naive.model_flops_per_iteration == pytest.approx(8 * per_mb)
+    assert split.mfu == pytest.approx(8 * per_mb / split.iteration_time_s / (4 * split.peak_flops_per_device))
+    assert split.mfu > naive.mfu
+    shards = VocabShards(VocabMethod.VOCAB_2, 4, model.__class__(**{**vars(model), "seq": 1024, "vocab": 256000}),
+                         1, "bf16")
+    shard_flops = sum(k.flops for kernels in shards.pass_kernels().values() for k in kernels)
+    assert 4 * shard_flops == 6 * tokens * h * padded_vocab(256000, 4)
