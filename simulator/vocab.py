@@ -393,7 +393,9 @@ def balance_layers(start: Sequence[int], home: Sequence[int], stage_ns: Callable
     for _ in range(sum(split)):
         times = best[2]
         slow = max(range(devices), key=times.__getitem__)
-        fast = min(range(devices), key=times.__getitem__)
+        # among equally fast devices the last: in 1F1B device d stashes p - d microbatches, so a layer costs the
+        # least memory there (the paper's caveat: redistribution can raise the first stages' memory)
+        fast = min(range(devices), key=lambda d: (times[d], -d))
         moves = [(a, b) for a in range(len(split)) if home[a] == slow and split[a] > 1
                  for b in range(len(split)) if home[b] == fast]
         improved = None
