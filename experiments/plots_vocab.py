@@ -26,14 +26,19 @@ def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     panels = sorted({(int(stages), int(seq)) for stages, seq in zip(frame[STAGES], frame[SEQ])})
     if len(panels) > MAX_PANELS:
         raise ValueError(f"INPUT: {len(panels)} (stages, seq) pairs, expected at most {MAX_PANELS}: filter the table")
-    fig, axes = plt.subplots(2, len(panels), figsize=(3.6 * len(panels) + 2, 7), squeeze=False, sharex=True)
-    methods = sorted(frame["method"].unique())
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.2 * len(panels) + 1, 7.5), squeeze=False, sharex=True)
+    methods = sorted(frame["method"].unique(), key=_order)
+    placements = sorted(frame[METHOD].astype(str).unique(), key=_order)
+    schedules = sorted(frame["schedule.name"].astype(str).unique())
     for col, (stages, seq) in enumerate(panels):
         part = frame[(frame[STAGES] == stages) & (frame[SEQ] == seq)]
-        for i, method in enumerate(methods):
+        for method in methods:
             rows = part[part["method"] == method].groupby(VOCAB)
-            style = {"marker": MARKERS[i % len(MARKERS)], "markerfacecolor": "none",
-                     "linestyle": LINESTYLES[i // len(MARKERS) % len(LINESTYLES)], "label": plain(method)}
+            schedule, placement = method.split(" ", 1)
+            # a colour per placement, a line style and marker per schedule: "v-half vocab-2" reads as both
+            k, j = placements.index(placement), schedules.index(schedule)
+            style = {"color": f"C{k % 10}", "marker": MARKERS[j % len(MARKERS)], "markerfacecolor": "none",
+                     "linestyle": LINESTYLES[j % len(LINESTYLES)], "label": plain(method)}
             axes[0, col].plot(rows["mfu"].mean(), **style)
             axes[1, col].plot(rows["peak_memory_bytes"].max() / 2**30, **style)
         if "memory_capacity_bytes" in part and part["memory_capacity_bytes"].notna().any():
@@ -53,7 +58,15 @@ def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     axes[0, 0].set_ylabel("MFU")
     axes[1, 0].set_ylabel("peak memory per device (GiB)")
     handles, labels = axes[1, -1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.995, 0.9), frameon=False, fontsize=8)
     fig.suptitle(plain(title or "vocabulary placement: MFU and peak memory against the vocabulary size"))
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), frameon=False, fontsize=9)
     return fig
+
+
+ORDER = ("1f1b", "v-half", "naive", "redistribute", "vocab-1", "vocab-2", "interlaced")
+
+
+def _order(text: str) -> tuple[int, ...]:
+    """Methods in the order of docs/schedules.md section 7 (unknown names last, as they come)."""
+    return tuple(ORDER.index(part) if part in ORDER else len(ORDER) for part in text.split(" "))

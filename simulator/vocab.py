@@ -209,6 +209,9 @@ def place_passes(orders: list[list[Action]], home: Sequence[int], durations: dic
     S(k) when the last stage's F(k) has ended; T(k) when every device's S(k) has. The transformer order itself is
     kept, so the activation peak is the order's. The paper's code places S and T from measured F and B times with a
     closed-form offset per rank; this greedy rule is its simulator analogue (docs/schedules.md section 7).
+
+    Under interlaced the passes are gang-scheduled, as its stream-holding collectives make them: a device that
+    reaches S(k) (or T(k)) waits there, and all devices start it together when the last one arrives.
     """
     p, num_stages = len(orders), len(home)
     last, gradx_kind = num_stages - 1, grad_x_ready_after(method)
@@ -222,9 +225,12 @@ def place_passes(orders: list[list[Action]], home: Sequence[int], durations: dic
     done_at: dict[tuple[ActionKind, int], int] = {}  # when every device's S(k) (or T(k)) has ended
     out: list[list[Action]] = [[] for _ in range(p)]
     remaining = sum(len(o) for o in orders) + 2 * p * len({a.microbatch for a in present if a.stage == last})
+    gang, parked = method is VocabMethod.INTERLACED, {}  # parked: device -> when it reached the gang's pass
     while remaining:
         best: tuple[int, int, int, Action] | None = None  # (start, 0 vocab / 1 transformer, device, action)
         for d in range(p):
+            if d in parked:
+                continue
             if pending[d]:
                 ready, lane, mb = min(pending[d])
                 option = (max(free[d], ready), 0, d, Action(d, K.T if lane else K.S, mb))
@@ -244,10 +250,19 @@ def place_passes(orders: list[list[Action]], home: Sequence[int], durations: dic
             cursor[d], known[d] = cursor[d] + 1, None
         else:
             pending[d].remove(min(pending[d]))
-        free[d] = end[action] = start + durations.get((action.stage, action.kind), 0)
-        out[d].append(action)
-        remaining -= 1
-        _after(action, end[action], last, p, pending, done_count, done_at)
+            if gang:
+                parked[d] = start
+                if len(parked) < p:
+                    continue
+                start = max(parked.values())
+        for device in (sorted(parked) if gang and not is_transformer else [d]):
+            ran = action if device == d else Action(device, action.kind, action.microbatch)
+            free[device] = end[ran] = start + durations.get((ran.stage, ran.kind), 0)
+            out[device].append(ran)
+            remaining -= 1
+            _after(ran, end[ran], last, p, pending, done_count, done_at)
+        if gang and not is_transformer:
+            parked = {}
     return out
 
 

@@ -109,6 +109,15 @@ def test_overlapped_collectives_do_not_hold_the_stream() -> None:
     assert overlapped.iteration_ns < held.iteration_ns
 
 
+def test_interlaced_runs_each_pass_on_all_devices_at_once() -> None:
+    """Interlaced's collectives hold the streams, so its passes are gang-placed: each S(k) and T(k) starts at the
+    same moment on every device."""
+    frame = simulate("interlaced", "model.vocab=128000").timeline
+    for kind in ("S", "T"):
+        starts = frame[frame["kind"] == kind].groupby("microbatch")["start_ns"].nunique()
+        assert len(starts) == 8 and (starts == 1).all()
+
+
 def test_parameters_are_balanced() -> None:
     result = simulate("vocab-2", "model.vocab=256000")
     static = [d.static_memory_bytes for d in result.devices]
