@@ -258,3 +258,25 @@ def test_mfu_counts_the_vocabulary_layers() -> None:
                          1, "bf16")
     shard_flops = sum(k.flops for kernels in shards.pass_kernels().values() for k in kernels)
     assert 4 * shard_flops == 6 * tokens * h * padded_vocab(256000, 4)
+
+
+def test_plot_vocab_draws_a_sweep_table(tmp_path, capsys) -> None:
+    import pandas as pd
+
+    from pipescope.experiments.cli import main
+
+    rows = []
+    for method in ("naive", "vocab-2"):
+        for vocab in (32_000, 128_000):
+            r = simulate(method, f"model.vocab={vocab}")
+            rows.append({"status": "ok", "schedule.name": "1f1b", "schedule.vocab": method, "schedule.stages": 4,
+                         "model.seq": 1024, "model.vocab": vocab, "mfu": r.mfu,
+                         "peak_memory_bytes": r.peak_memory_bytes, "memory_capacity_bytes": r.memory_capacity_bytes})
+    table = tmp_path / "results.csv"
+    pd.DataFrame(rows).to_csv(table, index=False)
+    out = tmp_path / "v.png"
+    assert main(["plot", "vocab", str(table), "-o", str(out)]) == 0 and out.stat().st_size > 10_000
+    pd.DataFrame(rows).drop(columns="schedule.vocab").to_csv(table, index=False)
+    assert main(["plot", "vocab", str(table), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "schedule.vocab" in err
