@@ -26,7 +26,7 @@ def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     panels = sorted({(int(stages), int(seq)) for stages, seq in zip(frame[STAGES], frame[SEQ])})
     if len(panels) > MAX_PANELS:
         raise ValueError(f"INPUT: {len(panels)} (stages, seq) pairs, expected at most {MAX_PANELS}: filter the table")
-    fig, axes = plt.subplots(2, len(panels), figsize=(3.2 * len(panels) + 1, 7.5), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(2, len(panels), figsize=(2.7 * len(panels) + 1, 6.5), squeeze=False, sharex=True)
     methods = sorted(frame["method"].unique(), key=_order)
     placements = sorted(frame[METHOD].astype(str).unique(), key=_order)
     schedules = sorted(frame["schedule.name"].astype(str).unique())
