@@ -24,7 +24,7 @@ from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.safe_yaml import YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig
 from pipescope.simulator.units import parse_size, parse_time, short_repr
-from pipescope.simulator.vocab import VocabMethod
+from pipescope.simulator.vocab import VocabMethod, vocab_method
 from pipescope.simulator.faults import FaultsConfig
 from pipescope.topologies.cluster import COLLECTIVE_ALGORITHMS, ClusterConfig
 from pipescope.topologies.graphs import FABRICS, MAX_NODES, MAX_OVERSUBSCRIPTION
@@ -314,4 +314,8 @@ def _check_combinations(config: Config) -> Config:
     if isinstance(c, UniformCostsConfig) and c.forward + c.backward_input + c.backward_weight == 0:
         raise ConfigError("costs.forward: got 0 with backward_input and backward_weight 0 too, "
                           "expected at least one op time > 0")
+    try:  # schedule.vocab against schedule.name (docs/schedules.md section 7), so a sweep refuses it before running
+        vocab_method(config.schedule.vocab, config.schedule.name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return config

@@ -342,24 +342,28 @@ class AnalyticCosts(PerStageCache):
         """The stage's kernels for one microbatch (the optimizer's per iteration): component, kernel, pass,
         instances, and FLOPs, bytes and seconds over all instances, with the roofline term that set the time."""
         rows, roofline = [], self.roofline
-        for component, count, kernels in self._parts(stage, num_stages):
-            rows += [{"component": component, "kernel": k.name, "pass": k.op, "count": count,
+        parts = [(component, count, kernels, None) for component, count, kernels in self._parts(stage, num_stages)]
+        if self.vocab is not None and self.vocab.owns(stage):  # the device's S and T passes, under their own names
+            parts += [("vocab shard", 1, kernels, op) for op, kernels in self.vocab.pass_kernels().items()]
+        for component, count, kernels, op in parts:
+            rows += [{"component": component, "kernel": k.name, "pass": op or k.op, "count": count,
                       "flops": float(count * k.flops), "bytes": int(count * k.nbytes),
                       "time_s": count * roofline.seconds(k), "bound": roofline.bound(k)} for k in kernels]
         return rows
 
     def kernel_report(self, num_stages: int) -> list[dict]:
         """``simulate --json``'s ``kernels``: one entry per group of stages with the same kernels (same layer count,
-        first or last or neither), so a long pipeline of equal stages lists its kernels once."""
+        first or last or neither, with a vocabulary shard or not), so a long pipeline of equal stages lists its
+        kernels once."""
         groups: dict[tuple, dict] = {}
         for stage in range(num_stages):
             n = self._layers_of(stage, num_stages, self.model.layers)
-            key = (n, stage == 0, stage == num_stages - 1)
+            key = (n, stage == 0, stage == num_stages - 1, self.vocab is not None and self.vocab.owns(stage))
             if key not in groups:
                 rows = self.stage_kernels(stage, num_stages)
                 totals = dict.fromkeys(PASSES, 0.0)
                 for row in rows:
-                    totals[row["pass"]] += row["time_s"]
+                    totals[row["pass"]] = totals.get(row["pass"], 0.0) + row["time_s"]
                 groups[key] = {"stages": [], "layers": n, "pass_time_s": totals, "kernels": rows}
             groups[key]["stages"].append(stage)
         return list(groups.values())

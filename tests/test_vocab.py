@@ -280,3 +280,33 @@ def test_plot_vocab_draws_a_sweep_table(tmp_path, capsys) -> None:
     assert main(["plot", "vocab", str(table), "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "schedule.vocab" in err
+
+
+def test_kernel_report_lists_the_shard_passes() -> None:
+    result = simulate("vocab-1", "model.vocab=128000")
+    for group in result.kernels:
+        assert group["pass_time_s"]["S"] > 0 and group["pass_time_s"]["T"] > 0
+        assert not any(row["component"] == "output" for row in group["kernels"])
+    ns = compute_ns_per_device(result, ("S",))[0] / 8
+    assert ns == pytest.approx(result.kernels[0]["pass_time_s"]["S"] * 1e9, abs=1)
+
+
+def test_a_sweep_refuses_a_bad_combination_before_running(tmp_path) -> None:
+    from pipescope.experiments.sweep import expand
+
+    path = tmp_path / "s.yaml"
+    path.write_text("schedule: {name: 1f1b}\nsweep:\n  schedule.name: [1f1b, zb-v]\n  schedule.vocab: [vocab-2]\n")
+    with pytest.raises(ConfigError) as err:
+        expand(str(path))
+    assert "\n" not in str(err.value) and "schedule.vocab" in str(err.value) and "zb-v" in str(err.value)
+
+
+def test_redistribute_under_profiled_costs(tmp_path) -> None:
+    from test_profiled_costs import make_profile
+
+    folder = make_profile(tmp_path / "p")
+    sets = [*PROFILE_SETS, f"costs.profile={folder}", "model.layers=6"]
+    naive = run(load_config(None, [*sets, "schedule.vocab=naive"]))
+    moved = run(load_config(None, [*sets, "schedule.vocab=redistribute"]))
+    assert moved.iteration_ns <= naive.iteration_ns
+    assert sum(moved.summary()["layers_per_stage"]) == 6
