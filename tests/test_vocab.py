@@ -310,3 +310,26 @@ def test_redistribute_under_profiled_costs(tmp_path) -> None:
     moved = run(load_config(None, [*sets, "schedule.vocab=redistribute"]))
     assert moved.iteration_ns <= naive.iteration_ns
     assert sum(moved.summary()["layers_per_stage"]) == 6
+
+
+@pytest.mark.parametrize("method", ["vocab-1", "vocab-2", "interlaced"])
+def test_engine_and_oracle_agree_on_a_vocabulary_program(method: str) -> None:
+    """The overlapped collectives (joins and waits) and the stream-holding ones replay the same in both loops."""
+    from test_network import GB, servers
+
+    from pipescope.simulator.engine import Engine
+    from pipescope.simulator.oracle import Oracle
+    from pipescope.simulator.program import op_durations
+    from pipescope.simulator.schedules import build
+    from pipescope.simulator.simulate import prepare
+    from pipescope.simulator.vocab import vocab_schedule
+
+    model = PRESETS["gpt-1.3b"].__class__(**{**vars(PRESETS["gpt-1.3b"]), "vocab": 256000})
+    shards = VocabShards(VocabMethod(method), 4, model, 4, "bf16")
+    costs = AnalyticCosts(model, 989e12, 4, "bf16", 0.5, vocab=shards)
+    base = build("1f1b", 4, 8)
+    durations = op_durations([costs.stage_cost(s, 4, 1) for s in range(4)], False)
+    program, _ = prepare(vocab_schedule(base, VocabMethod(method), durations, shards.collective_bytes()), costs)
+    engine = Engine(program, servers(1, 4, 450 * GB, 2 * GB)).run()
+    assert engine == Oracle(program, servers(1, 4, 450 * GB, 2 * GB)).run()
+    assert sum(1 for f in engine.flow_end if f > 0) >= 8 * 2  # collectives ran (and took time)
