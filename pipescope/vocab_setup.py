@@ -18,8 +18,8 @@ from pipescope.simulator.vocab import (
     balance_layers,
     collective_bytes,
     vocab_method,
-    vocab_schedule,
 )
+from pipescope.simulator.vocab_placement import vocab_schedule
 
 
 def apply_vocab(config: Config, schedule: Schedule, costs: CostModel, model: ModelSpec | None,

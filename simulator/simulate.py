@@ -20,7 +20,7 @@ from pipescope.simulator.replicas import GradSync
 from pipescope.simulator.result import SimResult, build_result
 from pipescope.simulator.routed import RoutedNetwork
 from pipescope.simulator.timeline import replay_timeline
-from pipescope.simulator.vocab import is_overlapped, overlap_collectives
+from pipescope.simulator.vocab_placement import is_overlapped, overlap_collectives
 
 
 def simulate(schedule: Schedule, costs: CostModel, network: Network | None = None, *, samples_per_microbatch: int = 1,

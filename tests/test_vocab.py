@@ -322,7 +322,7 @@ def test_engine_and_oracle_agree_on_a_vocabulary_program(method: str) -> None:
     from pipescope.simulator.program import op_durations
     from pipescope.simulator.schedules import build
     from pipescope.simulator.simulate import prepare
-    from pipescope.simulator.vocab import vocab_schedule
+    from pipescope.simulator.vocab_placement import vocab_schedule
 
     model = PRESETS["gpt-1.3b"].__class__(**{**vars(PRESETS["gpt-1.3b"]), "vocab": 256000})
     shards = VocabShards(VocabMethod(method), 4, model, 4, "bf16")
