@@ -333,3 +333,27 @@ def test_engine_and_oracle_agree_on_a_vocabulary_program(method: str) -> None:
     engine = Engine(program, servers(1, 4, 450 * GB, 2 * GB)).run()
     assert engine == Oracle(program, servers(1, 4, 450 * GB, 2 * GB)).run()
     assert sum(1 for f in engine.flow_end if f > 0) >= 8 * 2  # collectives ran (and took time)
+
+
+def test_balance_layers_levels_an_affine_cost() -> None:
+    """Each layer 10 ns, the last stage 45 ns more (the output layer): the slowest device goes from 105 ns to 75 ns,
+    the best integer split (7, 7, 7, 3); every stage keeps a layer."""
+    from pipescope.simulator.vocab import balance_layers
+
+    def stage_ns(split: tuple[int, ...]) -> list[int]:
+        return [10 * n + (45 if s == len(split) - 1 else 0) for s, n in enumerate(split)]
+
+    split = balance_layers((6, 6, 6, 6), (0, 1, 2, 3), stage_ns)
+    assert split == (7, 7, 7, 3) and max(stage_ns(split)) == 75
+    assert balance_layers((1, 1, 1, 1), (0, 1, 2, 3), stage_ns) == (1, 1, 1, 1)  # nothing to give away
+    v = balance_layers((3,) * 8, (0, 1, 2, 3, 3, 2, 1, 0), stage_ns)  # V placement: balance per device
+    per_device = [0] * 4
+    for stage, ns in enumerate(stage_ns(v)):
+        per_device[(0, 1, 2, 3, 3, 2, 1, 0)[stage]] += ns
+    assert max(per_device) - min(per_device) <= 10 and max(per_device) < 60 + 45
+
+
+def test_redistribute_with_v_half() -> None:
+    naive = simulate("naive", "schedule.name=v-half", "model.vocab=256000")
+    moved = simulate("redistribute", "schedule.name=v-half", "model.vocab=256000")
+    assert moved.iteration_ns <= naive.iteration_ns and len(moved.summary()["layers_per_stage"]) == 8
