@@ -138,6 +138,28 @@ def test_uniform_costs_keep_the_closed_form() -> None:
     assert compute_ns_per_device(timed, ("S", "T")) == [8 * 5 * 10**8] * 4
 
 
+@pytest.mark.parametrize("method", ["vocab-1", "vocab-2"])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 4), (4, 8), (8, 16)])
+@pytest.mark.parametrize(("s", "t", "f", "i", "w"), [(0.25, 0.25, 1, 1, 1), (1.0, 0.5, 1, 2, 0), (2, 2, 1, 1.5, 0.5)])
+def test_the_passes_add_their_work_and_no_bubble(method: str, p: int, m: int, s: float, t: float, f: float,
+                                                 i: float, w: float) -> None:
+    """Uniform costs, free p2p: 1F1B with vocab-1 or vocab-2 takes (m + p - 1)(F + B) + m(S + T), its bubble
+    unchanged (the paper's "same bubble as 1F1B"), even with S or T longer than F."""
+    result = run(load_config(None, ["costs.kind=uniform", f"schedule.stages={p}", f"schedule.microbatches={m}",
+                                    f"schedule.vocab={method}", f"costs.vocab_s={s}", f"costs.vocab_t={t}",
+                                    f"costs.forward={f}", f"costs.backward_input={i}", f"costs.backward_weight={w}"]))
+    assert result.iteration_ns == round(((m + p - 1) * (f + i + w) + m * (s + t)) * 1e9)
+
+
+@pytest.mark.parametrize("method", ["vocab-1", "vocab-2"])
+def test_v_half_keeps_its_makespan_and_memory_plus_the_passes(method: str) -> None:
+    base = ["costs.kind=uniform", "schedule.name=v-half", "schedule.stages=8", "schedule.microbatches=24"]
+    plain = run(load_config(None, base))
+    split = run(load_config(None, [*base, f"schedule.vocab={method}", "costs.vocab_s=0.5", "costs.vocab_t=1"]))
+    assert split.iteration_ns == plain.iteration_ns + 24 * 1.5 * 10**9
+    assert [d.peak_activations for d in split.devices] == [d.peak_activations for d in plain.devices]
+
+
 def test_v_half_gets_the_passes_too() -> None:
     result = simulate("vocab-2", "schedule.name=v-half", "schedule.microbatches=8", "model.vocab=256000")
     per_device = compute_ns_per_device(result, ("F", "I", "W", "S", "T"))
