@@ -398,7 +398,9 @@ class ProfiledCosts(PerStageCache):
         if not self.vocab_shards or stage >= self.vocab_shards:
             return {}
         s, t = self.vocab_passes_ns(self.vocab_shards, self.vocab_2)
-        stash = self.bytes_of(schema.OUTPUT, "activation_bytes") / self.vocab_shards
+        # the shard's part of the output layer's stash, and its copy of the broadcast input X (the stage boundary)
+        stash = self.bytes_of(schema.OUTPUT, "activation_bytes") / self.vocab_shards + self.bytes_of("layer",
+                                                                                                    "boundary_bytes")
         return {"vocab_s_ns": s, "vocab_t_ns": t, "vocab_bytes": int(round(stash))}
 
     def vocab_passes_ns(self, shards: int, vocab_2: bool) -> tuple[int, int]:

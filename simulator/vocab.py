@@ -118,9 +118,11 @@ class VocabShards:
         return shard + (self.model.seq * self.model.hidden if stage == 0 else 0)
 
     def stash_bytes(self) -> int:
-        """What S keeps until T: the shard's logits and fp32 softmax."""
-        return output_activation_bytes(dataclasses.replace(self.model, vocab=self.shard_vocab),
-                                       self.microbatch_size, self.precision)
+        """What S keeps until T: the shard's logits and fp32 softmax, and its copy of the broadcast input X (T's
+        weight gradient reads it)."""
+        x = self.microbatch_size * self.model.seq * self.model.hidden * PRECISIONS[self.precision].activation_bytes
+        return x + output_activation_bytes(dataclasses.replace(self.model, vocab=self.shard_vocab),
+                                           self.microbatch_size, self.precision)
 
     def collective_bytes(self) -> dict[ActionKind, int]:
         """Bytes of C0, C1 and C2 for one microbatch (``vocab_placement.vocab_schedule``'s ``nbytes``)."""
