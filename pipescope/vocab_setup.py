@@ -41,9 +41,6 @@ def apply_vocab(config: Config, schedule: Schedule, costs: CostModel, model: Mod
                           "model; expected costs.kind analytic or profile")
     if method is VocabMethod.REDISTRIBUTE:
         return _redistributed(config, schedule, costs)
-    if config.cluster.data_parallel > 1:
-        raise ConfigError(f"schedule.vocab: {method.value} with cluster.data_parallel = "
-                          f"{config.cluster.data_parallel} is not modelled; expected cluster.data_parallel 1")
     costs, nbytes = _sharded(config, schedule, costs, model, method)
     durations = op_durations([costs.stage_cost(s, schedule.num_stages, schedule.chunks)
                               for s in range(schedule.num_stages)], schedule.recompute)
