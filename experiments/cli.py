@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from pipescope.simulator.result import SimResult
 from pipescope.simulator.ir import ScheduleError
 from pipescope.simulator.units import short_repr
+from pipescope.simulator.vocab import SHARDED
 
 
 class Parser(argparse.ArgumentParser):
@@ -105,7 +106,11 @@ def check_output_names(args: argparse.Namespace) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pipescope.runner import run
     check_output_names(args)
-    result = run(config_from_args(args))
+    config = config_from_args(args)
+    if args.csv and config.schedule.vocab in SHARDED:
+        raise ConfigError(f"--csv: schedule.vocab {config.schedule.vocab} adds S/T passes and collectives, which "
+                          f"torch's CSV cannot hold; expected schedule.vocab naive or redistribute with --csv")
+    result = run(config)
     try:
         _write_outputs(result, args)
     except OSError as err:

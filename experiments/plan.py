@@ -37,8 +37,9 @@ from pipescope.experiments.sweep import Run, drain, process_pool, run_chunk, run
 # fits, but the planner says so rather than leaving it out.
 DEFAULT_SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream", "interleaved", "zb-h1", "zb-v", "v-half")
 DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
-PLAN_KEYS = ("schedule", "tensor", "width", "depth", "microbatch_size", "recompute", "sequence")
+PLAN_KEYS = ("schedule", "tensor", "width", "depth", "microbatch_size", "recompute", "sequence", "vocab")
 RECOMPUTE = ("none", "selective", "full")  # schedule.recompute (simulator/parallel.py)
+VOCAB_METHODS = ("naive", "redistribute", "vocab-1", "vocab-2", "interlaced")  # simulator/vocab.py VocabMethod
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,14 @@ class Candidate:
     microbatch_size: int
     recompute: str  # one of RECOMPUTE
     sequence: bool = False  # sequence parallelism (only with tensor > 1)
+    vocab: str = "naive"  # schedule.vocab (docs/schedules.md section 7)
 
     def overrides(self, global_batch: int) -> dict[str, Any]:
         """The dotted config keys this candidate sets (``global_batch`` divisible by width x microbatch size)."""
         keys = {"schedule.name": self.schedule, "schedule.stages": self.depth,
                 "schedule.microbatches": global_batch // (self.width * self.microbatch_size),
                 "schedule.recompute": self.recompute, "model.microbatch_size": self.microbatch_size,
-                "cluster.data_parallel": self.width}
+                "cluster.data_parallel": self.width, "schedule.vocab": self.vocab}
         if self.tensor != 1:
             keys["parallel.tensor"] = self.tensor
             keys["parallel.sequence"] = self.sequence
@@ -85,6 +87,7 @@ class PlanRequest:
     tensor: tuple[int, ...] = (1, 2, 4, 8)
     sequence: tuple[bool, ...] = (False, True)
     depths: tuple[int, ...] | None = None  # None: every pipeline depth that divides the GPUs
+    vocab: tuple[str, ...] = VOCAB_METHODS
     top: int = 5
 
 
@@ -139,9 +142,28 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
                 continue
             for b in request.microbatch_sizes:
                 for name in _schedules_at(depth, request.schedules):
-                    out += [Candidate(name, tensor, width, depth, b, r, q) for r in request.recompute
-                            for q in (request.sequence if tensor > 1 else (False,))]
+                    out += [Candidate(name, tensor, width, depth, b, r, q, v) for r in request.recompute
+                            for q in (request.sequence if tensor > 1 else (False,))
+                            for v in _vocab_methods(name, depth, tensor, request.vocab)]
     return out
+
+
+def _vocab_methods(schedule: str, depth: int, tensor: int, methods: tuple[str, ...]) -> list[str]:
+    """The vocabulary methods that exist for this schedule (the sharded ones with 1F1B and V-Half only, and not
+    with tensor parallelism) and change something (none without pipelining)."""
+    from pipescope.simulator.vocab import SHARDED, VocabMethod, vocab_method
+
+    if depth == 1:
+        return [VocabMethod.NAIVE.value] if VocabMethod.NAIVE.value in methods else list(methods[:1])
+    kept = []
+    for method in methods:
+        try:
+            parsed = vocab_method(method, schedule)
+        except ValueError:
+            continue
+        if not (tensor > 1 and parsed in SHARDED):
+            kept.append(method)
+    return kept
 
 
 def _schedules_at(depth: int, schedules: tuple[str, ...]) -> tuple[str, ...]:
@@ -173,6 +195,9 @@ def _bounded(candidate: Candidate, run: Run) -> Screened:
     from pipescope.simulator.bounds import busy_per_iteration_ns, memory_lower_bounds
 
     built = prepare(run.config)
+    if candidate.vocab == "redistribute" and _equal_split(built):
+        return Screened(candidate, None, reason="redistribute keeps the equal layer split here: the same run as "
+                                                "vocab naive")
     costs = built.stage_costs()
     memory = memory_lower_bounds(built.schedule, costs, built.config.model.precision, built.config.memory.runtime)
     worst = max(range(len(memory)), key=memory.__getitem__)
@@ -184,6 +209,14 @@ def _bounded(candidate: Candidate, run: Run) -> Screened:
     samples = built.schedule.num_microbatches * built.config.model.microbatch_size * built.config.cluster.data_parallel
     busiest = max(busy_per_iteration_ns(built.schedule, costs))
     return Screened(candidate, run, samples / (busiest / 1e9), memory[worst])
+
+
+def _equal_split(built) -> bool:
+    """The layer split ``redistribute`` picked is the equal one (so the run is naive's)."""
+    from pipescope.simulator.models import stage_layers
+
+    split = built.config.model.layers_per_stage
+    return split is not None and list(split) == stage_layers(sum(split), len(split))
 
 
 def screen_chunk(request: PlanRequest, chunk: list[Candidate]) -> list[Screened]:
@@ -235,6 +268,9 @@ def _check_request(request: PlanRequest) -> None:
             raise ConfigError(f"{key}: got {list(values)}, expected positive integers")
     if not request.schedules:
         raise ConfigError("--schedules: got none, expected at least one schedule name")
+    bad_vocab = [v for v in request.vocab if v not in VOCAB_METHODS]
+    if bad_vocab or not request.vocab:
+        raise ConfigError(f"--vocab: got {list(request.vocab)}, expected some of {', '.join(VOCAB_METHODS)}")
     bad = [r for r in request.recompute if r not in RECOMPUTE]
     if bad or not request.recompute:
         raise ConfigError(f"--recompute: got {list(request.recompute)}, expected some of {', '.join(RECOMPUTE)}")

@@ -52,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "off, on or both (default off,on)")
     p.add_argument("--depths", help="comma-separated pipeline depths to keep (default: every depth; 1 plans without "
                    "pipelining, e.g. tensor and data parallelism only)")
+    p.add_argument("--vocab", default="naive,redistribute,vocab-1,vocab-2,interlaced", help="comma-separated "
+                   "schedule.vocab methods, each tried with the schedules it exists for (the sharded ones with 1f1b "
+                   "and v-half, not with t > 1; default all)")
     p.add_argument("--recompute", default="none,selective,full", help="comma-separated: none, selective (the "
                    "attention core only), full (default all three)")
     p.add_argument("--config", metavar="FILE.yaml", help="a config whose other sections (costs, model precision, "
@@ -90,7 +93,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
     from pipescope.config import config_tree
-    from pipescope.experiments.plan import RECOMPUTE, PlanRequest, base_config
+    from pipescope.experiments.plan import RECOMPUTE, VOCAB_METHODS, PlanRequest, base_config
 
     if args.dask is not None and args.dask != "local" and not re.fullmatch(DASK_ADDRESS, args.dask):
         raise ValueError(f"--dask: got {short_repr(args.dask)}, expected local or tcp://HOST:PORT")
@@ -108,6 +111,7 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
         microbatch_sizes=tuple(integer_flag("--microbatch-sizes", v, 1, MAX_GLOBAL_BATCH)
                                for v in _names("--microbatch-sizes", args.microbatch_sizes)),
         recompute=tuple(_choice("--recompute", v, RECOMPUTE) for v in _names("--recompute", args.recompute)),
+        vocab=tuple(_choice("--vocab", v, VOCAB_METHODS) for v in _names("--vocab", args.vocab)),
         sequence=tuple(_choice("--sequence", v, ("off", "on")) == "on" for v in _names("--sequence", args.sequence)),
         tensor=tuple(integer_flag("--tensor", v, 1, 1024) for v in _names("--tensor", args.tensor)),
         depths=None if args.depths is None else tuple(integer_flag("--depths", v, 1, 100_000)
@@ -149,7 +153,8 @@ def summary(report: PlanReport, top: int) -> str:
         b = report.best
         lines.append(f"best: {b['schedule']}, width {b['width']} x depth {b['depth']} x tensor {b['tensor']}, "
                      f"microbatch {b['microbatch_size']} x {b['microbatches']}, "
-                     f"{'sequence-parallel, ' if b['sequence'] else ''}recompute {b['recompute']}: "
+                     f"{'sequence-parallel, ' if b['sequence'] else ''}recompute {b['recompute']}, "
+                     f"vocabulary {b['vocab']}: "
                      f"{b['throughput_samples_per_s']:.1f} samples/s")
     groups = Counter(_reason_class(r["reason"]) for r in report.rejected)
     for reason, count in groups.most_common(REASONS_SHOWN):
@@ -160,10 +165,10 @@ def summary(report: PlanReport, top: int) -> str:
 
 def _ranked_table(rows: list[dict]) -> str:
     head = (f"{'#':>3} {'schedule':<12}{'t':>3}{'sp':>4}{'w':>4}{'d':>4}{'mb':>4}{'m':>5} {'recompute':<10}"
-            f"{'samples/s':>11}{'iteration':>12}{'peak GiB':>10}{'bubble':>8}")
+            f"{'vocab':<13}{'samples/s':>11}{'iteration':>12}{'peak GiB':>10}{'bubble':>8}")
     body = [f"{i:>3} {r['schedule']:<12}{r['tensor']:>3}{'yes' if r['sequence'] else '-':>4}{r['width']:>4}"
             f"{r['depth']:>4}{r['microbatch_size']:>4}{r['microbatches']:>5} {r['recompute']:<10}"
-            f"{r['throughput_samples_per_s']:>11.1f}"
+            f"{r['vocab']:<13}{r['throughput_samples_per_s']:>11.1f}"
             f"{r['iteration_time_s'] * 1e3:>10.1f}ms{r['peak_memory_bytes'] / 2**30:>10.2f}{r['bubble_rate']:>8.1%}"
             for i, r in enumerate(rows, 1)]
     return "\n".join([head, *body])
@@ -180,4 +185,4 @@ def _reason_class(reason: str) -> str:
 
 def _label(row: dict) -> str:
     return (f"{row['schedule']} w={row['width']} d={row['depth']} t={row['tensor']}{' sp' if row['sequence'] else ''}"
-            f" mb={row['microbatch_size']} recompute={row['recompute']}")
+            f" mb={row['microbatch_size']} recompute={row['recompute']} vocab={row['vocab']}")

@@ -17,7 +17,7 @@ from pipescope.simulator.ir import ScheduleError
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-KINDS = ("gantt", "memory", "bubble", "throughput", "overlay")
+KINDS = ("gantt", "memory", "bubble", "throughput", "overlay", "vocab")
 RUN_SUFFIXES = (".json", ".json.gz", ".parquet", ".csv", ".yaml", ".yml")
 MAX_MICROBATCHES = 500_000  # the config's limit on schedule.microbatches
 MAX_TITLE = 300
@@ -25,10 +25,11 @@ MAX_TITLE = 300
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``plot`` parser to the ``pipescope`` subcommands."""
-    p = sub.add_parser("plot", help="draw a Gantt chart, memory, bubble, throughput or predicted-vs-measured figure",
+    p = sub.add_parser("plot", help="draw a Gantt chart, memory, bubble, throughput, predicted-vs-measured or "
+                       "vocabulary figure",
                        description="Draw a figure from a file pipescope wrote (docs/plots.md). gantt and memory read a "
                        "Chrome trace (simulate --trace: ops and memory), a timeline (simulate --timeline: ops only) "
-                       "or a config (.yaml, simulated first); bubble and throughput a sweep's .parquet or .csv; "
+                       "or a config (.yaml, simulated first); bubble, throughput and vocab a sweep's .parquet or .csv; "
                        "overlay a 'validate --json' report, or two timelines: predicted, then measured.")
     p.add_argument("figure", metavar="KIND", choices=KINDS, help=f"one of {', '.join(KINDS)}")
     p.add_argument("inputs", metavar="INPUT", nargs="+", help="the file(s) to draw from")
@@ -144,11 +145,13 @@ def _memory(args: argparse.Namespace) -> Figure:
 def _sweep(args: argparse.Namespace) -> Figure:
     from pipescope.experiments.plots_charts import bubble_figure, throughput_figure
     from pipescope.experiments.plots_inputs import read_sweep
+    from pipescope.experiments.plots_vocab import vocab_figure
     path = _one_input(args)
     if not path.lower().endswith((".parquet", ".csv")):
         raise ValueError(f"INPUT: got {path[:200]!r}, expected a sweep table (.parquet or .csv)")
     frame = read_sweep(path, args.figure)
-    return (bubble_figure if args.figure == "bubble" else throughput_figure)(frame, args.title)
+    draw = {"bubble": bubble_figure, "throughput": throughput_figure, "vocab": vocab_figure}[args.figure]
+    return draw(frame, args.title)
 
 
 def _overlay(args: argparse.Namespace) -> Figure:
@@ -169,4 +172,4 @@ def _overlay(args: argparse.Namespace) -> Figure:
 
 
 FIGURES: dict[str, Callable[[argparse.Namespace], Figure]] = {
-    "gantt": _gantt, "memory": _memory, "bubble": _sweep, "throughput": _sweep, "overlay": _overlay}
+    "gantt": _gantt, "memory": _memory, "bubble": _sweep, "throughput": _sweep, "overlay": _overlay, "vocab": _sweep}

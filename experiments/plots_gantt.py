@@ -84,8 +84,8 @@ def gantt_figure(result: SimResult | RunData, title: str | None = None, *, mode:
     for a in axes:
         for x in boundaries:
             a.axvline(x, **BOUNDARY_STYLE)
-    ax.legend(handles=_legend(ops, data.chunks, comm_lanes and timed, bool(boundaries)), loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), frameon=False)
+    handles = _legend(ops, data.chunks, comm_lanes and timed, bool(boundaries), data.pipeline_devices)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_title(plain(_title(data, title, shown, timed)))
     for name, panel in zip(panels, axes[1:]):
         if name == "links":
@@ -198,12 +198,13 @@ def draw_memory(ax: Axes, data: RunData, origin: float, scale: float) -> None:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
 
 
-def _legend(ops: pd.DataFrame, chunks: int, comm_lanes: bool, boundaries: bool) -> list:
+def _legend(ops: pd.DataFrame, chunks: int, comm_lanes: bool, boundaries: bool, pipeline: int = 0) -> list:
     present = set(ops["kind"])
     kinds = [k for k in COLORS if k in present]
     handles: list = [Patch(color=COLORS[k], label=LABELS[k]) for k in kinds]
-    if chunks > 1:
-        handles += [Patch(color=ODD_CHUNK_COLORS[k], label=f"{LABELS[k]}, odd chunk") for k in kinds]
+    if chunks > 1:  # only the kinds that run on an odd chunk (a device's vocabulary S and T are on its first)
+        odd = set(ops.loc[(ops["lane"] == "compute") & (ops["stage"] // max(1, pipeline) % 2 == 1), "kind"])
+        handles += [Patch(color=ODD_CHUNK_COLORS[k], label=f"{LABELS[k]}, odd chunk") for k in kinds if k in odd]
     if comm_lanes:
         seen = {COMM_LABELS[k]: COMM_COLORS[k] for k in COMM_LABELS if k in present}
         handles += [Patch(color=color, label=label) for label, color in seen.items()]

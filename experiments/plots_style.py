@@ -16,10 +16,12 @@ from pipescope.simulator.files import write_atomic  # noqa: E402
 from pipescope.simulator.ir import ActionKind as K  # noqa: E402
 
 # One table per fact, keyed by the enum (a StrEnum: the timeline's kind strings look them up as they are).
-COLORS = {K.F: "#4C72B0", K.B: "#DD8452", K.I: "#C44E52", K.W: "#55A868", K.OPT: "#937860"}
+COLORS = {K.F: "#4C72B0", K.B: "#DD8452", K.I: "#C44E52", K.W: "#55A868", K.OPT: "#937860",
+          K.S: "#CCB974", K.T: "#64B5CD"}
 ODD_CHUNK_COLORS = {K.F: "#27406B", K.B: "#9A5424", K.I: "#7E2A2D", K.W: "#2F6B3D",  # darker: readable at any size
-                    K.OPT: "#5C4A3A"}
-LABELS = {K.F: "forward", K.B: "backward (I+W)", K.I: "input-grad", K.W: "weight-grad", K.OPT: "optimizer step"}
+                    K.OPT: "#5C4A3A", K.S: "#8A7B3E", K.T: "#2E7A90"}
+LABELS = {K.F: "forward", K.B: "backward (I+W)", K.I: "input-grad", K.W: "weight-grad", K.OPT: "optimizer step",
+          K.S: "vocabulary S pass", K.T: "vocabulary T pass"}
 # Transfers by what they carry: activations go down the pipeline, gradients come back up.
 COMM_COLORS = {K.SEND_F: "#8DB0D9", K.RECV_F: "#8DB0D9", K.SEND_B: "#E8A3A5", K.RECV_B: "#E8A3A5"}
 COMM_LABELS = {K.SEND_F: "activation transfer", K.RECV_F: "activation transfer", K.SEND_B: "gradient transfer",

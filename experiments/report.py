@@ -54,10 +54,11 @@ def _device_rows(result: SimResult) -> list[str]:
     header = (f"{'device':>6}  {'busy':>12}  {'span':>12}  {'idle':>6}  {'peak memory':>12}  {'peak act':>8}  "
               f"{'versions':>8}")
     rows = [header]
+    p = result.schedule.num_devices  # with data parallelism, device r * p + i is replica r's pipeline device i
     for d in result.devices:
         rows.append(f"{d.device:>6}  {format_time(d.busy_s):>12}  {format_time(d.span_s):>12}  "
                     f"{d.idle_fraction:>6.1%}  {format_bytes(d.peak_memory_bytes):>12}  {d.peak_activations:>8.3g}  "
-                    f"{result.schedule.versions(d.device):>8}")
+                    f"{result.schedule.versions(d.device % p):>8}")
     return rows
 
 

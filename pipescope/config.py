@@ -25,6 +25,7 @@ from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.safe_yaml import YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig
 from pipescope.simulator.units import parse_size, parse_time, short_repr
+from pipescope.simulator.vocab import VocabMethod, vocab_method
 from pipescope.simulator.faults import FaultsConfig
 from pipescope.simulator.memory_runtime import RUNTIMES, MemoryConfig
 from pipescope.topologies.cluster import COLLECTIVE_ALGORITHMS, ClusterConfig
@@ -75,9 +76,10 @@ RANGES: dict[str, tuple[int, int]] = {
     "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1, 1 << 50),
     "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1), "parallel.tensor": (1, 1024),
 }
-TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p", "costs.optimizer"}
+TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p", "costs.optimizer",
+             "costs.vocab_s", "costs.vocab_t"}
 CHOICES = {
-    "schedule.vocab": ("naive",),
+    "schedule.vocab": tuple(VocabMethod),
     "model.precision": tuple(PRECISIONS),
     "model.preset": tuple(PRESETS),
     "model.attention": ATTENTIONS,
@@ -325,4 +327,8 @@ def _check_combinations(config: Config) -> Config:
     if isinstance(c, UniformCostsConfig) and c.forward + c.backward_input + c.backward_weight == 0:
         raise ConfigError("costs.forward: got 0 with backward_input and backward_weight 0 too, "
                           "expected at least one op time > 0")
+    try:  # schedule.vocab against schedule.name (docs/schedules.md section 7), so a sweep refuses it before running
+        vocab_method(config.schedule.vocab, config.schedule.name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return config

@@ -29,6 +29,7 @@ from pipescope.simulator.schedules.pipedream import DEFAULT_ITERATIONS
 from pipescope.simulator.simulate import simulate
 
 from pipescope.topologies.cluster import Cluster
+from pipescope.vocab_setup import apply_vocab
 
 # Each microbatch-stage is 2-3 ops at about 12 us each (pipescope bench): 500k of them take about 15 s.
 MAX_MICROBATCH_STAGES = 500_000
@@ -79,6 +80,8 @@ def prepare(config: Config) -> Prepared:
         config = _with_profile_model(config, costs)
     if not isinstance(config.costs, UniformCostsConfig):
         _check_layers(config.model.layers or model.layers, schedule.num_stages)
+    config, schedule, costs = apply_vocab(config, schedule, costs, model)  # schedule.vocab (docs/schedules.md 7)
+    if not isinstance(config.costs, UniformCostsConfig):
         config = _with_layer_split(config, schedule.num_stages)
     return Prepared(config, schedule, cluster, costs, model)
 

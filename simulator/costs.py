@@ -23,6 +23,7 @@ from pipescope.simulator.models import (
     stage_layers,
 )
 from pipescope.simulator.parallel import TensorSplit
+from pipescope.simulator.vocab import VocabShards
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class StageCost:
         param_tensors: its parameter tensors (torch's AdamW keeps a 4-byte step counter per tensor).
         optimizer_ns: the stage's optimizer step (AdamW with gradient norm and clipping), once per iteration after
             its last backward, or after every backward under PipeDream (0: not modelled, as in the closed forms).
+        vocab_s_ns, vocab_t_ns: the S and T passes over the vocabulary shard of the stage's device, per microbatch
+            (vocabulary parallelism, ``simulator.vocab``; set on the device's first stage only, else 0).
+        vocab_bytes: what the S pass stashes until the T pass (the shard's logits and softmax).
     """
 
     forward_ns: int
@@ -53,6 +57,9 @@ class StageCost:
     params: int = 0
     optimizer_ns: int = 0
     param_tensors: int = 0
+    vocab_s_ns: int = 0
+    vocab_t_ns: int = 0
+    vocab_bytes: int = 0
 
 
 class CostModel(Protocol):
@@ -121,10 +128,12 @@ class UniformCostsConfig:
     backward_weight: float = _time(1.0)
     p2p: float = _time(0.0)
     optimizer: float = _time(0.0)  # 0: no optimizer step, so the closed forms of docs/schedules.md hold
+    vocab_s: float = _time(0.0)  # a device's S pass under vocab-1/vocab-2/interlaced (0: the closed forms hold)
+    vocab_t: float = _time(0.0)  # a device's T pass
 
     def costs(self, precision: str) -> UniformCosts:
         return UniformCosts(self.forward, self.backward_input, self.backward_weight, precision=precision,
-                            optimizer=self.optimizer)
+                            optimizer=self.optimizer, vocab_s=self.vocab_s, vocab_t=self.vocab_t)
 
 
 # A large streaming kernel gets close to the datasheet bandwidth, the many short ones of a layer less: 0.8 is a
@@ -163,6 +172,8 @@ class UniformCosts:
     params: int = 0
     precision: str = "bf16"
     optimizer: float = 0.0  # the optimizer step per whole device-stage (0: none, as in the closed forms)
+    vocab_s: float = 0.0  # a device's S and T passes (vocabulary parallelism; run only where a schedule has them)
+    vocab_t: float = 0.0
 
     def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
         share = 1.0 / chunks
@@ -175,6 +186,8 @@ class UniformCosts:
             weight_grad_bytes=int(self.weight_grad_bytes * share),
             params=int(self.params * share),
             optimizer_ns=seconds_to_ns(self.optimizer * share),
+            vocab_s_ns=seconds_to_ns(self.vocab_s),
+            vocab_t_ns=seconds_to_ns(self.vocab_t),
         )
 
     def notes(self) -> list[str]:
@@ -266,6 +279,7 @@ class AnalyticCosts(PerStageCache):
     memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
     attention: str = "flash"
     split: TensorSplit = TensorSplit()
+    vocab: VocabShards | None = None  # None: naive placement; else vocabulary parallelism (simulator/vocab.py)
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -284,9 +298,10 @@ class AnalyticCosts(PerStageCache):
             for op, value in self.roofline.pass_seconds(kernels).items():
                 seconds[op] += count * value
         stash = n * work.activation_bytes
-        if stage == num_stages - 1:
+        if stage == num_stages - 1 and self.vocab is None:
             stash += self.split.output_bytes(self.model, self.microbatch_size, self.precision)
         comm_f, comm_i = self.split.comm_ns(stage, n, stage == 0, stage == num_stages - 1)
+        vocab = self._vocab_passes(stage)
         return StageCost(
             forward_ns=seconds_to_ns(seconds["F"]) + comm_f,
             input_grad_ns=seconds_to_ns(seconds["I"]) + comm_i,
@@ -299,11 +314,23 @@ class AnalyticCosts(PerStageCache):
             else self.microbatch_size * self.model.seq * TOKEN_ID_BYTES,  # the first stage keeps its token ids
             params=self._params(stage, num_stages, n),
             optimizer_ns=seconds_to_ns(seconds["optimizer"]),
+            **vocab,
         )
+
+    def _vocab_passes(self, stage: int) -> dict[str, int]:
+        """The S and T pass times and stash of the stage's vocabulary shard (empty under the naive placement)."""
+        if self.vocab is None or not self.vocab.owns(stage):
+            return {}
+        passes = {op: sum(map(self.roofline.seconds, kernels)) for op, kernels in self.vocab.pass_kernels().items()}
+        return {"vocab_s_ns": seconds_to_ns(passes["S"]), "vocab_t_ns": seconds_to_ns(passes["T"]),
+                "vocab_bytes": self.vocab.stash_bytes()}
 
     def _params(self, stage: int, num_stages: int, layers: int) -> int:
         """Parameters of the stage (one GPU's under tensor parallelism): its blocks, the embedding on the first, the
-        output projection on the last."""
+        output projection on the last (under vocabulary parallelism: its device's shard of both,
+        ``VocabShards.params``; the runner refuses tensor parallelism with it)."""
+        if self.vocab is not None:
+            return layers * self.model.layer_params() + self.vocab.params(stage)
         return self.split.params(self.model, layers, stage == 0, stage == num_stages - 1)
 
     def _parts(self, stage: int, num_stages: int) -> list[tuple[str, int, list[Kernel]]]:
@@ -314,7 +341,7 @@ class AnalyticCosts(PerStageCache):
         if self.split.selective:  # the backward re-runs the attention core's forward first
             core = attention_core_kernels(self.model, self.microbatch_size, self.precision, self.attention, t)
             parts.append(("recompute", n, [replace(k, op="I") for k in core]))
-        if stage == num_stages - 1:
+        if stage == num_stages - 1 and self.vocab is None:
             parts.append(("output", 1, output_kernels(self.model, self.microbatch_size, self.precision, t, sp)))
         if self.memory_bandwidth:
             parts.append(("optimizer", 1, optimizer_kernels(self._params(stage, num_stages, n), self.precision)))
@@ -324,24 +351,28 @@ class AnalyticCosts(PerStageCache):
         """The stage's kernels for one microbatch (the optimizer's per iteration): component, kernel, pass,
         instances, and FLOPs, bytes and seconds over all instances, with the roofline term that set the time."""
         rows, roofline = [], self.roofline
-        for component, count, kernels in self._parts(stage, num_stages):
-            rows += [{"component": component, "kernel": k.name, "pass": k.op, "count": count,
+        parts = [(component, count, kernels, None) for component, count, kernels in self._parts(stage, num_stages)]
+        if self.vocab is not None and self.vocab.owns(stage):  # the device's S and T passes, under their own names
+            parts += [("vocab shard", 1, kernels, op) for op, kernels in self.vocab.pass_kernels().items()]
+        for component, count, kernels, op in parts:
+            rows += [{"component": component, "kernel": k.name, "pass": op or k.op, "count": count,
                       "flops": float(count * k.flops), "bytes": int(count * k.nbytes),
                       "time_s": count * roofline.seconds(k), "bound": roofline.bound(k)} for k in kernels]
         return rows
 
     def kernel_report(self, num_stages: int) -> list[dict]:
         """``simulate --json``'s ``kernels``: one entry per group of stages with the same kernels (same layer count,
-        first or last or neither), so a long pipeline of equal stages lists its kernels once."""
+        first or last or neither, with a vocabulary shard or not), so a long pipeline of equal stages lists its
+        kernels once."""
         groups: dict[tuple, dict] = {}
         for stage in range(num_stages):
             n = self._layers_of(stage, num_stages, self.model.layers)
-            key = (n, stage == 0, stage == num_stages - 1)
+            key = (n, stage == 0, stage == num_stages - 1, self.vocab is not None and self.vocab.owns(stage))
             if key not in groups:
                 rows = self.stage_kernels(stage, num_stages)
                 totals = dict.fromkeys(PASSES, 0.0)
                 for row in rows:
-                    totals[row["pass"]] += row["time_s"]
+                    totals[row["pass"]] = totals.get(row["pass"], 0.0) + row["time_s"]
                 groups[key] = {"stages": [], "layers": n, "pass_time_s": totals, "kernels": rows}
             groups[key]["stages"].append(stage)
         return list(groups.values())

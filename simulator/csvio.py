@@ -14,7 +14,7 @@ import os
 import re
 
 from pipescope.simulator.files import write_atomic
-from pipescope.simulator.ir import COMPUTE_KINDS, Action, Schedule, parse_cell
+from pipescope.simulator.ir import COLLECTIVE_KINDS, COMPUTE_KINDS, VOCAB_KINDS, Action, Schedule, parse_cell
 from pipescope.simulator.units import short_repr
 
 # Bounds on a schedule CSV, checked before parsing, so a hostile file costs neither gigabytes nor minutes. A
@@ -26,7 +26,13 @@ MAX_CSV_ACTIONS = 2_000_000  # actions (non-empty cells; an OVERLAP_F_B cell cou
 
 
 def to_csv_text(schedule: Schedule, compute_only: bool = True) -> str:
-    """Render the schedule as torch's CSV (compute-only by default: no send/recv cells)."""
+    """Render the schedule as torch's CSV (compute-only by default: no send/recv cells). ValueError when the schedule
+    holds vocabulary-parallel S/T passes or collectives, which torch's CSV cannot express."""
+    extra = next((a for acts in schedule.device_actions for a in acts
+                  if a is not None and (a.kind in VOCAB_KINDS or a.kind in COLLECTIVE_KINDS)), None)
+    if extra is not None:
+        raise ValueError(f"schedule {schedule.name!r} holds {extra}: torch's CSV has no vocabulary-parallel S/T passes "
+                         f"or collectives; expected schedule.vocab naive or redistribute to export a CSV")
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for actions in schedule.device_actions:

@@ -25,7 +25,9 @@ class ActionKind(StrEnum):
     F forward, I input-grad, W weight-grad, B fused backward (I + W); SEND_*/RECV_* the p2p transfers lowering adds;
     torch's per-stage UNSHARD/RESHARD/REDUCE_GRAD (kept, no work here); collectives over a group of devices; OPT a
     stage's optimizer step, once per iteration, or per backward under PipeDream (``lowering.add_optimizer_steps``;
-    ``3OPT7`` is stage 3's step after the iteration whose last microbatch is 7, or under PipeDream after 7's backward).
+    ``3OPT7`` is stage 3's step after the iteration whose last microbatch is 7, or under PipeDream after 7's backward);
+    S and T a device's passes over its vocabulary shard of the output layer (vocabulary parallelism,
+    ``simulator.vocab``; torch's CSV has no letters for them).
     """
 
     F = "F"
@@ -44,6 +46,8 @@ class ActionKind(StrEnum):
     REDUCE_SCATTER = "REDUCE_SCATTER"
     BROADCAST = "BROADCAST"
     OPT = "OPT"
+    S = "S"
+    T = "T"
 
 
 class Role(IntEnum):
@@ -65,6 +69,7 @@ ROLE: dict[ActionKind, Role] = {
     ActionKind.ALL_REDUCE: Role.COLLECTIVE, ActionKind.ALL_GATHER: Role.COLLECTIVE,
     ActionKind.REDUCE_SCATTER: Role.COLLECTIVE, ActionKind.BROADCAST: Role.COLLECTIVE,
     ActionKind.OPT: Role.COMPUTE,
+    ActionKind.S: Role.COMPUTE, ActionKind.T: Role.COMPUTE,
 }
 # The per-microbatch ops schedules are made of. OPT takes compute time too, but no schedule or CSV holds it: the
 # simulator adds it to the program it runs.
@@ -72,8 +77,11 @@ COMPUTE_KINDS = frozenset(k for k, r in ROLE.items() if r is Role.COMPUTE) - {Ac
 COMM_KINDS = frozenset(k for k, r in ROLE.items() if r in (Role.SEND, Role.RECV))
 STAGE_KINDS = frozenset(k for k, r in ROLE.items() if r is Role.STAGE)
 COLLECTIVE_KINDS = frozenset(k for k, r in ROLE.items() if r is Role.COLLECTIVE)
+# Vocabulary-parallel passes (docs/schedules.md section 7): compute ops of the simulator's own, not torch's, so the
+# text and CSV forms of torch's letters neither parse nor write them.
+VOCAB_KINDS = frozenset({ActionKind.S, ActionKind.T})
 
-_POINT_KINDS = "|".join(k.value for k in sorted(COMPUTE_KINDS | COMM_KINDS, key=len, reverse=True))
+_POINT_KINDS = "|".join(k.value for k in sorted((COMPUTE_KINDS - VOCAB_KINDS) | COMM_KINDS, key=len, reverse=True))
 _ACTION_RE = re.compile(rf"^([0-9]+)({_POINT_KINDS})([0-9]+)$")
 _STAGE_ACTION_RE = re.compile(rf"^([0-9]+)({'|'.join(k.value for k in STAGE_KINDS)})$")
 _OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")

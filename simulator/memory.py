@@ -150,9 +150,18 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
         stage_input=np.array([c.input_bytes for c in stage_costs], dtype=np.int64)[at],
     )
     boundary = np.array([c.boundary_bytes for c in stage_costs], dtype=np.int64)
-    parts = [op_memory_events(ops, schedule.recompute, schedule.chunks), _held(*buffer_events(records, boundary,
-                                                                                             runtime))]
+    parts = [op_memory_events(ops, schedule.recompute, schedule.chunks),
+             _held(*buffer_events(records, boundary, runtime)), _vocab_events(records, stage_costs)]
     return device_timelines(concat(parts), static), static
+
+
+def _vocab_events(records: Timeline, stage_costs: list[StageCost]) -> MemoryEvents:
+    """Vocabulary parallelism (docs/memory.md): an S pass stashes its shard's logits and softmax until its T pass
+    ends (``StageCost.vocab_bytes`` of the device's stage)."""
+    held = np.array([c.vocab_bytes for c in stage_costs], dtype=np.int64)
+    s, t = np.flatnonzero(records.is_kind(K.S)), np.flatnonzero(records.is_kind(K.T))
+    return concat([events(records.device[s], records.start[s], held[records.stage[s]]),
+                   events(records.device[t], records.end[t], -held[records.stage[t]])])
 
 
 def _held(device: np.ndarray, since: np.ndarray, until: np.ndarray, nbytes: np.ndarray) -> MemoryEvents:

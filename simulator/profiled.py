@@ -198,6 +198,8 @@ class ProfiledCosts(PerStageCache):
     precision: str
     comms_fit: pd.DataFrame | None = None
     layers_per_stage: tuple[int, ...] | None = None  # None: the equal split
+    vocab_shards: int = 0  # vocabulary parallelism over this many devices (0: naive, the output on the last stage)
+    vocab_2: bool = False  # vocab-2's passes (S2, T2) rather than vocab-1's (S, T)
     warnings: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # table name -> the file it was read from (for errors)
     _cache: dict = field(default_factory=dict, repr=False)
@@ -356,7 +358,7 @@ class ProfiledCosts(PerStageCache):
         parts = {"layer": n}
         if stage == 0:
             parts["embedding"] = 1
-        if stage == num_stages - 1:
+        if stage == num_stages - 1 and not self.vocab_shards:
             parts["output"] = 1
         ops = {"embedding": ("F", None, "W"), "layer": ("F", "I", "W"), "output": ("F", "I", "W")}
         f = i = w = act = m_w = 0.0
@@ -370,6 +372,7 @@ class ProfiledCosts(PerStageCache):
             m_w += count * self.bytes_of(component, "weight_grad_bytes")
             params += count * self.params_of(component)
             tensors += count * self.tensors_of(component)
+        params += self._vocab_params(stage)
         boundary = int(round(self.bytes_of("layer", "boundary_bytes")))
         where = f"stage {stage} of {num_stages}"
         return StageCost(
@@ -379,11 +382,45 @@ class ProfiledCosts(PerStageCache):
             recompute_ns=self._ns(n * self.time_ns("layer", "R"), f"the recompute of {where}"),
             boundary_bytes=boundary, activation_bytes=int(round(act)), weight_grad_bytes=int(round(m_w)),
             input_bytes=boundary if stage else self.microbatch_size * self.seq * TOKEN_ID_BYTES, params=params,
-            optimizer_ns=self.optimizer_ns(params, tensors), param_tensors=tensors,
+            optimizer_ns=self.optimizer_ns(params, tensors), param_tensors=tensors, **self._vocab_part(stage),
         )
 
-    def vocab_shard_ns(self, shards: int) -> tuple[int, int]:
-        """(S, T) times of one vocabulary shard when the output layer is split ``shards`` ways."""
+    def _vocab_params(self, stage: int) -> int:
+        """Under vocabulary parallelism, parameters moved onto the stage: both vocabulary layers' split equally over
+        the devices' first stages, the embedding's taken off stage 0 (whose lookup time stays there)."""
+        if not self.vocab_shards:
+            return 0
+        shard = (self.params_of(schema.EMBEDDING) + self.params_of(schema.OUTPUT)) // self.vocab_shards
+        return (shard if stage < self.vocab_shards else 0) - (self.params_of(schema.EMBEDDING) if stage == 0 else 0)
+
+    def _vocab_part(self, stage: int) -> dict[str, int]:
+        """Under vocabulary parallelism, the S and T passes and stash of the stage's device shard, on the device's
+        first stage (docs/costs.md, "Vocabulary passes")."""
+        if not self.vocab_shards or stage >= self.vocab_shards:
+            return {}
+        s, t = self.vocab_passes_ns(self.vocab_shards, self.vocab_2)
+        # the shard's part of the output layer's stash, and its copy of the broadcast input X (the stage boundary)
+        stash = self.bytes_of(schema.OUTPUT, "activation_bytes") / self.vocab_shards + self.bytes_of("layer",
+                                                                                                    "boundary_bytes")
+        return {"vocab_s_ns": s, "vocab_t_ns": t, "vocab_bytes": int(round(stash))}
+
+    def vocab_passes_ns(self, shards: int, vocab_2: bool) -> tuple[int, int]:
+        """(S, T) of one shard: the profile's S and T (vocab-1), or its S2 and T2 (vocab-2). Without S2/T2 rows
+        they are estimated as S + T/2 and T/2: vocab-2 moves T's grad-X product (half of T's matmul FLOPs) into S,
+        and a note says so."""
+        if not vocab_2:
+            return self.vocab_shard_ns(shards)
+        t = self.timings
+        if ((t["component"] == schema.OUTPUT_SHARD) & t["op"].isin(["S2", "T2"])).any():
+            return self.vocab_shard_ns(shards, ("S2", "T2"))
+        s, full_t = self.vocab_shard_ns(shards)
+        self._warn("costs.profile: no output_shard S2/T2 rows (the vocab-2 passes); estimated S2 = S + T/2 and "
+                   "T2 = T/2 from the S and T rows")
+        return s + full_t // 2, full_t - full_t // 2
+
+    def vocab_shard_ns(self, shards: int, ops: tuple[str, str] = ("S", "T")) -> tuple[int, int]:
+        """(S, T) times of one vocabulary shard when the output layer is split ``shards`` ways (``ops``: the rows
+        that time them)."""
         t = self.timings[self.timings["component"] == schema.OUTPUT_SHARD]
         measured = sorted(int(k) for k in t["shards"].unique())
         if not measured:
@@ -396,7 +433,7 @@ class ProfiledCosts(PerStageCache):
         rows = t[t["shards"] == nearest]
         scale = nearest / shards
         return tuple(self._ns(scale * self._lookup(rows[rows["op"] == op], "median_ns"), f"vocabulary shard {op}")
-                     for op in ("S", "T"))
+                     for op in ops)
 
     def optimizer_ns(self, params: int, tensors: int) -> int:
         """Optimizer step time for ``params`` parameters in ``tensors`` tensors (fp32 AdamW), from a fit

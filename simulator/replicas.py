@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipescope.simulator.ir import ActionKind, Collective, ProgramAction, Role, Schedule, WeightUpdate
+from pipescope.simulator.ir import ActionKind, Collective, Role, Schedule, WeightUpdate
 from pipescope.simulator.lowering import LAG_WITHOUT_FLUSH, step_group, step_microbatch
 from pipescope.simulator.program import KIND_CODE, Columns, Program
 
@@ -54,7 +54,8 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
     """The program of ``width`` replicas of ``base`` with bucketed gradient all-reduces (see the module doc).
 
     Args:
-        base: one pipeline's compiled program, without collectives.
+        base: one pipeline's compiled program; its own collectives (vocabulary parallelism's) are copied into each
+            replica over that replica's devices, with their joins.
         schedule: what ``base`` was compiled from (stage map, microbatches per iteration, weight-update rule).
         width: data-parallel replicas w >= 1.
         grad_bytes: per stage, the bytes of its gradients.
@@ -106,13 +107,6 @@ def _syncs(base: Program, schedule: Schedule, width: int, grad_bytes: list[int],
     return found
 
 
-def _shifted(action: ProgramAction | None, offset: int) -> ProgramAction | None:
-    """A pipeline collective of the base program (clipping's norm all-reduce) in the replica ``offset`` devices on."""
-    if isinstance(action, Collective):
-        return action._replace(group=tuple(d + offset for d in action.group))
-    return action
-
-
 def _split(nbytes: int, bucket: int) -> list[int]:
     """``nbytes`` in buckets of at most ``bucket`` bytes (the last one smaller); SyncError past MAX_BUCKETS."""
     count = max(1, math.ceil(nbytes / bucket))
@@ -126,6 +120,9 @@ def _replicate(base: Program, width: int, syncs: list[_Sync]) -> Program:
     """Entries: each replica's copy of the base entries, then each replica's member entries of the syncs. Flows:
     each replica's transfers, then one flow per sync shared by its replicas."""
     n, flows, devices = base.num_entries, base.num_flows, len(base.device_steps)
+
+    def moved(c: Collective | None, r: int) -> Collective | None:  # a base collective over replica r's devices
+        return c if c is None or not r else c._replace(group=tuple(d + r * devices for d in c.group))
     members = len(syncs)
     total = width * (n + members)
     first_sync_flow = width * flows
@@ -140,7 +137,7 @@ def _replicate(base: Program, width: int, syncs: list[_Sync]) -> Program:
         for entry in s.blocks:
             blocked.setdefault(entry, []).append(total + first_sync_flow + c)
     for r in range(width):
-        out.actions += [_shifted(a, r * devices) for a in base.actions]
+        out.actions += [moved(a, r) if role is Role.COLLECTIVE else a for a, role in zip(base.actions, base.role)]
         out.device += [d + r * devices for d in base.device]
         out.role += base.role
         out.launches += [tuple(f + r * flows for f in fs) for fs in base.launches]
@@ -156,7 +153,8 @@ def _replicate(base: Program, width: int, syncs: list[_Sync]) -> Program:
         out.duration += [0] * members
         out.waits += [[] for _ in syncs]
         out.flow_of += [first_sync_flow + c for c in range(members)]
-    out.joins = {}
+    out.joins = {i + r * n: [(f + r * flows, offset) for f, offset in joined]
+                 for r in range(width) for i, joined in base.joins.items()}
     for c, s in enumerate(syncs):
         for r in range(width):
             out.joins.setdefault(s.trigger + r * n, []).append((first_sync_flow + c, s.offset))
@@ -165,7 +163,7 @@ def _replicate(base: Program, width: int, syncs: list[_Sync]) -> Program:
         out.flow_dst += [d + r * devices if d >= 0 else -1 for d in base.flow_dst]
         out.flow_bytes += base.flow_bytes
         out.flow_producer += [i + r * n if i >= 0 else -1 for i in base.flow_producer]
-        out.flow_collective += [_shifted(c, r * devices) for c in base.flow_collective]
+        out.flow_collective += [moved(c, r) for c in base.flow_collective]
     out.flow_src += [-1] * members
     out.flow_dst += [-1] * members
     out.flow_bytes += [s.collective.nbytes for s in syncs]

@@ -20,6 +20,7 @@ from pipescope.simulator.replicas import GradSync
 from pipescope.simulator.result import SimResult, build_result
 from pipescope.simulator.routed import RoutedNetwork
 from pipescope.simulator.timeline import replay_timeline
+from pipescope.simulator.vocab_placement import is_overlapped, overlap_collectives
 
 
 def simulate(schedule: Schedule, costs: CostModel, network: Network | None = None, *, samples_per_microbatch: int = 1,
@@ -83,6 +84,8 @@ def prepare(schedule: Schedule, costs: CostModel) -> tuple[Program, list[StageCo
         program = add_optimizer_steps(program)
     program = compile_program(program, op_durations(stage_costs, schedule.recompute),
                               [c.boundary_bytes for c in stage_costs])
+    if is_overlapped(schedule):  # vocab-1/vocab-2: their collectives run beside the compute stream
+        overlap_collectives(program, schedule.num_stages, schedule.stage_to_device[-1])
     return program, stage_costs
 
 

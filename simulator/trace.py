@@ -17,7 +17,7 @@ KIND_NAMES = {"F": "forward", "I": "input-grad", "W": "weight-grad", "B": "backw
               "SEND_F": "send activation", "SEND_B": "send gradient",
               "RECV_F": "receive activation", "RECV_B": "receive gradient",
               "ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
-              "BROADCAST": "broadcast", "OPT": "optimizer step"}
+              "BROADCAST": "broadcast", "OPT": "optimizer step", "S": "vocabulary S", "T": "vocabulary T"}
 
 
 def _lane_names(result: SimResult) -> list[str]:

@@ -58,6 +58,17 @@ def test_oom_is_reported_with_device_and_bytes_and_exits_3(cli) -> None:
     assert code == 0 and err == "" and len(json.loads(out)["oom"]) == 4
 
 
+
+def test_table_of_a_data_parallel_2bw_run_counts_each_replicas_versions(cli) -> None:
+    """The table names every replica's devices: with 2 replicas of a 2-stage 2BW pipeline, devices 0-3 each
+    hold 2 weight versions (it once indexed the pipeline's versions by the replica-wide device id and crashed)."""
+    code, out, err = cli(["simulate", "--schedule", "2bw", "--stages", "2", "--microbatches", "2",
+                          "--set", "model.preset=tiny", "--set", "cluster.data_parallel=2"])
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])]
+    assert [row[0] for row in rows] == ["0", "1", "2", "3"]
+    assert [row[-1] for row in rows] == ["2", "2", "2", "2"]
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["--schedule", "nope"], "schedule.name: got 'nope', expected one of"),
     (["--stages", "0"], "schedule.stages: got 0, expected an integer from 1 to 100,000"),

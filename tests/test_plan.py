@@ -7,7 +7,8 @@ import pytest
 
 import pipescope
 from pipescope.config import ConfigError
-from pipescope.experiments.plan import PLAN_KEYS, RECOMPUTE, PlanRequest, base_config, candidates, plan, screen
+from pipescope.experiments.plan import (PLAN_KEYS, RECOMPUTE, Candidate, PlanRequest, base_config, candidates, plan,
+                                         screen)
 from pipescope.experiments.sweep import dask_executor
 from pipescope.runner import prepare
 from pipescope.simulator.bounds import busy_per_iteration_ns, memory_lower_bounds
@@ -96,6 +97,21 @@ def test_depths_restrict_the_search() -> None:
     assert {r["depth"] for r in report.ranked + report.rejected} == {1}
     assert {r["tensor"] for r in report.ranked + report.rejected} == {1, 2, 4, 8}
 
+
+
+def test_without_pipelining_one_schedule_is_planned_and_gpipe_is_not_1f1b() -> None:
+    """d = 1 is planned once: as 1F1B when it is named, else as the first schedule. GPipe's d = 1 run is not the
+    same as 1F1B's: every forward comes first, so it stashes all m microbatches (docs/planner.md, "The search
+    space"; the 2BW redo's "best GPipe plan" for GPT 2.2B is such a run)."""
+    both = PlanRequest(SMALL.base, 16, schedules=("gpipe", "1f1b"), microbatch_sizes=(1,), tensor=(1,),
+                       recompute=("none",), depths=(1,))
+    assert [c.schedule for c in candidates(both, 8)] == ["1f1b"]
+    alone = PlanRequest(SMALL.base, 16, schedules=("gpipe",), microbatch_sizes=(1,), tensor=(1,),
+                        recompute=("none",), depths=(1,))
+    assert [c.schedule for c in candidates(alone, 8)] == ["gpipe"]
+    gpipe, flush = (screen(alone, Candidate(name, 1, 8, 1, 1, "none")) for name in ("gpipe", "1f1b"))
+    assert gpipe.reason is None and flush.reason is None  # m = 16 / 8 = 2 microbatches per replica
+    assert gpipe.memory_bound_bytes > flush.memory_bound_bytes
 
 def test_rejections_name_their_reason() -> None:
     """OOM names the device and the bytes; an indivisible batch and a schedule's own constraint are one line."""

@@ -1,0 +1,72 @@
+"""``pipescope plot vocab``: MFU and peak memory per device against the vocabulary size, from a sweep over
+``model.vocab`` and ``schedule.vocab`` (docs/plots.md, "vocab"; the picture of docs/schedules.md section 7)."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import PercentFormatter
+
+from pipescope.experiments.plots_charts import LINESTYLES, MARKERS
+from pipescope.experiments.plots_style import plain
+
+VOCAB, METHOD, STAGES, SEQ = "model.vocab", "schedule.vocab", "schedule.stages", "model.seq"
+NEEDED = ("schedule.name", VOCAB, METHOD, STAGES, SEQ, "mfu", "peak_memory_bytes")
+MAX_PANELS = 12  # columns of the figure: (stages, seq) pairs
+
+
+def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
+    """Two rows of panels (MFU; peak memory per device in GiB, with the device's capacity dashed), a column per
+    (stages, sequence length), a line per method (schedule and ``schedule.vocab``), against the vocabulary."""
+    missing = [c for c in NEEDED if c not in frame]
+    if missing:
+        raise ValueError(f"INPUT: no column {missing[0]!r}; expected a sweep over model.vocab and schedule.vocab")
+    frame = frame.assign(method=frame["schedule.name"].astype(str) + " " + frame[METHOD].astype(str))
+    panels = sorted({(int(stages), int(seq)) for stages, seq in zip(frame[STAGES], frame[SEQ])})
+    if len(panels) > MAX_PANELS:
+        raise ValueError(f"INPUT: {len(panels)} (stages, seq) pairs, expected at most {MAX_PANELS}: filter the table")
+    fig, axes = plt.subplots(2, len(panels), figsize=(2.7 * len(panels) + 1, 6.5), squeeze=False, sharex=True)
+    methods = sorted(frame["method"].unique(), key=_order)
+    placements = sorted(frame[METHOD].astype(str).unique(), key=_order)
+    schedules = sorted(frame["schedule.name"].astype(str).unique())
+    for col, (stages, seq) in enumerate(panels):
+        part = frame[(frame[STAGES] == stages) & (frame[SEQ] == seq)]
+        for method in methods:
+            rows = part[part["method"] == method].groupby(VOCAB)
+            schedule, placement = method.split(" ", 1)
+            # a colour per placement, a line style and marker per schedule: "v-half vocab-2" reads as both
+            k, j = placements.index(placement), schedules.index(schedule)
+            style = {"color": f"C{k % 10}", "marker": MARKERS[j % len(MARKERS)], "markerfacecolor": "none",
+                     "linestyle": LINESTYLES[j % len(LINESTYLES)], "label": plain(method)}
+            axes[0, col].plot(rows["mfu"].mean(), **style)
+            axes[1, col].plot(rows["peak_memory_bytes"].max() / 2**30, **style)
+        if "memory_capacity_bytes" in part and part["memory_capacity_bytes"].notna().any():
+            axes[1, col].axhline(part["memory_capacity_bytes"].max() / 2**30, color="grey", linestyle="--",
+                                 linewidth=1, label="device memory")
+        axes[0, col].set_title(f"{stages} GPUs, seq {seq}", fontsize=10)
+        axes[1, col].set_xlabel("vocabulary")
+    for ax in axes.flat:
+        ax.set_xscale("log", base=2)
+        ticks = sorted(frame[VOCAB].unique())
+        ax.set_xticks(ticks, [f"{t // 1024}k" if t % 1024 == 0 else str(t) for t in ticks])
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+    axes[0, 0].yaxis.set_major_formatter(PercentFormatter(1.0))
+    for ax in axes[0, 1:]:
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    axes[0, 0].set_ylabel("MFU")
+    axes[1, 0].set_ylabel("peak memory per device (GiB)")
+    handles, labels = axes[1, -1].get_legend_handles_labels()
+    fig.suptitle(plain(title or "vocabulary placement: MFU and peak memory against the vocabulary size"))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), frameon=False, fontsize=9)
+    return fig
+
+
+ORDER = ("1f1b", "v-half", "naive", "redistribute", "vocab-1", "vocab-2", "interlaced")
+
+
+def _order(text: str) -> tuple[int, ...]:
+    """Methods in the order of docs/schedules.md section 7 (unknown names last, as they come)."""
+    return tuple(ORDER.index(part) if part in ORDER else len(ORDER) for part in text.split(" "))
