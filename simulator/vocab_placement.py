@@ -220,12 +220,14 @@ def overlap_collectives(program: Program, num_stages: int, root: int) -> None:
     entry = {a: i for i, a in enumerate(program.actions) if program.role[i] is Role.COMPUTE}
     has_c2 = any(isinstance(a, Collective) and a.kind is C2_KIND for a in program.actions)
     grad_x = C2_KIND if has_c2 else K.ALL_REDUCE
+    # clipping's norm all-reduce (stage -1, ``lowering.add_optimizer_steps``) stays on the stream: the steps follow it
+    ours = {i for i, a in enumerate(program.actions) if program.role[i] is Role.COLLECTIVE and a.stage >= 0}
     for d, steps in enumerate(program.device_steps):
-        kept = [i for i in steps if program.role[i] is not Role.COLLECTIVE]
+        kept = [i for i in steps if i not in ours]
         first, before = (kept[0] if kept else None), None
         for i in steps:
-            if program.role[i] is not Role.COLLECTIVE:
-                before = i
+            if i not in ours:
+                before = i if program.role[i] is not Role.COLLECTIVE else before
                 continue
             collective, flow = program.actions[i], program.flow_of[i]
             if before is None or (collective.kind is K.BROADCAST and d != root):
