@@ -106,7 +106,8 @@ class Screened:
 class PlanReport:
     """``ranked``: simulated candidates that fit, fastest first (one dict each: PLAN_KEYS plus metrics);
     ``rejected``: every other candidate with its reason; ``best``: the first ranked (None if nothing fits). Equal
-    throughputs rank by peak memory, least first."""
+    throughputs rank by peak memory, least first, then by the plan's keys (so the order does not depend on which
+    worker finished first)."""
 
     ranked: list[dict[str, Any]]
     rejected: list[dict[str, Any]]
@@ -313,7 +314,8 @@ def _simulate_in_bound_order(pool: Executor, request: PlanRequest, screened: lis
             drain(pool, [[s.run] for s in batch], rows, 2 * workers, _Quiet(bar), task=run_chunk)
             for row in rows:
                 _file(by_id[row["run_id"]], row, ranked, rejected)
-            ranked.sort(key=lambda r: (-r["throughput_samples_per_s"], r["peak_memory_bytes"]))
+            ranked.sort(key=lambda r: (-r["throughput_samples_per_s"], r["peak_memory_bytes"],
+                                       [str(r[key]) for key in PLAN_KEYS]))  # the plan itself breaks a tie
     best = _kth(ranked, request.top)
     rejected += [_rejection(s.candidate, f"pruned: at most {s.bound_samples_per_s:.4g} samples/s (the busiest "
                                          f"device's compute), not above the top {request.top}'s {best:.4g}")
