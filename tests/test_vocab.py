@@ -90,7 +90,8 @@ def test_interlaced_holds_one_and_a_half_p() -> None:
 def test_collectives_run_on_the_network(method: str, kinds: set[ActionKind]) -> None:
     result = simulate(method, "model.vocab=128000")
     records = result.records
-    rows = [i for i, a in enumerate(records.actions) if isinstance(a, Collective)]
+    # the vocabulary's collectives; clipping's norm all-reduce before the steps has no stage (-1)
+    rows = [i for i, a in enumerate(records.actions) if isinstance(a, Collective) and a.stage >= 0]
     assert {records.actions[i].kind for i in rows} == kinds
     for kind in kinds:  # one per microbatch, every device a member
         per_kind = {records.actions[i] for i in rows if records.actions[i].kind is kind}
@@ -121,7 +122,7 @@ def test_interlaced_runs_each_pass_on_all_devices_at_once() -> None:
 def test_parameters_are_balanced() -> None:
     result = simulate("vocab-2", "model.vocab=256000")
     static = [d.static_memory_bytes for d in result.devices]
-    position = 1024 * 1024 * 16  # the position embedding stays on device 0 (16 bytes per parameter)
+    position = 1024 * 1024 * 18  # the position embedding stays on device 0 (18 bytes per parameter, Megatron's)
     assert static[1] == static[2] == static[3] and static[0] - static[1] == position
     naive = simulate("naive", "model.vocab=256000")
     assert max(d.static_memory_bytes for d in naive.devices) > max(static)
