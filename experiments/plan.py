@@ -208,8 +208,44 @@ def _bounded(candidate: Candidate, run: Run) -> Screened:
                         reason=f"OOM on device {worst} by at least {memory[worst] - capacity:,} bytes (needs at "
                                f"least {memory[worst]:,}, has {capacity:,})")
     samples = built.schedule.num_microbatches * built.config.model.microbatch_size * built.config.cluster.data_parallel
-    busiest = max(busy_per_iteration_ns(built.schedule, costs))
-    return Screened(candidate, run, samples / (busiest / 1e9), memory[worst])
+    floor = max(max(busy_per_iteration_ns(built.schedule, costs)), _allreduce_floor(built, costs))
+    return Screened(candidate, run, samples / (floor / 1e9), memory[worst])
+
+
+_RATES: dict[tuple, float] = {}  # per worker process: (cluster, GPU ranks) -> the all-reduce's ns per byte
+
+
+def _allreduce_floor(built, costs: list) -> int:
+    """``bounds.allreduce_floor_ns`` over the run's routed network (analytic costs; otherwise 0, which leaves the
+    compute bound alone). With tensor parallelism the simulator runs a device's all-reduce from the first of its
+    GPUs, as ``Cluster.rank_of`` places it, so the floor is taken there too. Each group's rate is measured once
+    per process."""
+    from pipescope.simulator.bounds import allreduce_floor_ns
+    from pipescope.simulator.ir import ActionKind
+    from pipescope.simulator.routed import RoutedNetwork, time_alone
+
+    config = built.config
+    if built.model is None or config.cluster.data_parallel <= 1:
+        return 0
+    network = None
+
+    def ns_per_byte(group: list[int]) -> float:
+        nonlocal network
+        key = (config.cluster, config.faults, config.seed, tuple(built.cluster.rank_of[d] for d in group))
+        if key not in _RATES:
+            network = network or built.network()
+            if not isinstance(network, RoutedNetwork):
+                return 0.0
+            one, two = (time_alone(network, collective=(ActionKind.ALL_REDUCE, group, n))[0]
+                        for n in (RATE_PROBE_BYTES, 2 * RATE_PROBE_BYTES))
+            _RATES[key] = max(0, two - one) / RATE_PROBE_BYTES
+        return _RATES[key]
+
+    return allreduce_floor_ns(built.schedule, costs, config.model.precision, config.cluster.data_parallel,
+                              ns_per_byte)
+
+
+RATE_PROBE_BYTES = 256 << 20  # large enough that every algorithm's latency is the same in both probes
 
 
 def _equal_split(built) -> bool:

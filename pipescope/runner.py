@@ -50,6 +50,10 @@ class Prepared:
         s = self.schedule
         return [self.costs.stage_cost(stage, s.num_stages, s.chunks) for stage in range(s.num_stages)]
 
+    def network(self) -> Network:
+        """The network ``run`` replays over (built anew: a network keeps the state of the flows bound to it)."""
+        return _network(self.config, self.cluster, self.costs)
+
     @property
     def capacity(self) -> int | None:
         """Bytes per device: ``cluster.memory``, else the GPU's (none under uniform costs, which have no scale)."""

@@ -5,6 +5,8 @@ be true bounds, never estimates:
 
 - **busy time**: a device cannot finish an iteration faster than the compute it runs in one, so the iteration
   time is at least the busiest device's compute per iteration, and the throughput at most samples over that;
+- **all-reduce**: with w replicas, an iteration cannot be shorter than its gradient all-reduce's bytes take on
+  the busiest replica group of the idle network;
 - **memory**: what a device holds at its peak is at least its static state (weights x versions, gradients,
   optimizer state) plus what its compute ops stash, and that stash depends only on the device's own op order
   (docs/schedules.md section 0's bookkeeping). The timed ledger adds p2p buffers on top, never less.
@@ -12,13 +14,14 @@ be true bounds, never estimates:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import ActionKind, Schedule
 from pipescope.simulator.memory import OpArrays, device_timelines, op_memory_events, static_memory
+from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.program import KIND_CODE, op_durations
 
 
@@ -72,3 +75,24 @@ def _ordered_events(schedule: Schedule, stage_costs: Sequence[StageCost]):
                    activation=column("activation_bytes"), weight_grad=column("weight_grad_bytes"),
                    stage_input=column("input_bytes"))
     return op_memory_events(ops, schedule.recompute, schedule.chunks)
+
+
+def allreduce_floor_ns(schedule: Schedule, stage_costs: Sequence[StageCost], precision: str, width: int,
+                       ns_per_byte: Callable[[list[int]], float]) -> int:
+    """Per iteration, the time the data-parallel gradient all-reduce's bytes alone take on the busiest group.
+
+    Every iteration all-reduces each device's gradients over its ``width`` replicas (device d of replica r is
+    r * D + d), and the all-reduces of successive iterations cross the same links, so no run finishes iterations
+    faster than that (the second term of the 2BW planner's equation, docs/schedules.md section 3).
+    ``ns_per_byte(group)`` is the marginal time per byte of the fastest all-reduce over ``group`` on the idle
+    network: latencies are left out, so the product stays a floor however the bytes are bucketed.
+    """
+    if width <= 1:
+        return 0
+    grad_bytes = PRECISIONS[precision].grad_bytes
+    per_device = [0] * schedule.num_devices
+    for stage, device in enumerate(schedule.stage_to_device):
+        per_device[device] += stage_costs[stage].params * grad_bytes
+    devices = schedule.num_devices
+    return max(int(nbytes * ns_per_byte([r * devices + d for r in range(width)]))
+               for d, nbytes in enumerate(per_device))

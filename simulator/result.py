@@ -160,17 +160,39 @@ def _layer_split(config: Any) -> list[int] | None:
 
 
 def iteration_times(schedule: Schedule, microbatch: np.ndarray, start: np.ndarray, end: np.ndarray,
-                    step: np.ndarray) -> tuple[int, int, int]:
+                    step: np.ndarray, allreduce: np.ndarray | None = None, device: np.ndarray | None = None,
+                    ) -> tuple[int, int, int]:
     """(iteration, fill/drain, makespan) in ns from the timed rows of a run, simulated or measured; ``step`` marks
     the optimizer steps. One iteration: iteration = makespan. Several: the median gap between iteration ends, where
-    an iteration ends with its backwards (the steps after them delay what follows, so the gaps include them)."""
+    an iteration ends with its backwards (the steps after them delay what follows, so the gaps include them), and at
+    least the time a device's gradient all-reduces keep it busy per iteration (rows marked by ``allreduce``, on
+    ``device``). Without that floor, a run whose all-reduces fall behind its compute would look as fast as its
+    compute for the few iterations simulated, while the backlog builds slowly (docs/network.md, "Data
+    parallelism")."""
     makespan = int(end.max() - start.min())
     if schedule.iterations <= 1:
         return makespan, 0, makespan
     ends = np.zeros(schedule.iterations, dtype=np.int64)
     np.maximum.at(ends, microbatch[~step] // schedule.num_microbatches, end[~step])
     steady = int(statistics.median((ends[1:] - ends[:-1]).tolist()))
+    if allreduce is not None and device is not None and allreduce.any():
+        steady = max(steady, _busiest_union_ns(device[allreduce], start[allreduce], end[allreduce])
+                     // schedule.iterations)
     return steady, makespan - schedule.iterations * steady, makespan
+
+
+def _busiest_union_ns(device: np.ndarray, start: np.ndarray, end: np.ndarray) -> int:
+    """The largest, over devices, of the time covered by the union of that device's intervals."""
+    order = np.lexsort((start, device))
+    device, start, end = device[order], start[order], end[order]
+    best = 0
+    for d in np.unique(device):
+        mask = device == d
+        s, e = start[mask], end[mask]
+        reach = np.maximum.accumulate(e)  # how far the intervals so far cover
+        covered_from = np.maximum(s, np.concatenate(([s[0]], reach[:-1])))
+        best = max(best, int(np.maximum(e - covered_from, 0).sum()))
+    return best
 
 
 def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], precision: str,
@@ -204,9 +226,10 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
                            memory[d % pipeline].peak_activations, static[d % pipeline], exposed_comm[d] / 1e9,
                            exposed_allreduce[d] / 1e9) for d in range(p)]
     timed = compute | collective
+    kind = records.kind[timed]
     iteration, fill_drain, makespan = iteration_times(schedule, records.microbatch[timed], records.start[timed],
-                                                      records.end[timed],
-                                                      records.kind[timed] == KIND_CODE[ActionKind.OPT])
+                                                      records.end[timed], kind == KIND_CODE[ActionKind.OPT],
+                                                      kind == KIND_CODE[ActionKind.ALL_REDUCE], records.device[timed])
     bubble = 1.0 - int(busy.sum()) / (p * max_span)
     return SimResult(schedule, records, devices, memory, iteration, fill_drain, makespan, bubble,
                      samples_per_iteration, stage_costs=stage_costs, precision=precision,

@@ -7,8 +7,17 @@ import pytest
 
 import pipescope
 from pipescope.config import ConfigError
-from pipescope.experiments.plan import (PLAN_KEYS, RECOMPUTE, Candidate, PlanRequest, base_config, candidates, plan,
-                                         screen)
+from pipescope.experiments.plan import (
+    PLAN_KEYS,
+    RECOMPUTE,
+    Candidate,
+    PlanRequest,
+    _allreduce_floor,
+    base_config,
+    candidates,
+    plan,
+    screen,
+)
 from pipescope.experiments.sweep import dask_executor
 from pipescope.runner import prepare
 from pipescope.simulator.bounds import busy_per_iteration_ns, memory_lower_bounds
@@ -32,10 +41,25 @@ def test_bounds_hold_against_simulation(name: str) -> None:
         costs = built.stage_costs()
         result = pipescope.run(config)
         assert max(busy_per_iteration_ns(built.schedule, costs)) <= result.iteration_time_s * 1e9 + 1
+        assert _allreduce_floor(built, costs) <= result.iteration_time_s * 1e9 + 1
         bounds = memory_lower_bounds(built.schedule, costs, built.config.model.precision)
         peaks = [row["peak_memory_bytes"] for row in result.summary()["per_device"]]
         assert all(b <= peak for b, peak in zip(bounds, peaks))
         assert all(b >= 0.9 * peak for b, peak in zip(bounds, peaks))  # and close: only p2p buffers are left out
+
+
+def test_allreduce_floor_binds_on_a_slow_network() -> None:
+    """On 8 p3.16xlarge (one 25 Gbit/s NIC per 8 V100s) with 8 replicas of a 2-stage GPT 2.2B, the all-reduce
+    floor is above the compute bound, and the simulated 2BW iteration respects it."""
+    config = pipescope.load_config(raw={
+        "schedule": {"name": "2bw", "stages": 8, "microbatches": 8},
+        "model": {"preset": "gpt-2.2b", "microbatch_size": 1, "precision": "fp16"},
+        "cluster": {"topology": "p3.16xlarge", "nodes": 8, "data_parallel": 8}})
+    built = prepare(config)
+    costs = built.stage_costs()
+    floor, busiest = _allreduce_floor(built, costs), max(busy_per_iteration_ns(built.schedule, costs))
+    assert floor > busiest
+    assert pipescope.run(config).iteration_time_s * 1e9 >= floor
 
 
 def _exhaustive(request: PlanRequest) -> list[tuple[float, int, tuple]]:
