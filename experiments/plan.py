@@ -194,13 +194,16 @@ def screen(request: PlanRequest, candidate: Candidate) -> Screened:
 def _bounded(candidate: Candidate, run: Run) -> Screened:
     from pipescope.runner import prepare
     from pipescope.simulator.bounds import busy_per_iteration_ns, memory_lower_bounds
+    from pipescope.simulator.lowering import defers_steps
 
     built = prepare(run.config)
     if candidate.vocab == "redistribute" and _equal_split(built):
         return Screened(candidate, None, reason="redistribute keeps the equal layer split here: the same run as "
                                                 "vocab naive")
     costs = built.stage_costs()
-    memory = memory_lower_bounds(built.schedule, costs, built.config.model.precision, built.config.memory.runtime)
+    config = built.config
+    buffers = 2 if defers_steps(built.schedule.weight_update, config.cluster.data_parallel) else 1
+    memory = memory_lower_bounds(built.schedule, costs, config.model.precision, config.memory.runtime, buffers)
     worst = max(range(len(memory)), key=memory.__getitem__)
     capacity = built.capacity
     if capacity is not None and memory[worst] > capacity:

@@ -42,13 +42,14 @@ def busy_per_iteration_ns(schedule: Schedule, stage_costs: Sequence[StageCost]) 
 
 
 def memory_lower_bounds(schedule: Schedule, stage_costs: Sequence[StageCost], precision: str,
-                        runtime: str = "megatron") -> list[int]:
-    """Per device, bytes its peak cannot be under: static state (as ``memory.runtime`` counts it) plus its ops'
-    stash, replayed in list order."""
+                        runtime: str = "megatron", gradient_buffers: int = 1) -> list[int]:
+    """Per device, bytes its peak cannot be under: static state (as ``memory.runtime`` counts it, with
+    ``gradient_buffers`` as the ledger takes them) plus its ops' stash, replayed in list order."""
     home = np.asarray(schedule.stage_to_device)
     params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
-    static = [static_memory(int(params[d]), schedule.versions(d), precision, runtime).total
-              for d in range(schedule.num_devices)]
+    state = [static_memory(int(params[d]), schedule.versions(d), precision, runtime)
+             for d in range(schedule.num_devices)]
+    static = [s.total + (gradient_buffers - 1) * s.gradients for s in state]
     return [memory.peak_bytes for memory in device_timelines(_ordered_events(schedule, stage_costs), static)]
 
 

@@ -208,7 +208,12 @@ def step_points(actions: Sequence[ProgramAction], update: WeightUpdate, m: int) 
     return points
 
 
-def add_optimizer_steps(program: Schedule) -> Schedule:
+def defers_steps(update: WeightUpdate, data_parallel: int) -> bool:
+    """2BW with replicas steps late, hiding its all-reduce behind the next iteration (``add_optimizer_steps``)."""
+    return update is WeightUpdate.TWO_BW and data_parallel > 1
+
+
+def add_optimizer_steps(program: Schedule, deferred: bool = False) -> Schedule:
     """``program`` with each stage's optimizer steps (``sOPTk``, see ``step_microbatch``) where the real executor
     runs them (docs/schedules.md "The optimizer step").
 
@@ -216,6 +221,11 @@ def add_optimizer_steps(program: Schedule) -> Schedule:
     pipeline's devices, a ``Collective``), then its stages in order, as a training loop calls ``step()`` after the
     backward. 2BW steps each stage after its last backward of each iteration, PipeDream after every backward
     (``step_points``); they clip each stage's own norm, so there is no collective.
+
+    ``deferred`` (2BW with data parallelism): each step goes instead just before the stage's first forward of
+    iteration k + ``LAG_WITHOUT_FLUSH``, the first that needs its update (or at the device's end), as
+    PipeDream-2BW's runtime runs it: the gradient all-reduce then overlaps the next iteration, at the price of a
+    second gradient buffer (the ledger's ``gradient_buffers``). The executor keeps one buffer and steps at once.
     """
     m, update = program.num_microbatches, program.weight_update
     lists = [[a for a in acts if a is not None] for acts in program.device_actions]
@@ -230,7 +240,33 @@ def add_optimizer_steps(program: Schedule) -> Schedule:
         return dataclasses.replace(program, device_actions=tuple(tuple(acts) for acts in lists))
     out = []
     for acts in lists:
-        points = step_points(acts, update, m)
-        out.append([b for at, a in enumerate(acts) for b in [a, *(Action(s, K.OPT, step_microbatch(update, m, g))
-                                                                  for s, g in points.get(at, ()))]])
+        after, before = step_points(acts, update, m), {}
+        if deferred:
+            after, before = _deferred(acts, after, m)
+
+        def steps(points: dict[int, list[tuple[int, int]]], at: int) -> list[Action]:
+            return [Action(s, K.OPT, step_microbatch(update, m, g)) for s, g in points.get(at, ())]
+
+        out.append([b for at, a in enumerate(acts) for b in [*steps(before, at), a, *steps(after, at)]])
     return dataclasses.replace(program, device_actions=tuple(tuple(acts) for acts in out))
+
+
+def _deferred(actions: list, points: dict[int, list[tuple[int, int]]], m: int
+              ) -> tuple[dict[int, list[tuple[int, int]]], dict[int, list[tuple[int, int]]]]:
+    """``points`` (steps after a position) moved to just before the stage's first forward of iteration
+    group + LAG_WITHOUT_FLUSH: (steps after a position, steps before a position); a step with no such forward
+    goes after the last action."""
+    firsts: dict[tuple[int, int], int] = {}
+    for at, a in enumerate(actions):
+        if a.kind is K.F:
+            firsts.setdefault((a.stage, a.microbatch // m), at)
+    after: dict[int, list[tuple[int, int]]] = {}
+    before: dict[int, list[tuple[int, int]]] = {}
+    for at in sorted(points):
+        for stage, group in points[at]:
+            target = firsts.get((stage, group + LAG_WITHOUT_FLUSH))
+            if target is None:
+                after.setdefault(len(actions) - 1, []).append((stage, group))
+            else:
+                before.setdefault(target, []).append((stage, group))
+    return after, before

@@ -128,9 +128,10 @@ K = ActionKind
 
 
 def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], precision: str,
-           runtime: str = "megatron") -> tuple[list[DeviceMemory], list[int]]:
+           runtime: str = "megatron", gradient_buffers: int = 1) -> tuple[list[DeviceMemory], list[int]]:
     """Per device: static state plus what compute ops stash and p2p buffers hold, over the timeline; ``runtime``
-    says which buffers are held how long (``simulator.memory_runtime``).
+    says which buffers are held how long (``simulator.memory_runtime``); ``gradient_buffers`` counts the gradients
+    that many times (2BW's deferred step keeps the next iteration's apart, ``lowering.add_optimizer_steps``).
 
     Returns:
         (memory timeline per device, static bytes per device).
@@ -138,8 +139,10 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
     home = np.asarray(schedule.stage_to_device)
     params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
     tensors = np.bincount(home, [c.param_tensors for c in stage_costs], minlength=schedule.num_devices)
-    static = [static_memory(int(params[d]), schedule.versions(d), precision, runtime).total
-              + int(tensors[d]) * step_counter_bytes(runtime) for d in range(schedule.num_devices)]
+    state = [static_memory(int(params[d]), schedule.versions(d), precision, runtime)
+             for d in range(schedule.num_devices)]
+    static = [s.total + (gradient_buffers - 1) * s.gradients + int(tensors[d]) * step_counter_bytes(runtime)
+              for d, s in enumerate(state)]
     stage, compute = records.stage, records.mask(Role.COMPUTE)
     at = stage[compute]
     ops = OpArrays(

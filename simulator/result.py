@@ -67,6 +67,7 @@ class SimResult:
     stage_costs: list[StageCost] = field(default_factory=list)  # what the ledger was fed, to rebuild a result from
     precision: str = "bf16"  # another timeline of the same run (``with_timeline``)
     memory_runtime: str = "megatron"  # whose buffers the ledger counted (``simulator.memory_runtime``)
+    gradient_buffers: int = 1  # 2 where steps are deferred (2BW with replicas, ``lowering.add_optimizer_steps``)
     kernels: list[dict] = field(default_factory=list)  # analytic costs: the roofline per kernel (docs/costs.md)
 
     @property
@@ -196,7 +197,8 @@ def _busiest_union_ns(device: np.ndarray, start: np.ndarray, end: np.ndarray) ->
 
 
 def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], precision: str,
-                 samples_per_iteration: int, memory_runtime: str = "megatron", **extra: Any) -> SimResult:
+                 samples_per_iteration: int, memory_runtime: str = "megatron", gradient_buffers: int = 1,
+                 **extra: Any) -> SimResult:
     """Derive every statistic from the timeline's compute and collective rows and the memory ledger.
 
     Args:
@@ -206,6 +208,7 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
         stage_costs: bytes each stage stashes and holds, for the memory ledger.
         precision: bytes per parameter and activation.
         memory_runtime: whose buffers the memory ledger counts (``simulator.memory_runtime``).
+        gradient_buffers: gradient buffers per stage (2 where 2BW defers its steps).
         samples_per_iteration: for throughput.
         **extra: further ``SimResult`` fields (memory capacity, MFU inputs, warnings, config, wall time).
     """
@@ -219,7 +222,7 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
     span = np.where(np.bincount(device, minlength=p) > 0, last - first, 0)
     max_span = int(span.max()) or 1
     replica0 = records if p == pipeline else records.subset(records.device < pipeline, pipeline)
-    memory, static = ledger(schedule, replica0, stage_costs, precision, memory_runtime)
+    memory, static = ledger(schedule, replica0, stage_costs, precision, memory_runtime, gradient_buffers)
     comm = records.mask(Role.SEND) | records.mask(Role.RECV) | collective
     exposed_comm, exposed_allreduce = uncovered_ns(records, [comm, collective], compute)
     devices = [DeviceStats(d, busy[d] / 1e9, span[d] / 1e9, 1.0 - busy[d] / max_span, memory[d % pipeline].peak_bytes,
@@ -233,12 +236,12 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
     bubble = 1.0 - int(busy.sum()) / (p * max_span)
     return SimResult(schedule, records, devices, memory, iteration, fill_drain, makespan, bubble,
                      samples_per_iteration, stage_costs=stage_costs, precision=precision,
-                     memory_runtime=memory_runtime, **extra)
+                     memory_runtime=memory_runtime, gradient_buffers=gradient_buffers, **extra)
 
 
 def with_timeline(result: SimResult, records: Timeline) -> SimResult:
     """``result``'s run over another timeline of the same program (a measured one): every statistic, and the memory
     ledger, from those times."""
     return build_result(result.schedule, records, result.stage_costs, result.precision, result.samples_per_iteration,
-                        result.memory_runtime,
+                        result.memory_runtime, result.gradient_buffers,
                         config=result.config, warnings=[])

@@ -12,7 +12,7 @@ from pipescope.simulator.engine import Engine, gc_paused
 from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
-from pipescope.simulator.lowering import add_optimizer_steps, lower
+from pipescope.simulator.lowering import add_optimizer_steps, defers_steps, lower
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.network import FifoLinks, Network
 from pipescope.simulator.program import Program, compile_program, op_durations
@@ -52,7 +52,9 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         problems = structure_problems(schedule)
         if problems:
             raise ScheduleError(problems)
-        program, stage_costs = prepare(schedule, costs)
+        # 2BW with replicas hides its all-reduce behind the next iteration (lowering.add_optimizer_steps)
+        deferred = network is not None and defers_steps(schedule.weight_update, data_parallel)
+        program, stage_costs = prepare(schedule, costs, deferred)
         grads = [c.params * PRECISIONS[costs.precision].grad_bytes for c in stage_costs]
         width = data_parallel if network is not None and any(grads) else 1
         if width > 1:
@@ -67,7 +69,8 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         samples = schedule.num_microbatches * samples_per_microbatch * data_parallel
         records = replay_timeline(program, times, schedule.num_devices * width, schedule.num_devices)
         result = build_result(schedule, records, stage_costs, costs.precision, samples,
-                              warnings=costs.notes() + _run_notes(schedule), **extra)
+                              warnings=costs.notes() + _run_notes(schedule), gradient_buffers=2 if deferred else 1,
+                              **extra)
     if isinstance(network, RoutedNetwork):
         result.links, result.network = network.link_stats(result.makespan_ns), network.counters()
         result.link_spans = network.busy_spans()
@@ -75,13 +78,14 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
     return result
 
 
-def prepare(schedule: Schedule, costs: CostModel) -> tuple[Program, list[StageCost]]:
-    """The lowered, compiled program of ``schedule`` under ``costs``, and the per-stage costs it used."""
+def prepare(schedule: Schedule, costs: CostModel, deferred_steps: bool = False) -> tuple[Program, list[StageCost]]:
+    """The lowered, compiled program of ``schedule`` under ``costs``, and the per-stage costs it used
+    (``deferred_steps``: ``lowering.add_optimizer_steps``'s ``deferred``)."""
     stage_costs = [costs.stage_cost(s, schedule.num_stages, schedule.chunks) for s in range(schedule.num_stages)]
     check_stage_costs(stage_costs)
     program = lower(schedule)
     if any(c.optimizer_ns for c in stage_costs):  # none under the closed forms' costs: their programs stay as they are
-        program = add_optimizer_steps(program)
+        program = add_optimizer_steps(program, deferred_steps)
     program = compile_program(program, op_durations(stage_costs, schedule.recompute),
                               [c.boundary_bytes for c in stage_costs])
     if is_overlapped(schedule):  # vocab-1/vocab-2: their collectives run beside the compute stream

@@ -196,3 +196,24 @@ def test_without_step_time_pipedreams_next_forward_waits_for_the_backwards_all_r
                 assert engine.entry_start[forward] >= ends[done.stage, done.microbatch, device // 4]
                 checked += 1
     assert checked > 0
+
+
+def test_2bw_with_replicas_defers_its_step_and_keeps_a_second_gradient_buffer() -> None:
+    """2BW with w > 1 steps as PipeDream-2BW's runtime does: iteration k's step just before the stage's first
+    forward of iteration k + 2 (its all-reduce hidden behind iteration k + 1), and each device holds a second
+    gradient buffer; with w = 1 it steps right after the iteration's last backward, as the executor does."""
+    import pipescope
+
+    def run(width: int):
+        return pipescope.run(pipescope.load_config(raw={
+            "schedule": {"name": "2bw", "stages": 2, "microbatches": 4},
+            "model": {"preset": "gpt-355m"}, "cluster": {"topology": "dgx-h100", "data_parallel": width}}))
+
+    alone, replicated = run(1), run(2)
+    order = {w: [a for a in r.timeline.query("device == 0").action if a.startswith(("0F", "0OPT"))]
+             for w, r in ((1, alone), (2, replicated))}
+    assert order[1].index("0OPT3") == order[1].index("0F4") + 1  # after iteration 0's last backward, among F4..
+    assert order[2].index("0OPT3") == order[2].index("0F8") - 1  # just before iteration 2's first forward
+    gradients = [c.params * 4 for c in alone.stage_costs]  # Megatron's fp32 main_grad under bf16
+    assert [d.static_memory_bytes for d in replicated.devices[:2]] == [
+        d.static_memory_bytes + g for d, g in zip(alone.devices, gradients)]

@@ -42,7 +42,8 @@ def test_bounds_hold_against_simulation(name: str) -> None:
         result = pipescope.run(config)
         assert max(busy_per_iteration_ns(built.schedule, costs)) <= result.iteration_time_s * 1e9 + 1
         assert _allreduce_floor(built, costs) <= result.iteration_time_s * 1e9 + 1
-        bounds = memory_lower_bounds(built.schedule, costs, built.config.model.precision)
+        buffers = 2 if name == "2bw" and dp > 1 else 1  # 2BW with replicas keeps a second gradient buffer
+        bounds = memory_lower_bounds(built.schedule, costs, built.config.model.precision, gradient_buffers=buffers)
         peaks = [row["peak_memory_bytes"] for row in result.summary()["per_device"]]
         assert all(b <= peak for b, peak in zip(bounds, peaks))
         assert all(b >= 0.9 * peak for b, peak in zip(bounds, peaks))  # and close: only p2p buffers are left out
