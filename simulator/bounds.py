@@ -20,6 +20,7 @@ import numpy as np
 
 from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import ActionKind, Schedule
+from pipescope.simulator.lowering import step_group
 from pipescope.simulator.memory import OpArrays, device_timelines, op_memory_events, static_memory
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.program import KIND_CODE, op_durations
@@ -82,9 +83,10 @@ def allreduce_floor_ns(schedule: Schedule, stage_costs: Sequence[StageCost], pre
                        ns_per_byte: Callable[[list[int]], float]) -> int:
     """Per iteration, the time the data-parallel gradient all-reduce's bytes alone take on the busiest group.
 
-    Every iteration all-reduces each device's gradients over its ``width`` replicas (device d of replica r is
-    r * D + d), and the all-reduces of successive iterations cross the same links, so no run finishes iterations
-    faster than that (the second term of the 2BW planner's equation, docs/schedules.md section 3).
+    Every optimizer step all-reduces each device's gradients over its ``width`` replicas (device d of replica r is
+    r * D + d): once per iteration, or once per microbatch under PipeDream (``lowering.step_group``). Successive
+    all-reduces cross the same links, so no run finishes iterations faster than that (the second term of the 2BW
+    planner's equation, docs/schedules.md section 3).
     ``ns_per_byte(group)`` is the marginal time per byte of the fastest all-reduce over ``group`` on the idle
     network: latencies are left out, so the product stays a floor however the bytes are bucketed.
     """
@@ -94,6 +96,7 @@ def allreduce_floor_ns(schedule: Schedule, stage_costs: Sequence[StageCost], pre
     per_device = [0] * schedule.num_devices
     for stage, device in enumerate(schedule.stage_to_device):
         per_device[device] += stage_costs[stage].params * grad_bytes
-    devices = schedule.num_devices
-    return max(int(nbytes * ns_per_byte([r * devices + d for r in range(width)]))
+    m, devices = schedule.num_microbatches, schedule.num_devices
+    steps = len({step_group(schedule.weight_update, m, microbatch) for microbatch in range(m)})
+    return max(int(steps * nbytes * ns_per_byte([r * devices + d for r in range(width)]))
                for d, nbytes in enumerate(per_device))
