@@ -14,7 +14,8 @@ from pipescope.experiments.sweep_cmd import DASK_ADDRESS, MAX_WORKERS
 from pipescope.simulator.units import parse_size, short_repr
 
 if TYPE_CHECKING:  # the simulator loads when a plan runs, not for every 'pipescope --help'
-    from pipescope.experiments.plan import PlanReport, PlanRequest
+    from pipescope.experiments.plan import PlanReport
+    from pipescope.experiments.plan_space import PlanRequest
 
 MAX_GLOBAL_BATCH = 1 << 20
 MAX_TOP = 1000
@@ -24,7 +25,7 @@ EXIT_NOTHING_FITS = 1  # a finding, as the CLI's exit codes go: every candidate 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``plan`` parser to the ``pipescope`` subcommands."""
-    from pipescope.experiments.plan import DEFAULT_MICROBATCH_SIZES, DEFAULT_SCHEDULES
+    from pipescope.experiments.plan_space import DEFAULT_MICROBATCH_SIZES, DEFAULT_SCHEDULES
 
     p = sub.add_parser(
         "plan", help="find the fastest schedule, data-parallel width, pipeline depth, microbatch size and "
@@ -93,7 +94,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
     from pipescope.config import config_tree
-    from pipescope.experiments.plan import RECOMPUTE, VOCAB_METHODS, PlanRequest, base_config
+    from pipescope.experiments.plan_space import RECOMPUTE, VOCAB_METHODS, PlanRequest, base_config
 
     if args.dask is not None and args.dask != "local" and not re.fullmatch(DASK_ADDRESS, args.dask):
         raise ValueError(f"--dask: got {short_repr(args.dask)}, expected local or tcp://HOST:PORT")

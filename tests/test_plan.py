@@ -7,17 +7,8 @@ import pytest
 
 import pipescope
 from pipescope.config import ConfigError
-from pipescope.experiments.plan import (
-    PLAN_KEYS,
-    RECOMPUTE,
-    Candidate,
-    PlanRequest,
-    _allreduce_floor,
-    base_config,
-    candidates,
-    plan,
-    screen,
-)
+from pipescope.experiments.plan import _allreduce_floor, plan, screen
+from pipescope.experiments.plan_space import PLAN_KEYS, RECOMPUTE, Candidate, PlanRequest, base_config, candidates
 from pipescope.experiments.sweep import dask_executor
 from pipescope.runner import prepare
 from pipescope.simulator.bounds import busy_per_iteration_ns, memory_lower_bounds

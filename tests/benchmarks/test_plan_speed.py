@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from pipescope.experiments.plan import PlanRequest, base_config, plan
+from pipescope.experiments.plan import plan
+from pipescope.experiments.plan_space import PlanRequest, base_config
 
 
 @pytest.mark.benchmark

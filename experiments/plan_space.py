@@ -1,0 +1,166 @@
+"""The planner's search space: its axes, a candidate, a request, and every candidate of a request
+(docs/planner.md, "The search space"). ``experiments/plan.py`` screens and simulates them."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from pipescope.config import ConfigError
+from pipescope.experiments.sweep import validated_config
+
+# The 2BW paper's planner space plus the zero-bubble and V families (issue 14); PipeDream's weight stashing rarely
+# fits, but the planner says so rather than leaving it out.
+DEFAULT_SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream", "interleaved", "zb-h1", "zb-v", "v-half")
+DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
+PLAN_KEYS = ("schedule", "tensor", "width", "depth", "microbatch_size", "recompute", "sequence", "vocab")
+RECOMPUTE = ("none", "selective", "full")  # schedule.recompute (simulator/parallel.py)
+VOCAB_METHODS = ("naive", "redistribute", "vocab-1", "vocab-2", "interlaced")  # simulator/vocab.py VocabMethod
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search: what ``best`` reports (``PLAN_KEYS``)."""
+
+    schedule: str
+    tensor: int
+    width: int
+    depth: int
+    microbatch_size: int
+    recompute: str  # one of RECOMPUTE
+    sequence: bool = False  # sequence parallelism (only with tensor > 1)
+    vocab: str = "naive"  # schedule.vocab (docs/schedules.md section 7)
+
+    def overrides(self, global_batch: int) -> dict[str, Any]:
+        """The dotted config keys this candidate sets (``global_batch`` divisible by width x microbatch size)."""
+        keys = {"schedule.name": self.schedule, "schedule.stages": self.depth,
+                "schedule.microbatches": global_batch // (self.width * self.microbatch_size),
+                "schedule.recompute": self.recompute, "model.microbatch_size": self.microbatch_size,
+                "cluster.data_parallel": self.width, "schedule.vocab": self.vocab}
+        if self.tensor != 1:
+            keys["parallel.tensor"] = self.tensor
+            keys["parallel.sequence"] = self.sequence
+        return keys
+
+    def as_dict(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in PLAN_KEYS}
+
+    @property
+    def run_id(self) -> str:  # the sweep's drain names what a dead worker lost by it
+        return ", ".join(f"{key}={value}" for key, value in self.as_dict().items())
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan: a config mapping (the sections of docs/cli.md: model, cluster with topology, nodes and memory,
+    costs) and the search space."""
+
+    base: dict[str, Any]
+    global_batch: int
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES
+    recompute: tuple[str, ...] = RECOMPUTE
+    tensor: tuple[int, ...] = (1, 2, 4, 8)
+    sequence: tuple[bool, ...] = (False, True)
+    depths: tuple[int, ...] | None = None  # None: every pipeline depth that divides the GPUs
+    vocab: tuple[str, ...] = VOCAB_METHODS
+    top: int = 5
+
+
+def gpu_count(base: dict[str, Any]) -> int:
+    """GPUs of the cluster the base config names (its topology x nodes); ConfigError naming the key if it cannot."""
+    from pipescope.topologies.cluster import gpu_nodes
+    from pipescope.topologies.topology_io import load_topology
+
+    cluster = validated_config(base, {}).cluster
+    try:
+        graph = load_topology(cluster.topology, cluster.nodes, cluster.fabric, cluster.oversubscription)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return len(gpu_nodes(graph))
+
+
+def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
+    """Every point of the space that uses all ``gpus``, in a fixed order."""
+    out = []
+    for tensor in request.tensor:
+        if gpus % tensor:
+            continue
+        for width in _divisors(gpus // tensor):
+            depth = gpus // tensor // width
+            if request.depths is not None and depth not in request.depths:
+                continue
+            for b in request.microbatch_sizes:
+                for name in _schedules_at(depth, request.schedules):
+                    out += [Candidate(name, tensor, width, depth, b, r, q, v) for r in request.recompute
+                            for q in (request.sequence if tensor > 1 else (False,))
+                            for v in _vocab_methods(name, depth, tensor, request.vocab)]
+    return out
+
+
+def _vocab_methods(schedule: str, depth: int, tensor: int, methods: tuple[str, ...]) -> list[str]:
+    """The vocabulary methods that exist for this schedule (the sharded ones with 1F1B and V-Half only, and not
+    with tensor parallelism) and change something (none without pipelining)."""
+    from pipescope.simulator.vocab import SHARDED, VocabMethod, vocab_method
+
+    if depth == 1:
+        return [VocabMethod.NAIVE.value] if VocabMethod.NAIVE.value in methods else list(methods[:1])
+    kept = []
+    for method in methods:
+        try:
+            parsed = vocab_method(method, schedule)
+        except ValueError:
+            continue
+        if not (tensor > 1 and parsed in SHARDED):
+            kept.append(method)
+    return kept
+
+
+def _schedules_at(depth: int, schedules: tuple[str, ...]) -> tuple[str, ...]:
+    """Without pipelining every schedule is the same data-parallel run: plan it once (as 1F1B when asked for)."""
+    if depth > 1:
+        return schedules
+    return ("1f1b",) if "1f1b" in schedules else schedules[:1]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_request(request: PlanRequest) -> None:
+    if request.global_batch < 1:
+        raise ConfigError(f"--global-batch: got {request.global_batch}, expected a positive integer")
+    for key, values in (("--microbatch-sizes", request.microbatch_sizes), ("--tensor", request.tensor),
+                        ("--depths", request.depths or (1,))):
+        if not values or any(v < 1 for v in values):
+            raise ConfigError(f"{key}: got {list(values)}, expected positive integers")
+    if not request.schedules:
+        raise ConfigError("--schedules: got none, expected at least one schedule name")
+    bad_vocab = [v for v in request.vocab if v not in VOCAB_METHODS]
+    if bad_vocab or not request.vocab:
+        raise ConfigError(f"--vocab: got {list(request.vocab)}, expected some of {', '.join(VOCAB_METHODS)}")
+    bad = [r for r in request.recompute if r not in RECOMPUTE]
+    if bad or not request.recompute:
+        raise ConfigError(f"--recompute: got {list(request.recompute)}, expected some of {', '.join(RECOMPUTE)}")
+    from pipescope.simulator.schedules import named_generator
+
+    for name in request.schedules:  # a typo fails before any work, not once per candidate
+        try:
+            named_generator(name)
+        except ValueError as err:
+            raise ConfigError(f"--schedules: {err}") from None
+    if request.top < 1:
+        raise ConfigError(f"--top: got {request.top}, expected a positive integer")
+
+
+def base_config(model: str, topology: str, nodes: int, memory_cap: int | None,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config mapping of ``pipescope plan``'s flags, ``extra`` (a config file's sections) beneath them."""
+    base = copy.deepcopy(extra or {})
+    base.setdefault("model", {})["preset"] = model
+    cluster = base.setdefault("cluster", {})
+    cluster.update({"topology": topology, "nodes": nodes})
+    if memory_cap is not None:
+        cluster["memory"] = memory_cap
+    return base
