@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -53,6 +54,11 @@ class Screened:
     bound_samples_per_s: float = 0.0
     memory_bound_bytes: int = 0
     reason: str | None = None
+    refined: bool = False  # the bound has had ``refine``
+
+    @property
+    def run_id(self) -> str:  # the sweep's drain names what a dead worker lost by it
+        return self.run.run_id if self.run else self.candidate.run_id
 
 
 @dataclass
@@ -205,17 +211,26 @@ def _screen_all(pool: Executor, request: PlanRequest, points: list[Candidate], w
 
 def _simulate_in_bound_order(pool: Executor, request: PlanRequest, screened: list[Screened], workers: int,
                              progress: bool) -> tuple[list[dict], list[dict], int]:
-    """Simulate survivors a round at a time, best bound first, until the next bound cannot enter the top."""
+    """Simulate survivors a round at a time, best bound first, until the next bound cannot enter the top. A bound
+    is refined (``refine``) before its candidate is simulated: a round whose best bounds are not refined yet refines
+    them, puts them back in order and looks again."""
     rejected = [_rejection(s.candidate, s.reason) for s in screened if s.reason]
     queue = sorted((s for s in screened if not s.reason), key=lambda s: -s.bound_samples_per_s)
-    by_id = {s.run.run_id: s for s in queue}
     ranked: list[dict] = []
-    done, round_size = 0, max(2 * workers, request.top)
+    simulated, round_size = 0, max(2 * workers, request.top)
     bar = _bar(len(queue), "simulate", progress)
     with bar:
-        while done < len(queue) and queue[done].bound_samples_per_s > _kth(ranked, request.top):
-            batch = queue[done:done + round_size]
-            done += len(batch)
+        while queue and queue[0].bound_samples_per_s > _kth(ranked, request.top):
+            kth = _kth(ranked, request.top)
+            batch = [s for s in queue[:4 * round_size] if s.bound_samples_per_s > kth]
+            rough = [s for s in batch if not s.refined]
+            if rough:
+                queue = sorted(queue[len(batch):] + _map(pool, refine_chunk, rough, workers) +
+                               [s for s in batch if s.refined], key=lambda s: -s.bound_samples_per_s)
+                continue
+            batch, queue = batch[:round_size], queue[min(round_size, len(batch)):]
+            simulated += len(batch)
+            by_id = {s.run.run_id: s for s in batch}
             rows = _Rows()
             drain(pool, [[s.run] for s in batch], rows, 2 * workers, _Quiet(bar), task=run_chunk)
             for row in rows:
@@ -223,10 +238,45 @@ def _simulate_in_bound_order(pool: Executor, request: PlanRequest, screened: lis
             ranked.sort(key=lambda r: (-r["throughput_samples_per_s"], r["peak_memory_bytes"],
                                        [str(r[key]) for key in PLAN_KEYS]))  # the plan itself breaks a tie
     best = _kth(ranked, request.top)
-    rejected += [_rejection(s.candidate, f"pruned: at most {s.bound_samples_per_s:.4g} samples/s (the busiest "
-                                         f"device's compute), not above the top {request.top}'s {best:.4g}")
-                 for s in queue[done:]]
-    return ranked, rejected, done
+    rejected += [_rejection(s.candidate, f"pruned: at most {s.bound_samples_per_s:.4g} samples/s (its bound), not "
+                                         f"above the top {request.top}'s {best:.4g}") for s in queue]
+    return ranked, rejected, simulated
+
+
+def _map(pool: Executor, task, items: list, workers: int) -> list:
+    """``task`` over ``items`` in chunks on the pool (the sweep's ``drain``), results in no particular order."""
+    size = max(1, min(64, -(-len(items) // (2 * workers))))
+    rows = _Rows()
+    lost = drain(pool, [items[i:i + size] for i in range(0, len(items), size)], rows, 2 * workers,
+                 _bar(len(items), "refine", False), task=task)
+    if lost:
+        raise RuntimeError(f"plan: {len(lost)} candidates were lost with a worker: {lost[0][1]}")
+    return list(rows)
+
+
+def refine(screened: Screened) -> Screened:
+    """``screened`` with a tighter bound where one is cheap and true: a flush schedule (one iteration, whose time is
+    its makespan) runs no faster than on a free network with one replica, since longer transfers and the
+    all-reduces only delay ops whose order on each device is fixed. That run costs a few ms; without faults only
+    (jitter can make an op faster than its cost)."""
+    from pipescope.runner import prepare
+    from pipescope.simulator.faults import FaultsConfig
+    from pipescope.simulator.ir import WeightUpdate
+    from pipescope.simulator.simulate import simulate
+
+    built = prepare(screened.run.config)
+    schedule, config = built.schedule, built.config
+    if schedule.weight_update is not WeightUpdate.FLUSH or config.faults != FaultsConfig():
+        return dataclasses.replace(screened, refined=True)
+    samples = schedule.num_microbatches * config.model.microbatch_size * config.cluster.data_parallel
+    makespan_s = simulate(schedule, built.costs).makespan_ns / 1e9
+    bound = min(screened.bound_samples_per_s, samples / makespan_s)
+    return dataclasses.replace(screened, bound_samples_per_s=bound, refined=True)
+
+
+def refine_chunk(chunk: list[Screened]) -> list[Screened]:
+    """``refine`` over a chunk in a worker (the sweep's task signature)."""
+    return [refine(s) for s in chunk]
 
 
 def _kth(ranked: list[dict], k: int) -> float:

@@ -8,6 +8,7 @@ errors are one line naming the file and the node or edge.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -50,6 +51,19 @@ def load_topology(name_or_path: str, nodes: int = 1, fabric: str | None = None,
         ValueError: one line naming the key, the file and the offending entry, node or edge.
     """
     _check_arguments(nodes, fabric, oversubscription)
+    if isinstance(name_or_path, str) and builtin(name_or_path) is not None:
+        return _built_in_cluster(name_or_path, nodes, fabric, oversubscription).copy()
+    return _load(name_or_path, nodes, fabric, oversubscription)
+
+
+@functools.lru_cache(maxsize=16)
+def _built_in_cluster(name: str, nodes: int, fabric: str | None, oversubscription: float | None) -> nx.DiGraph:
+    """A built-in machine's cluster, built and validated once per process (the planner builds thousands of runs
+    on one cluster); ``load_topology`` hands out copies, so no caller can change it."""
+    return _load(name, nodes, fabric, oversubscription)
+
+
+def _load(name_or_path: str, nodes: int, fabric: str | None, oversubscription: float | None) -> nx.DiGraph:
     source, where = _read(name_or_path)
     if isinstance(source, nx.DiGraph):
         if fabric is not None or oversubscription is not None or nodes not in (1, source.graph["nodes"]):
