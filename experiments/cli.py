@@ -51,6 +51,13 @@ def integer_flag(flag: str, text: str, low: int, high: int) -> int:
     return int(text)
 
 
+def choice_flag(flag: str, value: str, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``, for commands that check their own flags; ValueError naming the flag."""
+    if value not in choices:
+        raise ValueError(f"{flag}: got {short_repr(value)}, expected one of {', '.join(choices)}")
+    return value
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE.yaml", help="experiment config (YAML sections schedule, model, "
                    "cluster, costs)")

@@ -9,7 +9,7 @@ import re
 import sys
 
 from pipescope.calibration.commfit import bus_factor
-from pipescope.experiments.cli import integer_flag
+from pipescope.experiments.cli import choice_flag, integer_flag
 from pipescope.experiments.topology_cmd import OVERSUBSCRIPTION, decimal_flag
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.routed import RoutedNetwork, time_alone
@@ -62,7 +62,7 @@ def collective_report(args: argparse.Namespace) -> dict:
     from pipescope.topologies.cluster import gpu_nodes
     from pipescope.topologies.topology_io import load_topology
 
-    op = _choice("--op", args.op, tuple(OPS))
+    op = choice_flag("--op", args.op, tuple(OPS))
     nbytes = _size(args.bytes)
     graph = load_topology(args.topology, integer_flag("--nodes", args.nodes, 1, 4096), args.fabric,
                           decimal_flag(args.oversubscription, "--oversubscription", OVERSUBSCRIPTION, float))
@@ -72,7 +72,7 @@ def collective_report(args: argparse.Namespace) -> dict:
         seconds, algorithm = _profiled(args.profile, op, ranks, nbytes)
     else:
         network = RoutedNetwork(graph, [gpus[r] for r in ranks], integer_flag("--seed", args.seed, 0, 2**63 - 1),
-                                _choice("--algorithm", args.algorithm, ("auto", "ring", "tree", "hierarchical")))
+                                choice_flag("--algorithm", args.algorithm, ("auto", "ring", "tree", "hierarchical")))
         members = list(range(len(ranks)))
         algorithm = network.collectives.choose(OPS[op], members, nbytes)[0]
         seconds = time_alone(network, collective=(OPS[op], members, nbytes))[0] / 1e9
@@ -127,12 +127,6 @@ def parse_ranks(text: str | None, gpus: int) -> list[int]:
     if len(set(ranks)) != len(ranks) or len(ranks) < 2:
         raise ValueError(f"--ranks: got {short_repr(text)}, expected at least 2 distinct ranks")
     return ranks
-
-
-def _choice(flag: str, value: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{flag}: got {short_repr(value)}, expected one of {', '.join(choices)}")
-    return value
 
 
 def _size(text: str) -> int:

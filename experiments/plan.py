@@ -109,9 +109,8 @@ def _bounded(candidate: Candidate, run: Run) -> Screened:
         return Screened(candidate, None, memory_bound_bytes=memory[worst],
                         reason=f"OOM on device {worst} by at least {memory[worst] - capacity:,} bytes (needs at "
                                f"least {memory[worst]:,}, has {capacity:,})")
-    samples = built.schedule.num_microbatches * built.config.model.microbatch_size * built.config.cluster.data_parallel
     floor = max(max(busy_per_iteration_ns(built.schedule, costs)), _allreduce_floor(built, costs))
-    return Screened(candidate, run, samples / (floor / 1e9), memory[worst])
+    return Screened(candidate, run, built.samples_per_iteration / (floor / 1e9), memory[worst])
 
 
 _RATES: dict[tuple, float] = {}  # per worker process: (cluster, GPU ranks) -> the all-reduce's ns per byte
@@ -200,13 +199,8 @@ def plan(request: PlanRequest, executor: Executor | None = None, workers: int | 
 
 def _screen_all(pool: Executor, request: PlanRequest, points: list[Candidate], workers: int,
                 progress: bool) -> list[Screened]:
-    size = max(1, min(64, -(-len(points) // (4 * workers))))
-    rows = _Rows()
-    lost = drain(pool, [points[i:i + size] for i in range(0, len(points), size)], rows, 2 * workers,
-                 _bar(len(points), "screen", progress), task=functools.partial(screen_chunk, request))
-    if lost:
-        raise RuntimeError(f"plan: {len(lost)} candidates were lost with a worker: {lost[0][1]}")
-    return list(rows)
+    return _map(pool, functools.partial(screen_chunk, request), points, workers, _bar(len(points), "screen", progress),
+                chunks_per_worker=4)
 
 
 def _simulate_in_bound_order(pool: Executor, request: PlanRequest, screened: list[Screened], workers: int,
@@ -225,16 +219,18 @@ def _simulate_in_bound_order(pool: Executor, request: PlanRequest, screened: lis
             batch = [s for s in queue[:4 * round_size] if s.bound_samples_per_s > kth]
             rough = [s for s in batch if not s.refined]
             if rough:
-                queue = sorted(queue[len(batch):] + _map(pool, refine_chunk, rough, workers) +
+                refined = _map(pool, refine_chunk, rough, workers, _bar(len(rough), "refine", False))
+                queue = sorted(queue[len(batch):] + refined +
                                [s for s in batch if s.refined], key=lambda s: -s.bound_samples_per_s)
                 continue
             batch, queue = batch[:round_size], queue[min(round_size, len(batch)):]
             simulated += len(batch)
             by_id = {s.run.run_id: s for s in batch}
             rows = _Rows()
-            drain(pool, [[s.run] for s in batch], rows, 2 * workers, _Quiet(bar), task=run_chunk)
+            lost = drain(pool, [[s.run] for s in batch], rows, 2 * workers, _Quiet(bar), task=run_chunk)
             for row in rows:
                 _file(by_id[row["run_id"]], row, ranked, rejected)
+            rejected += [_rejection(by_id[rid].candidate, f"lost with a worker: {why}") for rid, why in lost]
             ranked.sort(key=lambda r: (-r["throughput_samples_per_s"], r["peak_memory_bytes"],
                                        [str(r[key]) for key in PLAN_KEYS]))  # the plan itself breaks a tie
     best = _kth(ranked, request.top)
@@ -243,12 +239,12 @@ def _simulate_in_bound_order(pool: Executor, request: PlanRequest, screened: lis
     return ranked, rejected, simulated
 
 
-def _map(pool: Executor, task, items: list, workers: int) -> list:
-    """``task`` over ``items`` in chunks on the pool (the sweep's ``drain``), results in no particular order."""
-    size = max(1, min(64, -(-len(items) // (2 * workers))))
+def _map(pool: Executor, task, items: list, workers: int, bar, chunks_per_worker: int = 2) -> list:
+    """``task`` over ``items`` in chunks (at most 64 items, about ``chunks_per_worker`` per worker) on the pool (the
+    sweep's ``drain``), results in no particular order; RuntimeError if a worker died with some."""
+    size = max(1, min(64, -(-len(items) // (chunks_per_worker * workers))))
     rows = _Rows()
-    lost = drain(pool, [items[i:i + size] for i in range(0, len(items), size)], rows, 2 * workers,
-                 _bar(len(items), "refine", False), task=task)
+    lost = drain(pool, [items[i:i + size] for i in range(0, len(items), size)], rows, 2 * workers, bar, task=task)
     if lost:
         raise RuntimeError(f"plan: {len(lost)} candidates were lost with a worker: {lost[0][1]}")
     return list(rows)
@@ -268,9 +264,8 @@ def refine(screened: Screened) -> Screened:
     schedule, config = built.schedule, built.config
     if schedule.weight_update is not WeightUpdate.FLUSH or config.faults != FaultsConfig():
         return dataclasses.replace(screened, refined=True)
-    samples = schedule.num_microbatches * config.model.microbatch_size * config.cluster.data_parallel
     makespan_s = simulate(schedule, built.costs).makespan_ns / 1e9
-    bound = min(screened.bound_samples_per_s, samples / makespan_s)
+    bound = min(screened.bound_samples_per_s, built.samples_per_iteration / makespan_s)
     return dataclasses.replace(screened, bound_samples_per_s=bound, refined=True)
 
 

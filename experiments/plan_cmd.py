@@ -9,7 +9,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pipescope.config import ConfigError
-from pipescope.experiments.cli import integer_flag, usage_error
+from pipescope.experiments.cli import choice_flag, integer_flag, usage_error
 from pipescope.experiments.sweep_cmd import DASK_ADDRESS, MAX_WORKERS
 from pipescope.simulator.units import parse_size, short_repr
 
@@ -111,9 +111,10 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
         schedules=tuple(_names("--schedules", args.schedules)),
         microbatch_sizes=tuple(integer_flag("--microbatch-sizes", v, 1, MAX_GLOBAL_BATCH)
                                for v in _names("--microbatch-sizes", args.microbatch_sizes)),
-        recompute=tuple(_choice("--recompute", v, RECOMPUTE) for v in _names("--recompute", args.recompute)),
-        vocab=tuple(_choice("--vocab", v, VOCAB_METHODS) for v in _names("--vocab", args.vocab)),
-        sequence=tuple(_choice("--sequence", v, ("off", "on")) == "on" for v in _names("--sequence", args.sequence)),
+        recompute=tuple(choice_flag("--recompute", v, RECOMPUTE) for v in _names("--recompute", args.recompute)),
+        vocab=tuple(choice_flag("--vocab", v, VOCAB_METHODS) for v in _names("--vocab", args.vocab)),
+        sequence=tuple(choice_flag("--sequence", v, ("off", "on")) == "on"
+                       for v in _names("--sequence", args.sequence)),
         tensor=tuple(integer_flag("--tensor", v, 1, 1024) for v in _names("--tensor", args.tensor)),
         depths=None if args.depths is None else tuple(integer_flag("--depths", v, 1, 100_000)
                                                       for v in _names("--depths", args.depths)),
@@ -128,12 +129,6 @@ def _names(flag: str, text: str) -> list[str]:
     if not items:
         raise ValueError(f"{flag}: got {short_repr(text)}, expected a comma-separated list")
     return items
-
-
-def _choice(flag: str, value: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{flag}: got {short_repr(value)}, expected one of {', '.join(choices)}")
-    return value
 
 
 def as_json(report: PlanReport) -> dict:

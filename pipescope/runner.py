@@ -14,6 +14,7 @@ from pipescope.simulator.costs import (
     StageCost,
     UniformCostsConfig,
     seconds_to_ns,
+    stage_costs,
 )
 from pipescope.simulator.ir import Schedule
 from pipescope.simulator.models import PRECISIONS, PRESETS, ModelSpec, layer_work, output_layer_flops, stage_layers
@@ -47,8 +48,13 @@ class Prepared:
     model: ModelSpec | None
 
     def stage_costs(self) -> list[StageCost]:
-        s = self.schedule
-        return [self.costs.stage_cost(stage, s.num_stages, s.chunks) for stage in range(s.num_stages)]
+        return stage_costs(self.costs, self.schedule)
+
+    @property
+    def samples_per_iteration(self) -> int:
+        """Samples one iteration trains over all replicas (throughput's numerator, as ``run`` passes it)."""
+        c = self.config
+        return self.schedule.num_microbatches * c.model.microbatch_size * c.cluster.data_parallel
 
     def network(self) -> Network:
         """The network ``run`` replays over (built anew: a network keeps the state of the flows bound to it)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from pipescope.config import Config, ConfigError
-from pipescope.simulator.costs import AnalyticCosts, CostModel, UniformCostsConfig
+from pipescope.simulator.costs import AnalyticCosts, CostModel, UniformCostsConfig, stage_costs
 from pipescope.simulator.ir import ActionKind, Schedule
 from pipescope.simulator.models import ModelSpec, stage_layers
 from pipescope.simulator.profiled import ProfiledCosts
@@ -46,8 +46,7 @@ def apply_vocab(config: Config, schedule: Schedule, costs: CostModel, model: Mod
     if method is VocabMethod.REDISTRIBUTE:
         return _redistributed(config, schedule, costs)
     costs, nbytes = _sharded(config, schedule, costs, model, method)
-    durations = op_durations([costs.stage_cost(s, schedule.num_stages, schedule.chunks)
-                              for s in range(schedule.num_stages)], schedule.recompute)
+    durations = op_durations(stage_costs(costs, schedule), schedule.recompute)
     return config, vocab_schedule(schedule, method, durations, nbytes), costs
 
 
@@ -57,17 +56,13 @@ def _redistributed(config: Config, schedule: Schedule, costs: CostModel) -> tupl
     if config.model.layers_per_stage is not None:
         raise ConfigError("schedule.vocab: redistribute picks model.layers_per_stage itself, but it is given; "
                           "expected one of them (schedule.vocab naive keeps the given split)")
-    n, chunks = schedule.num_stages, schedule.chunks
-
     def with_split(split: tuple[int, ...]) -> CostModel:
         return dataclasses.replace(costs, layers_per_stage=split, _cache={})
 
     def stage_ns(split: tuple[int, ...]) -> list[int]:
-        model = with_split(split)
-        return [c.forward_ns + c.input_grad_ns + c.weight_grad_ns
-                for c in (model.stage_cost(s, n, chunks) for s in range(n))]
+        return [c.forward_ns + c.input_grad_ns + c.weight_grad_ns for c in stage_costs(with_split(split), schedule)]
 
-    split = balance_layers(stage_layers(_layers(costs), n), schedule.stage_to_device, stage_ns)
+    split = balance_layers(stage_layers(_layers(costs), schedule.num_stages), schedule.stage_to_device, stage_ns)
     model = dataclasses.replace(config.model, layers_per_stage=split)
     return dataclasses.replace(config, model=model), schedule, with_split(split)
 

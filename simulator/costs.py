@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pipescope.simulator.models import (
     PASSES,
@@ -24,6 +24,9 @@ from pipescope.simulator.models import (
 )
 from pipescope.simulator.parallel import TensorSplit
 from pipescope.simulator.vocab import VocabShards
+
+if TYPE_CHECKING:
+    from pipescope.simulator.ir import Schedule
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,11 @@ class CostError(ValueError):
 
 
 MAX_BYTES = 1 << 50  # 1 PiB: no stage of a real model stashes or sends more; keeps byte sums inside int64
+
+
+def stage_costs(costs: CostModel, schedule: Schedule) -> list[StageCost]:
+    """Every stage's costs in ``schedule`` (its ``num_stages`` stages, ``chunks`` per device), in stage order."""
+    return [costs.stage_cost(s, schedule.num_stages, schedule.chunks) for s in range(schedule.num_stages)]
 
 
 def check_stage_costs(costs: list[StageCost]) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from pipescope.simulator import replicas
 from pipescope.simulator.check import structure_problems
-from pipescope.simulator.costs import CostModel, StageCost, check_stage_costs
+from pipescope.simulator.costs import CostModel, StageCost, check_stage_costs, stage_costs as costs_of
 from pipescope.simulator.engine import Engine, gc_paused
 from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.flows import NetworkError
@@ -81,7 +81,7 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
 def prepare(schedule: Schedule, costs: CostModel, deferred_steps: bool = False) -> tuple[Program, list[StageCost]]:
     """The lowered, compiled program of ``schedule`` under ``costs``, and the per-stage costs it used
     (``deferred_steps``: ``lowering.add_optimizer_steps``'s ``deferred``)."""
-    stage_costs = [costs.stage_cost(s, schedule.num_stages, schedule.chunks) for s in range(schedule.num_stages)]
+    stage_costs = costs_of(costs, schedule)
     check_stage_costs(stage_costs)
     program = lower(schedule)
     if any(c.optimizer_ns for c in stage_costs):  # none under the closed forms' costs: their programs stay as they are
