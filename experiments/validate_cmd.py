@@ -10,6 +10,7 @@ executor tracked in its warm-up iteration (docs/validation.md says what differs 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -44,7 +45,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatch-size", default="1", help="samples per microbatch (default 1)")
     p.add_argument("--device", default="cpu", help="cpu (cuda runs are not implemented yet)")
     p.add_argument("--profile", metavar="DIR", help="a 'pipescope calibrate' folder to use instead of calibrating")
-    p.add_argument("--iterations", default="3", help="measured iterations (default 3, after 1 warm-up)")
+    p.add_argument("--iterations", default="5", help="measured iterations, after the warm-up (default 5)")
+    p.add_argument("--warmup", default="5", help="warm-up iterations, not measured (default 5; memory is tracked in "
+                   "the first): a fresh rank's first iterations run up to 2x slower")
+    p.add_argument("--op-times", default="profile", choices=("profile", "stages"),
+                   help="where the simulation's op times come from: the calibration profile's kernel benches "
+                   "(profile, default), or every stage timed in the executor on one rank, one op after another, as "
+                   "Megatron's pipeline simulator does (stages: the error is then the schedule model's own; "
+                   "docs/validation.md)")
     p.add_argument("--timeout", default="120", help="seconds without progress before the run is stopped")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--gantt", metavar="FILE", help="overlay Gantt: predicted above measured (.png, .svg, .pdf)")
@@ -83,15 +91,19 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
     if args.device != "cpu":
         raise ValueError(f"--device: got {args.device!r}, expected cpu (the CUDA executor is not implemented yet)")
     iterations = integer_flag("--iterations", args.iterations, 1, 100)
+    warmup = integer_flag("--warmup", args.warmup, 1, 100)
     timeout = integer_flag("--timeout", args.timeout, 1, 3600)
     with tempfile.TemporaryDirectory() as folder:
         profile = args.profile or _calibrate(args, folder)
         config = load_config(None, _sets(args, profile))
+        from pipescope.runner import prepare, run_prepared
+        built = prepare(config)
+        if getattr(args, "op_times", "profile") == "stages":
+            built = _with_stage_times(built, warmup, timeout)
         _phase("simulate")
-        from pipescope.runner import run
-        result = run(config)
-        _phase(f"run ({result.schedule.num_devices} gloo ranks, 1 warm-up + {iterations} iterations)")
-        measured, memory = _measure(result, result.config, iterations, timeout)
+        result = run_prepared(built)
+        _phase(f"run ({result.schedule.num_devices} gloo ranks, {warmup} warm-up + {iterations} iterations)")
+        measured, memory = _measure(result, result.config, iterations, warmup, timeout)
     _write_measured(result, measured, args)
     predicted = _compute_rows(result.timeline)
     return _report(result, predicted, measured, memory), predicted, measured
@@ -131,17 +143,36 @@ def _run_step(name: str, command: list[str]) -> None:
         raise RuntimeError(f"{name} failed: {last}")
 
 
-def _measure(result, config, iterations: int, timeout: int) -> tuple[pd.DataFrame, list]:
-    """Measured compute rows of every iteration (columns as the timeline's, times from the iteration's start), and
-    each rank's measured memory (``executor_memory.RankMemory``)."""
-    from pipescope.calibration.executor import RunSpec, execute
+def _spec(schedule, config, iterations: int, warmup: int, timeout: int):
+    """The executor's ``RunSpec`` of ``schedule`` on the config's model."""
+    from pipescope.calibration.executor import RunSpec
     from pipescope.calibration.presets import Shape
 
     m = config.model
     shape = Shape(m.preset or "custom", m.layers, m.hidden, m.heads, m.seq, m.vocab)
     split = tuple(m.layers_per_stage) if m.layers_per_stage else None
-    run = execute(RunSpec(result.schedule, shape, m.microbatch_size, split, iterations=iterations, warmup=1,
-                          seed=config.seed, timeout_s=timeout))
+    return RunSpec(schedule, shape, m.microbatch_size, split, iterations=iterations, warmup=warmup, seed=config.seed,
+                   timeout_s=timeout)
+
+
+def _with_stage_times(built, warmup: int, timeout: int):
+    """``built`` with its profile's op times replaced by every stage's, timed on one rank (``--op-times stages``)."""
+    from pipescope.calibration.stage_timing import stage_op_times
+    _phase("time every stage on one rank, one op after another")
+    times = stage_op_times(_spec(built.schedule, built.config, STAGE_TIMING_ITERATIONS, warmup, timeout))
+    costs = dataclasses.replace(built.costs, op_times=tuple(times), _cache={})
+    return dataclasses.replace(built, costs=costs)
+
+
+STAGE_TIMING_ITERATIONS = 10  # serial runs whose op medians become the simulation's op times
+
+
+def _measure(result, config, iterations: int, warmup: int, timeout: int) -> tuple[pd.DataFrame, list]:
+    """Measured compute rows of every iteration (columns as the timeline's, times from the iteration's start), and
+    each rank's measured memory (``executor_memory.RankMemory``)."""
+    from pipescope.calibration.executor import execute
+
+    run = execute(_spec(result.schedule, config, iterations, warmup, timeout))
     frames = []
     for index, ranks in enumerate(run.rows):
         rows = [(device, *row) for device, device_rows in enumerate(ranks) for row in device_rows]

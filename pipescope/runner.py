@@ -103,7 +103,11 @@ def run(config: Config) -> SimResult:
         ConfigError: a bad key, value or combination, naming the key.
         ScheduleError: the schedule is malformed or deadlocks, naming the actions.
     """
-    built = prepare(config)
+    return run_prepared(prepare(config))
+
+
+def run_prepared(built: Prepared) -> SimResult:
+    """``run`` on what ``prepare`` built (a caller may swap a part first: validate's measured op times)."""
     config, schedule, cluster, costs, model = built.config, built.schedule, built.cluster, built.costs, built.model
     analytic = model is not None
     try:

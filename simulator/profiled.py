@@ -12,6 +12,8 @@ simulation, and raises one ``ProfileError`` line naming the file, column or key,
 
 from __future__ import annotations
 
+import dataclasses
+
 import numbers
 import os
 from collections.abc import Sequence
@@ -200,6 +202,9 @@ class ProfiledCosts(PerStageCache):
     layers_per_stage: tuple[int, ...] | None = None  # None: the equal split
     vocab_shards: int = 0  # vocabulary parallelism over this many devices (0: naive, the output on the last stage)
     vocab_2: bool = False  # vocab-2's passes (S2, T2) rather than vocab-1's (S, T)
+    # Per stage, op times (ns by kind: F, B, I, W, OPT) measured stage by stage in the executor, which replace the
+    # profile's (``validate --op-times stages``, calibration/stage_timing.py); bytes stay the profile's
+    op_times: tuple[dict[str, int], ...] | None = None
     warnings: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # table name -> the file it was read from (for errors)
     _cache: dict = field(default_factory=dict, repr=False)
@@ -330,12 +335,17 @@ class ProfiledCosts(PerStageCache):
 
     def time_ns(self, component: str, op: str) -> float:
         """Median time (ns) of ``op`` of ``component`` per microbatch at this microbatch size and seq."""
-        t = self.timings
-        rows = t[(t["component"] == component) & (t["op"] == op) & (t["shards"] == 1)]
-        if rows.empty:
+        median = self._median_ns(component, op)
+        if median is None:
             raise ProfileError(f"{self.files.get('timings', 'costs.profile')}: no timing for component="
                                f"{component!r} op={op!r}; expected a complete profile")
-        return self._lookup(rows, "median_ns")
+        return median
+
+    def _median_ns(self, component: str, op: str) -> float | None:
+        """``time_ns``, or None where the profile did not time it (a fused B may be missing: then B = I + W)."""
+        t = self.timings
+        rows = t[(t["component"] == component) & (t["op"] == op) & (t["shards"] == 1)]
+        return None if rows.empty else self._lookup(rows, "median_ns")
 
     def bytes_of(self, component: str, column: str) -> float:
         """A memory-table column (bytes) for ``component`` at this microbatch size and seq."""
@@ -351,7 +361,8 @@ class ProfiledCosts(PerStageCache):
         return int(rows["tensors"].iloc[0]) if not rows.empty else 0
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
-        return self._stage(self._layers_of(stage, num_stages, self.layers), stage, num_stages)
+        cost = self._stage(self._layers_of(stage, num_stages, self.layers), stage, num_stages)
+        return cost if self.op_times is None else with_op_times(cost, self.op_times[stage])
 
     def _stage(self, n: int, stage: int, num_stages: int) -> StageCost:
         """Costs of ``stage`` of ``num_stages`` holding ``n`` transformer layers."""
@@ -361,13 +372,17 @@ class ProfiledCosts(PerStageCache):
         if stage == num_stages - 1 and not self.vocab_shards:
             parts["output"] = 1
         ops = {"embedding": ("F", None, "W"), "layer": ("F", "I", "W"), "output": ("F", "I", "W")}
+        fused_op = {"embedding": "W", "layer": "B", "output": "B"}  # the embedding's whole backward is its W
         f = i = w = act = m_w = 0.0
+        fused: float | None = 0.0
         params = tensors = 0
         for component, count in parts.items():
             fwd, inp, wgt = ops[component]
             f += count * self.time_ns(component, fwd)
             i += count * self.time_ns(component, inp) if inp else 0.0
             w += count * self.time_ns(component, wgt)
+            measured = self._median_ns(component, fused_op[component])
+            fused = None if fused is None or measured is None else fused + count * measured
             act += count * self.bytes_of(component, "activation_bytes")
             m_w += count * self.bytes_of(component, "weight_grad_bytes")
             params += count * self.params_of(component)
@@ -379,6 +394,7 @@ class ProfiledCosts(PerStageCache):
             forward_ns=self._ns(f, f"the forward of {where}"),
             input_grad_ns=self._ns(i, f"the input gradient of {where}"),
             weight_grad_ns=self._ns(w, f"the weight gradient of {where}"),
+            backward_ns=None if fused is None else self._ns(fused, f"the backward of {where}"),
             recompute_ns=self._ns(n * self.time_ns("layer", "R"), f"the recompute of {where}"),
             boundary_bytes=boundary, activation_bytes=int(round(act)), weight_grad_bytes=int(round(m_w)),
             input_bytes=boundary if stage else self.microbatch_size * self.seq * TOKEN_ID_BYTES, params=params,
@@ -459,6 +475,17 @@ class ProfiledCosts(PerStageCache):
             return None
         below = p2p[p2p["lo_bytes"] <= nbytes]
         return below.iloc[-1] if not below.empty else p2p.iloc[0]
+
+
+OP_TIME_FIELDS = {"F": "forward_ns", "I": "input_grad_ns", "W": "weight_grad_ns", "B": "backward_ns",
+                  "OPT": "optimizer_ns"}
+
+
+def with_op_times(cost: StageCost, times: dict[str, int]) -> StageCost:
+    """``cost`` with the measured op times ``times`` (ns by kind). A measured backward already ran the recompute,
+    so the recompute's own time goes."""
+    measured = {OP_TIME_FIELDS[kind]: ns for kind, ns in times.items() if kind in OP_TIME_FIELDS}
+    return dataclasses.replace(cost, **measured, recompute_ns=0)
 
 
 def _noisy_note(meta: dict) -> list[str]:

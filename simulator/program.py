@@ -103,15 +103,16 @@ MAX_INDEX = 1 << 30  # keeps (stage, kind, microbatch) keys inside int64
 
 
 def op_durations(stage_costs: Sequence[StageCost], recompute: bool) -> dict[tuple[int, ActionKind], int]:
-    """ns of every (stage, compute kind): F, I, W from the stage's costs, B = I + W, recompute before backwards, and
-    the stage's optimizer step, and the vocabulary S and T passes of the stage's device."""
+    """ns of every (stage, compute kind): F, I, W from the stage's costs, B its fused time (else I + W), recompute
+    before backwards, the stage's optimizer step, and the vocabulary S and T passes of the stage's device."""
     table = {}
     for stage, c in enumerate(stage_costs):
         extra = c.recompute_ns if recompute else 0
         table[stage, K.F] = c.forward_ns
         table[stage, K.I] = c.input_grad_ns + extra
         table[stage, K.W] = c.weight_grad_ns
-        table[stage, K.B] = c.input_grad_ns + c.weight_grad_ns + extra
+        fused = c.backward_ns if c.backward_ns is not None else c.input_grad_ns + c.weight_grad_ns
+        table[stage, K.B] = fused + extra
         table[stage, K.OPT] = c.optimizer_ns
         table[stage, K.S] = c.vocab_s_ns
         table[stage, K.T] = c.vocab_t_ns

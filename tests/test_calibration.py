@@ -443,7 +443,7 @@ def test_simulate_cli_runs_on_the_profile(profile: Calibrated, capsys: pytest.Ca
     stages = [costs.stage_cost(s, 2, 1) for s in range(2)]
     steps = sum(c.optimizer_ns for c in stages)  # the profile's AdamW fit, once per stage
     assert steps > 0
-    busy = sum(c.forward_ns + c.input_grad_ns + c.weight_grad_ns for c in stages) * 4 + steps
+    busy = sum(c.forward_ns + c.backward_ns for c in stages) * 4 + steps  # 1F1B's fused B: the profile's B rows
     assert sum(d["busy_s"] for d in measured["per_device"]) == pytest.approx(busy / 1e9)
     assert measured["warnings"] == [] and measured["mfu"] is None
     assert main([*base, "--set", "model.microbatch_size=8"]) == 0

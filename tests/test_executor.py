@@ -261,8 +261,9 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
 
     from pipescope.experiments.cli import main
     gantt, timeline, trace = tmp_path / "overlay.png", tmp_path / "measured.csv", tmp_path / "measured.json.gz"
-    code = main(["validate", "--schedule", "1f1b", "--iterations", "2", "--json", "--gantt", str(gantt),
-                 "--timeline", str(timeline), "--trace", str(trace), "--max-error", "100"])
+    code = main(["validate", "--schedule", "1f1b", "--iterations", "2", "--warmup", "2", "--op-times", "stages",
+                 "--json", "--gantt", str(gantt), "--timeline", str(timeline), "--trace", str(trace),
+                 "--max-error", "100"])
     out, err = capsys.readouterr()
     assert code == 0, err
     report = json.loads(out)
@@ -278,7 +279,9 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
             device["predicted_peak_memory_bytes"] / device["measured_peak_memory_bytes"] - 1)
     assert report["memory_error"] in [d["memory_error"] for d in report["per_device"]]
     phases = [line.split(":")[1].strip().split()[0] for line in err.splitlines()]
-    assert phases == ["calibrate", "calibrate-comms", "simulate", "run"]
+    assert phases == ["calibrate", "calibrate-comms", "time", "simulate", "run"]
+    for device in report["per_device"]:  # the op times were measured by the code that ran: busy times agree
+        assert abs(device["busy_error"]) < 0.6, device
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _check_measured_files(timeline, trace, report)
     code = main(["validate", "--timeline", "x.txt"])  # refused before anything runs
@@ -286,6 +289,32 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
         capsys.readouterr().err
     code = main(["validate", "--device", "cuda"])
     assert code == 2 and "--device: got 'cuda'" in capsys.readouterr().err
+
+
+def test_stage_by_stage_program_runs_every_stage_on_one_device_forward_then_backward():
+    """The serial program of ``validate --op-times stages``: one device, each microbatch's F through every stage then
+    its backward back (I then W where the schedule splits it), a flush that lowers with no transfer."""
+    from pipescope.calibration.stage_timing import serial_schedule
+    from pipescope.simulator.lowering import lower
+    for name, back in (("1f1b", ["B"]), ("zb-h1", ["I", "W"])):
+        serial = serial_schedule(build(name, 2, 2))
+        assert (serial.num_devices, serial.stage_to_device) == (1, (0, 0))
+        expected = [f"{s}{k}{mb}" for mb in range(2) for s, k in [(0, "F"), (1, "F")] +
+                    [(s, k) for k in back for s in (1, 0)]]
+        assert [str(a) for a in serial.device_actions[0]] == expected
+        assert all(a.kind in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+                   for a in lower(serial).device_actions[0] if a is not None)
+
+
+def test_a_flush_steps_share_the_gradient_norm_before_them_by_their_durations():
+    """The gap between the last backward and the first step (the gradient norm) goes to the steps by duration."""
+    from pipescope.calibration.executor import RunResult
+    from pipescope.calibration.stage_timing import norm_shares, op_medians
+    rows = [("0F0", "F", 0, 0, 0, 10), ("1B0", "B", 1, 0, 10, 40), ("0B0", "B", 0, 0, 40, 60),
+            ("0OPT0", "OPT", 0, 0, 90, 120), ("1OPT0", "OPT", 1, 0, 120, 180)]
+    assert norm_shares(rows) == {0: 10, 1: 20}
+    run = RunResult([[rows], [rows]], [], {}, [], [], [], 1)
+    assert op_medians(run, 2) == [{"F": 10, "B": 20, "OPT": 40}, {"B": 30, "OPT": 80}]
 
 
 def _check_measured_files(timeline, trace, report: dict) -> None:

@@ -215,3 +215,40 @@ def test_metadata_is_json_not_pickle(tmp_path: Path) -> None:
     """The metadata file is plain JSON and the tables are Parquet or CSV."""
     folder = make_profile(tmp_path)
     assert json.loads((folder / "profile.json").read_text())["tables"]["timings"] == "timings.parquet"
+
+
+def test_fused_backward_is_the_measured_b_rows_else_i_plus_w(tmp_path: Path) -> None:
+    """A fused B takes the profile's B rows (the embedding's whole backward is its W), not I + W: on a CPU the two
+    differ by tens of percent either way. A profile without B rows falls back to I + W."""
+    import dataclasses
+
+    from pipescope.simulator.ir import ActionKind
+    from pipescope.simulator.program import op_durations
+    costs = ProfiledCosts.load(make_profile(tmp_path / "a"), microbatch_size=2)
+    first, last = costs.stage_cost(0, 2, 1), costs.stage_cost(1, 2, 1)
+    assert first.backward_ns == 3 * op_time("B", 2, 128) + 10 * op_time("W", 2, 128)
+    assert last.backward_ns == 2 * op_time("B", 2, 128) + 3 * op_time("B", 2, 128)
+    table = op_durations([first, last], recompute=True)
+    assert table[1, ActionKind.B] == last.backward_ns + last.recompute_ns
+    assert table[1, ActionKind.I] == last.input_grad_ns + last.recompute_ns != table[1, ActionKind.B]
+    split = op_durations([dataclasses.replace(last, backward_ns=None)], recompute=False)
+    assert split[0, ActionKind.B] == last.input_grad_ns + last.weight_grad_ns
+    folder = make_profile(tmp_path / "b")
+    import pandas as pd
+    timings = pd.read_parquet(folder / "timings.parquet")
+    timings[timings["op"] != "B"].to_parquet(folder / "timings.parquet")
+    assert ProfiledCosts.load(folder, microbatch_size=2).stage_cost(1, 2, 1).backward_ns is None
+
+
+def test_measured_op_times_replace_the_profiles_but_not_its_bytes(tmp_path: Path) -> None:
+    """``op_times`` (validate --op-times stages) set F, B, I, W and the step per stage and drop the recompute (a
+    measured backward ran it); bytes and parameters stay the profile's."""
+    import dataclasses
+    costs = ProfiledCosts.load(make_profile(tmp_path), microbatch_size=2)
+    measured = dataclasses.replace(costs, op_times=({"F": 11, "B": 22, "OPT": 33}, {"F": 44, "I": 55, "W": 66}),
+                                   _cache={})
+    first, last = measured.stage_cost(0, 2, 1), measured.stage_cost(1, 2, 1)
+    assert (first.forward_ns, first.backward_ns, first.optimizer_ns, first.recompute_ns) == (11, 22, 33, 0)
+    assert (last.forward_ns, last.input_grad_ns, last.weight_grad_ns) == (44, 55, 66)
+    assert last.optimizer_ns == costs.stage_cost(1, 2, 1).optimizer_ns
+    assert first.activation_bytes == costs.stage_cost(0, 2, 1).activation_bytes and first.params == 3 * 700 + 50

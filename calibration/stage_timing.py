@@ -1,0 +1,72 @@
+"""Stage-by-stage op times: every stage of a schedule run by the executor on one rank, one op after another.
+
+This is how Megatron's own pipeline simulator gets its costs: time each stage's forward and backward on one device,
+then replay the schedule over those times. ``validate --op-times stages`` uses it so that the prediction is checked
+on what the simulator is responsible for (the order, the dependencies, the transfers and what overlaps), with op
+costs measured by the same code the pipeline runs rather than by ``calibrate``'s kernel benches
+(docs/validation.md, "Two sources of op times").
+
+The serial program puts all stages on device 0 and runs each microbatch's forward through every stage, then its
+backward back (B, or I then W where the schedule splits backwards); the executor hands activations between stages on
+one rank without a transfer, then steps each stage's optimizer. A forward thus follows a backward, as in 1F1B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from pipescope.calibration.executor import RunResult, RunSpec, execute
+from pipescope.simulator.ir import Action, ActionKind, Schedule
+
+K = ActionKind
+TIMED_KINDS = {K.F.value, K.B.value, K.I.value, K.W.value, K.OPT.value}  # the rows' kinds are the enum's values
+BACKWARDS = {K.B.value, K.I.value, K.W.value}
+
+
+def serial_schedule(schedule: Schedule) -> Schedule:
+    """``schedule``'s stages on one device, microbatch after microbatch: F through every stage, then the backward
+    (B, or I then W when ``schedule`` splits it) from the last stage back. Always a flush: the op costs do not depend
+    on the weight-update rule."""
+    stages = range(schedule.num_stages)
+    back = [ActionKind.I, ActionKind.W] if schedule.splits_backward else [ActionKind.B]
+    actions: list[Action] = []
+    for mb in range(schedule.num_microbatches):
+        actions += [Action(s, ActionKind.F, mb) for s in stages]
+        actions += [Action(s, kind, mb) for kind in back for s in reversed(stages)]
+    return Schedule(f"{schedule.name} stage by stage", 1, schedule.num_microbatches, (0,) * schedule.num_stages,
+                    (tuple(actions),), recompute=schedule.recompute)
+
+
+def stage_op_times(spec: RunSpec) -> list[dict[str, int]]:
+    """Per stage of ``spec.schedule``, the median ns of each op it runs (F, B or I and W, OPT) over the measured
+    iterations of its serial program on one spawned rank (``spec``'s warm-up dropped)."""
+    serial = dataclasses.replace(spec, schedule=serial_schedule(spec.schedule), data_parallel=1)
+    return op_medians(execute(serial), spec.schedule.num_stages)
+
+
+def op_medians(run: RunResult, num_stages: int) -> list[dict[str, int]]:
+    """Median duration (ns) per stage and op kind over every measured run's rows of rank 0, the optimizer step with
+    its share of the gradient norm (``norm_shares``)."""
+    samples: list[dict[str, list[int]]] = [{} for _ in range(num_stages)]
+    for rows in (ranks[0] for ranks in run.rows):
+        steps = norm_shares(rows)
+        for _, kind, stage, _, start, end in rows:
+            if kind in TIMED_KINDS:
+                norm = steps.get(stage, 0) if ActionKind(kind) is K.OPT else 0
+                samples[stage].setdefault(kind, []).append(end - start + norm)
+    return [{kind: int(statistics.median(values)) for kind, values in ops.items()} for ops in samples]
+
+
+def norm_shares(rows: list) -> dict[int, int]:
+    """Each stage's share of the gradient norm that a flush computes between its last backward and its first step
+    (the gap there), by its step's duration (both read every gradient once). The simulator's step stands for the
+    norm and the step (``StageCost.optimizer_ns``); the norm's own all-reduce is a collective of its own."""
+    opt = [(stage, start, end) for _, kind, stage, _, start, end in rows if ActionKind(kind) is K.OPT]
+    first = min((start for _, start, _ in opt), default=None)
+    ends = [end for _, kind, _, _, _, end in rows if kind in BACKWARDS and first is not None and end <= first]
+    if not ends:
+        return {}
+    steps = {stage: end - start for stage, start, end in opt}
+    gap, total = first - max(ends), sum(steps.values()) or 1
+    return {stage: gap * ns // total for stage, ns in steps.items()}
