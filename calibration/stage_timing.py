@@ -39,15 +39,18 @@ def serial_schedule(schedule: Schedule) -> Schedule:
 
 
 def stage_op_times(spec: RunSpec) -> list[dict[str, int]]:
-    """Per stage of ``spec.schedule``, the median ns of each op it runs (F, B or I and W, OPT) over the measured
+    """Per stage of ``spec.schedule``, the mean ns of each op it runs (F, B or I and W, OPT) over the measured
     iterations of its serial program on one spawned rank (``spec``'s warm-up dropped)."""
     serial = dataclasses.replace(spec, schedule=serial_schedule(spec.schedule), data_parallel=1)
-    return op_medians(execute(serial), spec.schedule.num_stages)
+    return op_means(execute(serial), spec.schedule.num_stages)
 
 
-def op_medians(run: RunResult, num_stages: int) -> list[dict[str, int]]:
-    """Median duration (ns) per stage and op kind over every measured run's rows of rank 0, the optimizer step with
-    its share of the gradient norm (``norm_shares``)."""
+def op_means(run: RunResult, num_stages: int) -> list[dict[str, int]]:
+    """Mean duration (ns) per stage and op kind over every measured run's rows of rank 0, the optimizer step with
+    its share of the gradient norm (``norm_shares``).
+
+    The mean, not the median: an iteration is a sum of ops, so its typical length is the sum of their means, and
+    CPU op times have a long upper tail that a median drops (docs/validation.md, "Two sources of op times")."""
     samples: list[dict[str, list[int]]] = [{} for _ in range(num_stages)]
     for rows in (ranks[0] for ranks in run.rows):
         steps = norm_shares(rows)
@@ -55,7 +58,7 @@ def op_medians(run: RunResult, num_stages: int) -> list[dict[str, int]]:
             if kind in TIMED_KINDS:
                 norm = steps.get(stage, 0) if ActionKind(kind) is K.OPT else 0
                 samples[stage].setdefault(kind, []).append(end - start + norm)
-    return [{kind: int(statistics.median(values)) for kind, values in ops.items()} for ops in samples]
+    return [{kind: int(statistics.mean(values)) for kind, values in ops.items()} for ops in samples]
 
 
 def norm_shares(rows: list) -> dict[int, int]:

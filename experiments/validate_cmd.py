@@ -98,15 +98,30 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         config = load_config(None, _sets(args, profile))
         from pipescope.runner import prepare, run_prepared
         built = prepare(config)
-        if getattr(args, "op_times", "profile") == "stages":
+        op_times = getattr(args, "op_times", "profile")
+        if op_times == "stages":
             built = _with_stage_times(built, warmup, timeout)
         _phase("simulate")
         result = run_prepared(built)
+        warnings = _oversubscribed(result.schedule.num_devices)
         _phase(f"run ({result.schedule.num_devices} gloo ranks, {warmup} warm-up + {iterations} iterations)")
         measured, memory = _measure(result, result.config, iterations, warmup, timeout)
     _write_measured(result, measured, args)
     predicted = _compute_rows(result.timeline)
-    return _report(result, predicted, measured, memory), predicted, measured
+    report = {**_report(result, predicted, measured, memory), "op_times": op_times, "warnings": warnings}
+    return report, predicted, measured
+
+
+def _oversubscribed(ranks: int) -> list[str]:
+    """A warning, also printed, when there are more ranks than CPU cores: ranks then wait for a core, which the
+    simulator does not model (docs/validation.md, "More ranks than cores")."""
+    cores = len(os.sched_getaffinity(0))
+    if ranks <= cores:
+        return []
+    warning = (f"{ranks} ranks on {cores} CPU cores: ranks share cores, so the measured times include waiting for "
+               "one, which the simulator does not model; expect the measured iteration to be slower")
+    print(f"pipescope validate: warning: {warning}", file=sys.stderr, flush=True)
+    return [warning]
 
 
 def _sets(args: argparse.Namespace, profile: str) -> list[str]:
@@ -164,7 +179,7 @@ def _with_stage_times(built, warmup: int, timeout: int):
     return dataclasses.replace(built, costs=costs)
 
 
-STAGE_TIMING_ITERATIONS = 10  # serial runs whose op medians become the simulation's op times
+STAGE_TIMING_ITERATIONS = 10  # serial runs whose op means become the simulation's op times
 
 
 def _measure(result, config, iterations: int, warmup: int, timeout: int) -> tuple[pd.DataFrame, list]:
@@ -280,7 +295,7 @@ def _relative(predicted: float, measured: float) -> float:
 
 def _table(report: dict) -> str:
     lines = [f"{report['schedule']}: p={report['stages']} m={report['microbatches']}, median of "
-             f"{report['iterations_measured']} measured iterations",
+             f"{report['iterations_measured']} measured iterations, op times from the {report['op_times']}",
              f"iteration time  predicted {report['predicted_iteration_time_s'] * 1e3:.3f} ms  measured "
              f"{report['measured_iteration_time_s'] * 1e3:.3f} ms  error {report['iteration_time_error']:+.1%}",
              f"op durations    error median {report['op_duration_error_median']:+.1%}, p90 |error| "

@@ -280,6 +280,7 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
     assert report["memory_error"] in [d["memory_error"] for d in report["per_device"]]
     phases = [line.split(":")[1].strip().split()[0] for line in err.splitlines()]
     assert phases == ["calibrate", "calibrate-comms", "time", "simulate", "run"]
+    assert report["op_times"] == "stages" and report["warnings"] == []  # 2 ranks on this machine's 2 cores
     for device in report["per_device"]:  # the op times were measured by the code that ran: busy times agree
         assert abs(device["busy_error"]) < 0.6, device
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -306,15 +307,24 @@ def test_stage_by_stage_program_runs_every_stage_on_one_device_forward_then_back
                    for a in lower(serial).device_actions[0] if a is not None)
 
 
+def test_more_ranks_than_cores_is_warned_on_stderr_and_in_the_report(capsys):
+    from pipescope.experiments.validate_cmd import _oversubscribed
+    cores = len(os.sched_getaffinity(0))
+    assert _oversubscribed(cores) == []
+    (warning,) = _oversubscribed(cores + 2)
+    assert warning.startswith(f"{cores + 2} ranks on {cores} CPU cores") and warning in capsys.readouterr().err
+
+
 def test_a_flush_steps_share_the_gradient_norm_before_them_by_their_durations():
     """The gap between the last backward and the first step (the gradient norm) goes to the steps by duration."""
     from pipescope.calibration.executor import RunResult
-    from pipescope.calibration.stage_timing import norm_shares, op_medians
+    from pipescope.calibration.stage_timing import norm_shares, op_means
     rows = [("0F0", "F", 0, 0, 0, 10), ("1B0", "B", 1, 0, 10, 40), ("0B0", "B", 0, 0, 40, 60),
             ("0OPT0", "OPT", 0, 0, 90, 120), ("1OPT0", "OPT", 1, 0, 120, 180)]
     assert norm_shares(rows) == {0: 10, 1: 20}
-    run = RunResult([[rows], [rows]], [], {}, [], [], [], 1)
-    assert op_medians(run, 2) == [{"F": 10, "B": 20, "OPT": 40}, {"B": 30, "OPT": 80}]
+    slower = [(a, k, s, mb, start, end + (30 if k == "F" else 0)) for a, k, s, mb, start, end in rows]
+    run = RunResult([[rows], [slower]], [], {}, [], [], [], 1)
+    assert op_means(run, 2) == [{"F": 25, "B": 20, "OPT": 40}, {"B": 30, "OPT": 80}]
 
 
 def _check_measured_files(timeline, trace, report: dict) -> None:
