@@ -293,9 +293,12 @@ def _relative(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured if measured else math.inf
 
 
+OP_TIME_SOURCES = {"profile": "the profile", "stages": "each stage timed on one rank"}
+
+
 def _table(report: dict) -> str:
     lines = [f"{report['schedule']}: p={report['stages']} m={report['microbatches']}, median of "
-             f"{report['iterations_measured']} measured iterations, op times from the {report['op_times']}",
+             f"{report['iterations_measured']} measured iterations, op times from {OP_TIME_SOURCES[report['op_times']]}",
              f"iteration time  predicted {report['predicted_iteration_time_s'] * 1e3:.3f} ms  measured "
              f"{report['measured_iteration_time_s'] * 1e3:.3f} ms  error {report['iteration_time_error']:+.1%}",
              f"op durations    error median {report['op_duration_error_median']:+.1%}, p90 |error| "

@@ -1,5 +1,5 @@
 """The real executor's own time per action, and the clipping norm's (opt-in: pytest -m benchmark -s
-tests/benchmarks/test_executor_overhead.py; docs/validation.md "Larger ops and the host's share").
+tests/benchmarks/test_executor_overhead.py; docs/validation.md "The host's share, measured before").
 
 One rank (p = 1) has no transfers, so the gap between one op's end and the next op's start is the executor's Python
 work per action. The gap before the optimizer step holds the clipping norm (and, in the last run, the copy of the
