@@ -24,6 +24,12 @@ import pandas as pd
 
 from pipescope.config import ConfigError, load_config
 from pipescope.experiments.cli import check_output_names, integer_flag
+from pipescope.experiments.validate_stages import (
+    STAGE_TIMING_ITERATIONS,
+    op_error_summary,
+    op_table_lines,
+    time_stages,
+)
 from pipescope.simulator.ir import COMPUTE_KINDS, ActionKind
 
 
@@ -43,7 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "and every backward runs the forward again first")
     p.add_argument("--model", default="tiny", help="preset (default tiny; see 'pipescope calibrate --help')")
     p.add_argument("--microbatch-size", default="1", help="samples per microbatch (default 1)")
-    p.add_argument("--device", default="cpu", help="cpu (cuda runs are not implemented yet)")
+    p.add_argument("--device", default="cpu", help="cpu (default), or cuda: every stage timed on one GPU, op by op, "
+                   "against the profile's op times (no pipeline run over GPUs yet)")
     p.add_argument("--profile", metavar="DIR", help="a 'pipescope calibrate' folder to use instead of calibrating")
     p.add_argument("--iterations", default="5", help="measured iterations, after the warm-up (default 5)")
     p.add_argument("--warmup", default="5", help="warm-up iterations, not measured (default 5; memory is tracked in "
@@ -88,8 +95,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
     """(report, predicted compute rows, measured compute rows)."""
-    if args.device != "cpu":
-        raise ValueError(f"--device: got {args.device!r}, expected cpu (the CUDA executor is not implemented yet)")
+    gpu = _device(args)
     iterations = integer_flag("--iterations", args.iterations, 1, 100)
     warmup = integer_flag("--warmup", args.warmup, 1, 100)
     timeout = integer_flag("--timeout", args.timeout, 1, 3600)
@@ -98,9 +104,13 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         config = load_config(None, _sets(args, profile))
         from pipescope.runner import prepare, run_prepared
         built = prepare(config)
-        op_times = getattr(args, "op_times", "profile")
+        op_times, table = "stages" if gpu else getattr(args, "op_times", "profile"), None
         if op_times == "stages":
-            built = _with_stage_times(built, warmup, timeout)
+            _phase(f"time every stage on one {'GPU' if gpu else 'rank'}, one op after another")
+            spec = _spec(built.schedule, built.config, STAGE_TIMING_ITERATIONS, warmup, timeout, args.device)
+            built, table = time_stages(built, spec)
+        if gpu:  # one GPU: the ops, stage by stage, against the profile's (docs/validation.md, "One GPU")
+            return _ops_report(args, table), None, None
         _phase("simulate")
         result = run_prepared(built)
         warnings = _oversubscribed(result.schedule.num_devices)
@@ -109,7 +119,35 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
     _write_measured(result, measured, args)
     predicted = _compute_rows(result.timeline)
     report = {**_report(result, predicted, measured, memory), "op_times": op_times, "warnings": warnings}
+    if table is not None:
+        report.update(stage_ops=table, **op_error_summary(table))
     return report, predicted, measured
+
+
+GPU_ONLY_OPS = ("gantt", "timeline", "trace", "max_error")  # flags that need the pipeline run
+
+
+def _device(args: argparse.Namespace) -> bool:
+    """Whether ``--device`` is cuda (one-line errors for another device, or a flag a GPU run cannot serve)."""
+    if args.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device: got {args.device!r}, expected cpu or cuda")
+    if args.device == "cpu":
+        return False
+    for name in GPU_ONLY_OPS:
+        if getattr(args, name, None) is not None:
+            raise ValueError(f"--{name.replace('_', '-')}: needs the pipeline run over ranks, which --device cuda "
+                             "does not do yet (it times every stage on one GPU)")
+    import torch
+    if not torch.cuda.is_available():
+        raise ValueError("--device: got 'cuda', but torch sees no CUDA device here; expected cpu")
+    return True
+
+
+def _ops_report(args: argparse.Namespace, table: list[dict]) -> dict:
+    """The one-GPU report: every stage's ops measured against the profile's."""
+    return {"schedule": args.schedule, "stages": int(args.stages), "microbatches": int(args.microbatches),
+            "device": args.device, "op_times": "stages", "stage_ops": table, **op_error_summary(table),
+            "warnings": []}
 
 
 def _oversubscribed(ranks: int) -> list[str]:
@@ -134,11 +172,13 @@ def _sets(args: argparse.Namespace, profile: str) -> list[str]:
 
 
 def _calibrate(args: argparse.Namespace, folder: str) -> str:
-    _phase(f"calibrate {args.model} on cpu")
+    _phase(f"calibrate {args.model} on {args.device}")
     command = [sys.executable, "-m", "pipescope.calibration.commands", "calibrate", "--model", args.model,
-               "--device", "cpu", "--out", folder, "--microbatch-sizes", str(args.microbatch_size),
+               "--device", args.device, "--out", folder, "--microbatch-sizes", str(args.microbatch_size),
                "--vocab-shards", "1", "--budget-s", "0.3"]
     _run_step("calibrate", command)
+    if args.device == "cuda":  # one GPU, no transfers: the per-op comparison needs no comms profile
+        return folder
     _phase(f"calibrate-comms (p2p and collectives over {args.stages} gloo ranks)")
     from pipescope.calibration.executor import free_port
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.stages),
@@ -158,7 +198,7 @@ def _run_step(name: str, command: list[str]) -> None:
         raise RuntimeError(f"{name} failed: {last}")
 
 
-def _spec(schedule, config, iterations: int, warmup: int, timeout: int):
+def _spec(schedule, config, iterations: int, warmup: int, timeout: int, device: str = "cpu"):
     """The executor's ``RunSpec`` of ``schedule`` on the config's model."""
     from pipescope.calibration.executor import RunSpec
     from pipescope.calibration.presets import Shape
@@ -167,19 +207,7 @@ def _spec(schedule, config, iterations: int, warmup: int, timeout: int):
     shape = Shape(m.preset or "custom", m.layers, m.hidden, m.heads, m.seq, m.vocab)
     split = tuple(m.layers_per_stage) if m.layers_per_stage else None
     return RunSpec(schedule, shape, m.microbatch_size, split, iterations=iterations, warmup=warmup, seed=config.seed,
-                   timeout_s=timeout)
-
-
-def _with_stage_times(built, warmup: int, timeout: int):
-    """``built`` with its profile's op times replaced by every stage's, timed on one rank (``--op-times stages``)."""
-    from pipescope.calibration.stage_timing import stage_op_times
-    _phase("time every stage on one rank, one op after another")
-    times = stage_op_times(_spec(built.schedule, built.config, STAGE_TIMING_ITERATIONS, warmup, timeout))
-    costs = dataclasses.replace(built.costs, op_times=tuple(times), _cache={})
-    return dataclasses.replace(built, costs=costs)
-
-
-STAGE_TIMING_ITERATIONS = 10  # serial runs whose op means become the simulation's op times
+                   timeout_s=timeout, device=device)
 
 
 def _measure(result, config, iterations: int, warmup: int, timeout: int) -> tuple[pd.DataFrame, list]:
@@ -297,6 +325,11 @@ OP_TIME_SOURCES = {"profile": "the profile", "stages": "each stage timed on one 
 
 
 def _table(report: dict) -> str:
+    if "predicted_iteration_time_s" not in report:  # one GPU: the per-op table only
+        summary = (f"{report['schedule']}: p={report['stages']} m={report['microbatches']}, every stage on one "
+                   f"{report['device']} device: op time error median {report['op_time_error_median']:+.1%}, p90 "
+                   f"|error| {report['op_time_error_p90']:.1%} (the profile against the executor)")
+        return "\n".join([summary, *op_table_lines(report["stage_ops"])])
     lines = [f"{report['schedule']}: p={report['stages']} m={report['microbatches']}, median of "
              f"{report['iterations_measured']} measured iterations, op times from {OP_TIME_SOURCES[report['op_times']]}",
              f"iteration time  predicted {report['predicted_iteration_time_s'] * 1e3:.3f} ms  measured "
@@ -313,6 +346,8 @@ def _table(report: dict) -> str:
                      f"{d['busy_error']:>+7.1%} {d['predicted_bubble']:>16.1%} {d['measured_bubble']:>9.1%} "
                      f"{d['predicted_peak_memory_bytes'] / 2**20:>17.2f} MiB "
                      f"{d['measured_peak_memory_bytes'] / 2**20:>8.2f} MiB {d['memory_error']:>+7.1%}")
+    if "stage_ops" in report:
+        lines += ["the profile's op times against each stage timed on one rank:", *op_table_lines(report["stage_ops"])]
     return "\n".join(lines)
 
 

@@ -224,6 +224,19 @@ def test_cuda_peak_memory_is_the_allocators():
     _assert_matches(result, reference_step(spec), "cuda", rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_validate_on_one_gpu_reports_every_stages_ops_against_the_profile(capsys):
+    """``validate --device cuda``: calibrate tiny on the GPU, time zb-h1's stages on it, one row per stage and op."""
+    import json
+
+    from pipescope.experiments.cli import main
+    assert main(["validate", "--device", "cuda", "--schedule", "zb-h1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {(r["stage"], r["op"]) for r in report["stage_ops"]} == {(s, op) for s in (0, 1) for op in "FIW"} | {
+        (0, "OPT"), (1, "OPT")}
+    assert all(r["measured_ns"] > 0 and r["profile_ns"] > 0 for r in report["stage_ops"])
+
+
 @pytest.mark.parametrize("fault, expected", [
     (("exit", 1, 3), r"^rank 1 died \(exit code 7\) at step 3, "),
     (("hang", 0, 2), r"^hung: no rank made progress for 3 s: rank 0 at step 2, .*; rank 1 at step "),
@@ -281,6 +294,11 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
     phases = [line.split(":")[1].strip().split()[0] for line in err.splitlines()]
     assert phases == ["calibrate", "calibrate-comms", "time", "simulate", "run"]
     assert report["op_times"] == "stages" and report["warnings"] == []  # 2 ranks on this machine's 2 cores
+    ops = {(row["stage"], row["op"]): row for row in report["stage_ops"]}
+    assert set(ops) == {(s, op) for s in (0, 1) for op in ("F", "B", "OPT")}  # 1F1B's fused backward
+    for row in ops.values():
+        assert row["measured_ns"] > 0 and row["error"] == pytest.approx(row["profile_ns"] / row["measured_ns"] - 1)
+    assert min(r["error"] for r in ops.values()) <= report["op_time_error_median"] <= max(r["error"] for r in ops.values())
     for device in report["per_device"]:  # the op times were measured by the code that ran: busy times agree
         assert abs(device["busy_error"]) < 0.6, device
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -288,8 +306,13 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
     code = main(["validate", "--timeline", "x.txt"])  # refused before anything runs
     assert code == 2 and "--timeline: got 'x.txt', expected a file name ending in .parquet or .csv" in \
         capsys.readouterr().err
-    code = main(["validate", "--device", "cuda"])
-    assert code == 2 and "--device: got 'cuda'" in capsys.readouterr().err
+    code = main(["validate", "--device", "tpu"])
+    assert code == 2 and "--device: got 'tpu', expected cpu or cuda" in capsys.readouterr().err
+    code = main(["validate", "--device", "cuda", "--gantt", "x.png"])  # refused before anything runs
+    assert code == 2 and "--gantt: needs the pipeline run over ranks" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        code = main(["validate", "--device", "cuda"])
+        assert code == 2 and "torch sees no CUDA device here" in capsys.readouterr().err
 
 
 def test_stage_by_stage_program_runs_every_stage_on_one_device_forward_then_backward():
