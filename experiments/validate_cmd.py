@@ -10,7 +10,6 @@ executor tracked in its warm-up iteration (docs/validation.md says what differs 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -330,8 +329,9 @@ def _table(report: dict) -> str:
                    f"{report['device']} device: op time error median {report['op_time_error_median']:+.1%}, p90 "
                    f"|error| {report['op_time_error_p90']:.1%} (the profile against the executor)")
         return "\n".join([summary, *op_table_lines(report["stage_ops"])])
+    source = OP_TIME_SOURCES[report["op_times"]]
     lines = [f"{report['schedule']}: p={report['stages']} m={report['microbatches']}, median of "
-             f"{report['iterations_measured']} measured iterations, op times from {OP_TIME_SOURCES[report['op_times']]}",
+             f"{report['iterations_measured']} measured iterations, op times from {source}",
              f"iteration time  predicted {report['predicted_iteration_time_s'] * 1e3:.3f} ms  measured "
              f"{report['measured_iteration_time_s'] * 1e3:.3f} ms  error {report['iteration_time_error']:+.1%}",
              f"op durations    error median {report['op_duration_error_median']:+.1%}, p90 |error| "

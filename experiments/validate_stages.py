@@ -45,6 +45,6 @@ def op_error_summary(table: list[dict]) -> dict[str, float]:
 def op_table_lines(table: list[dict]) -> list[str]:
     """The per-op table as text lines."""
     lines = ["stage  op    profile    measured    error"]
-    lines += [f"{row['stage']:>5}  {row['op']:<4} {row['profile_ns'] / 1e6:>7.3f} ms {row['measured_ns'] / 1e6:>8.3f} ms "
-              f"{row['error']:>+7.1%}" for row in table]
+    lines += [f"{row['stage']:>5}  {row['op']:<4} {row['profile_ns'] / 1e6:>7.3f} ms "
+              f"{row['measured_ns'] / 1e6:>8.3f} ms {row['error']:>+7.1%}" for row in table]
     return lines

@@ -298,7 +298,8 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
     assert set(ops) == {(s, op) for s in (0, 1) for op in ("F", "B", "OPT")}  # 1F1B's fused backward
     for row in ops.values():
         assert row["measured_ns"] > 0 and row["error"] == pytest.approx(row["profile_ns"] / row["measured_ns"] - 1)
-    assert min(r["error"] for r in ops.values()) <= report["op_time_error_median"] <= max(r["error"] for r in ops.values())
+    errors = [r["error"] for r in ops.values()]
+    assert min(errors) <= report["op_time_error_median"] <= max(errors)
     for device in report["per_device"]:  # the op times were measured by the code that ran: busy times agree
         assert abs(device["busy_error"]) < 0.6, device
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
