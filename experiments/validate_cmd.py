@@ -109,7 +109,7 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
             spec = _spec(built.schedule, built.config, STAGE_TIMING_ITERATIONS, warmup, timeout, args.device)
             built, table = time_stages(built, spec)
         if gpu:  # one GPU: the ops, stage by stage, against the profile's (docs/validation.md, "One GPU")
-            return _ops_report(args, table), None, None
+            return _ops_report(built.schedule, table), None, None
         _phase("simulate")
         result = run_prepared(built)
         warnings = _oversubscribed(result.schedule.num_devices)
@@ -123,7 +123,7 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
     return report, predicted, measured
 
 
-GPU_ONLY_OPS = ("gantt", "timeline", "trace", "max_error")  # flags that need the pipeline run
+PIPELINE_FLAGS = ("gantt", "timeline", "trace", "max_error")  # what only a pipeline run over ranks serves
 
 
 def _device(args: argparse.Namespace) -> bool:
@@ -132,7 +132,7 @@ def _device(args: argparse.Namespace) -> bool:
         raise ValueError(f"--device: got {args.device!r}, expected cpu or cuda")
     if args.device == "cpu":
         return False
-    for name in GPU_ONLY_OPS:
+    for name in PIPELINE_FLAGS:
         if getattr(args, name, None) is not None:
             raise ValueError(f"--{name.replace('_', '-')}: needs the pipeline run over ranks, which --device cuda "
                              "does not do yet (it times every stage on one GPU)")
@@ -142,11 +142,10 @@ def _device(args: argparse.Namespace) -> bool:
     return True
 
 
-def _ops_report(args: argparse.Namespace, table: list[dict]) -> dict:
+def _ops_report(schedule, table: list[dict]) -> dict:
     """The one-GPU report: every stage's ops measured against the profile's."""
-    return {"schedule": args.schedule, "stages": int(args.stages), "microbatches": int(args.microbatches),
-            "device": args.device, "op_times": "stages", "stage_ops": table, **op_error_summary(table),
-            "warnings": []}
+    return {"schedule": schedule.name, "stages": schedule.num_devices, "microbatches": schedule.num_microbatches,
+            "device": "cuda", "op_times": "stages", "stage_ops": table, **op_error_summary(table), "warnings": []}
 
 
 def _oversubscribed(ranks: int) -> list[str]:
