@@ -47,6 +47,9 @@ _EXPORTS = {
     "UniformCostsConfig": "pipescope.simulator.costs",
     "AnalyticCostsConfig": "pipescope.simulator.costs",
     "ProfiledCostsConfig": "pipescope.simulator.profiled",
+    "plan": "pipescope.experiments.plan",
+    "PlanRequest": "pipescope.experiments.plan_space",
+    "PlanReport": "pipescope.experiments.plan",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -80,3 +80,17 @@ def test_wheel_installs_only_the_pipescope_package(tmp_path: Path) -> None:
     for sub in ("simulator/engine.py", "topologies/machines/dgx-h100.yaml", "calibration/comms.py",
                 "experiments/configs/demo.yaml", "experiments/cli.py"):
         assert f"pipescope/{sub}" in names, sub
+
+
+def test_planner_example_runs_and_its_best_is_the_first_ranked(capsys) -> None:
+    """docs/planner.md's Python example runs as printed, through the public ``pipescope.plan``."""
+    match = re.search(r"```python\n(.*?)```", (ROOT / "docs" / "planner.md").read_text(), re.S)
+    assert match, "docs/planner.md has no python example"
+    scope: dict = {}
+    exec(compile(match.group(1), "docs/planner.md", "exec"), scope)  # noqa: S102 (the project's own docs)
+    report = scope["report"]
+    assert isinstance(report, pipescope.PlanReport) and report.best == report.ranked[0]
+    assert report.best["schedule"] in ("1f1b", "zb-h1") and report.best["tensor"] in (1, 2)
+    speeds = [row["throughput_samples_per_s"] for row in report.ranked]
+    assert speeds == sorted(speeds, reverse=True)  # every simulated plan that fits, fastest first
+    assert capsys.readouterr().out.split()[0] == report.best["schedule"]
