@@ -100,7 +100,7 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
     timeout = integer_flag("--timeout", args.timeout, 1, 3600)
     with tempfile.TemporaryDirectory() as folder:
         profile = args.profile or _calibrate(args, folder)
-        config = load_config(None, _sets(args, profile))
+        config, warnings = _shared_cores(load_config(None, _sets(args, profile)), _sets(args, profile))
         from pipescope.runner import prepare, run_prepared
         built = prepare(config)
         op_times, table = "stages" if gpu else getattr(args, "op_times", "profile"), None
@@ -112,7 +112,6 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
             return _ops_report(built.schedule, table), None, None
         _phase("simulate")
         result = run_prepared(built)
-        warnings = _oversubscribed(result.schedule.num_devices)
         _phase(f"run ({result.schedule.num_devices} gloo ranks, {warmup} warm-up + {iterations} iterations)")
         measured, memory = _measure(result, result.config, iterations, warmup, timeout)
     _write_measured(result, measured, args)
@@ -148,16 +147,17 @@ def _ops_report(schedule, table: list[dict]) -> dict:
             "device": "cuda", "op_times": "stages", "stage_ops": table, **op_error_summary(table), "warnings": []}
 
 
-def _oversubscribed(ranks: int) -> list[str]:
-    """A warning, also printed, when there are more ranks than CPU cores: ranks then wait for a core, which the
-    simulator does not model (docs/validation.md, "More ranks than cores")."""
-    cores = len(os.sched_getaffinity(0))
+def _shared_cores(config, sets: list[str]):
+    """(config, warnings): with more ranks than CPU cores, the simulation shares the cores between the ranks as the
+    OS does (``cluster.host_cores``), and a warning, also printed, says so (docs/validation.md, "More ranks than
+    cores")."""
+    ranks, cores = config.schedule.stages, len(os.sched_getaffinity(0))
     if ranks <= cores:
-        return []
-    warning = (f"{ranks} ranks on {cores} CPU cores: ranks share cores, so the measured times include waiting for "
-               "one, which the simulator does not model; expect the measured iteration to be slower")
+        return config, []
+    warning = (f"{ranks} ranks on {cores} CPU cores: the ranks take turns on the cores, which the simulation "
+               f"models (cluster.host_cores={cores}); gloo's transfers then wait for a core too, which it does not")
     print(f"pipescope validate: warning: {warning}", file=sys.stderr, flush=True)
-    return [warning]
+    return load_config(None, [*sets, f"cluster.host_cores={cores}"]), [warning]
 
 
 def _sets(args: argparse.Namespace, profile: str) -> list[str]:

@@ -120,7 +120,8 @@ def run_prepared(built: Prepared) -> SimResult:
                           faults=faults, memory_capacity_bytes=built.capacity,
                           model_flops_per_iteration=model_flops(model, config, schedule) if analytic else None,
                           peak_flops_per_device=_peak(config, cluster) * config.parallel.tensor if analytic else None,
-                          config=config, memory_runtime=config.memory.runtime)
+                          config=config, memory_runtime=config.memory.runtime,
+                          host_cores=_host_cores(config))
     except CostError as err:
         raise ConfigError(f"costs: {err}") from None
     except SyncError as err:
@@ -130,6 +131,15 @@ def run_prepared(built: Prepared) -> SimResult:
     if isinstance(costs, AnalyticCosts):
         result.kernels = costs.kernel_report(schedule.num_stages)
     return result
+
+
+def _host_cores(config: Config) -> int | None:
+    """``cluster.host_cores``, refused (naming the key) beside more than one node: they are one host's cores."""
+    cores, nodes = config.cluster.host_cores, config.cluster.nodes
+    if cores is not None and nodes != 1:
+        raise ConfigError(f"cluster.host_cores: got {cores} with cluster.nodes {nodes}; expected cluster.nodes 1 "
+                          "(the cores of one host, which all its ranks share)")
+    return cores
 
 
 def _compute_faults(config: Config, cluster: Cluster) -> ComputeFaults | None:

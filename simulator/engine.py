@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import simpy
 
 from pipescope.simulator.ir import COMPUTE_KINDS, Role, ScheduleError
+from pipescope.simulator.host_cores import SharedCores
 from pipescope.simulator.network import Network
 from pipescope.simulator.program import Program
 
@@ -53,8 +54,8 @@ class RunTimes:
 class Engine:
     """Replays a compiled program in SimPy over a network and reports entry and flow times."""
 
-    def __init__(self, program: Program, network: Network):
-        self.p, self.network = program, network
+    def __init__(self, program: Program, network: Network, cores: SharedCores | None = None):
+        self.p, self.network, self.cores = program, network, cores  # cores: CPU ranks sharing a host's cores
         self.n = n = program.num_entries
         signals = n + program.num_flows
         self.env = simpy.Environment()
@@ -115,7 +116,7 @@ class Engine:
     def _stream(self, device: int, steps: list[int]):
         env, p, fired, times, pending, waiter = self.env, self.p, self.fired, self.times, self.pending, self.waiter
         role, waits, duration, launches, flow_of = p.role, p.waits, p.duration, p.launches, p.flow_of
-        start_transfer = self.network.start_transfer
+        start_transfer, cores = self.network.start_transfer, self.cores
         compute, joins = Role.COMPUTE, p.joins
         for i in steps:
             if role[i] is compute:
@@ -126,7 +127,11 @@ class Engine:
                 if i in joins:
                     for flow, offset in joins[i]:
                         self.call_at(env.now + offset, lambda f=flow: self.join(f))
-                pending[i] = timeout = env.timeout(duration[i])
+                if cores is None:
+                    pending[i] = timeout = env.timeout(duration[i])
+                else:  # the op's work at the share of a core the host gives it (simulator.host_cores)
+                    pending[i] = timeout = env.event()
+                    cores.run(self, env.now, device, duration[i], lambda t, e=timeout: self.call_at(t, e.succeed))
                 yield timeout
                 fired[i], pending[i] = True, None  # _fire, inlined: this runs once per op
                 if waiter[i] is not None:

@@ -28,7 +28,9 @@ class ClusterConfig:
     ``spread`` (round-robin over the nodes) or an explicit comma-separated list of GPU ranks, one per device
     (replica r's device d is r * stages + d). ``memory`` overrides the device memory (YAML accepts ``40GiB``).
     ``collective`` forces an all-reduce algorithm (``auto``: the fastest, as NCCL's tuner picks);
-    ``bucket_size`` and ``overlap_grad_sync`` shape the data-parallel gradient all-reduce.
+    ``bucket_size`` and ``overlap_grad_sync`` shape the data-parallel gradient all-reduce. ``host_cores``: the
+    devices are CPU ranks on one host sharing this many cores (``simulator.host_cores``; unset: each computes on
+    its own).
     """
 
     topology: str = "dgx-h100"
@@ -41,6 +43,7 @@ class ClusterConfig:
     collective: str = "auto"
     bucket_size: int = field(default=DDP_BUCKET_BYTES, metadata={"unit": "size"})
     overlap_grad_sync: bool = True
+    host_cores: int | None = None
 
     def device(self) -> DeviceSpec:
         """The datasheet of the machine's GPU (ValueError naming the key if the machine cannot be loaded)."""
