@@ -29,10 +29,10 @@ def serial_schedule(schedule: Schedule) -> Schedule:
     (B, or I then W when ``schedule`` splits it) from the last stage back. Always a flush: the op costs do not depend
     on the weight-update rule."""
     stages = range(schedule.num_stages)
-    back = [ActionKind.I, ActionKind.W] if schedule.splits_backward else [ActionKind.B]
+    back = [K.I, K.W] if schedule.splits_backward else [K.B]
     actions: list[Action] = []
     for mb in range(schedule.num_microbatches):
-        actions += [Action(s, ActionKind.F, mb) for s in stages]
+        actions += [Action(s, K.F, mb) for s in stages]
         actions += [Action(s, kind, mb) for kind in back for s in reversed(stages)]
     return Schedule(f"{schedule.name} stage by stage", 1, schedule.num_microbatches, (0,) * schedule.num_stages,
                     (tuple(actions),), recompute=schedule.recompute)

@@ -331,12 +331,21 @@ def test_stage_by_stage_program_runs_every_stage_on_one_device_forward_then_back
                    for a in lower(serial).device_actions[0] if a is not None)
 
 
-def test_more_ranks_than_cores_is_warned_on_stderr_and_in_the_report(capsys):
-    from pipescope.experiments.validate_cmd import _oversubscribed
+def test_more_ranks_than_cores_share_them_in_the_simulation_and_are_warned(capsys):
+    """validate's config: with more ranks than CPU cores, cluster.host_cores is the core count, and a warning says so
+    on stderr and in the report; otherwise the config is left alone."""
+    from pipescope.config import load_config
+    from pipescope.experiments.validate_cmd import _shared_cores
     cores = len(os.sched_getaffinity(0))
-    assert _oversubscribed(cores) == []
-    (warning,) = _oversubscribed(cores + 2)
-    assert warning.startswith(f"{cores + 2} ranks on {cores} CPU cores") and warning in capsys.readouterr().err
+    for ranks in (cores, cores + 2):
+        sets = [f"schedule.stages={ranks}", f"schedule.microbatches={2 * ranks}"]
+        config, warnings = _shared_cores(load_config(None, sets), sets)
+        if ranks == cores:
+            assert warnings == [] and config.cluster.host_cores is None
+        else:
+            (warning,) = warnings
+            assert config.cluster.host_cores == cores and config.schedule.stages == ranks
+            assert warning.startswith(f"{ranks} ranks on {cores} CPU cores") and warning in capsys.readouterr().err
 
 
 def test_a_flush_steps_share_the_gradient_norm_before_them_by_their_durations():
