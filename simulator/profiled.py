@@ -12,12 +12,10 @@ simulation, and raises one ``ProfileError`` line naming the file, column or key,
 
 from __future__ import annotations
 
-import dataclasses
-
 import numbers
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -485,7 +483,7 @@ def with_op_times(cost: StageCost, times: dict[str, int]) -> StageCost:
     """``cost`` with the measured op times ``times`` (ns by kind). A measured backward already ran the recompute,
     so the recompute's own time goes."""
     measured = {OP_TIME_FIELDS[kind]: ns for kind, ns in times.items() if kind in OP_TIME_FIELDS}
-    return dataclasses.replace(cost, **measured, recompute_ns=0)
+    return replace(cost, **measured, recompute_ns=0)
 
 
 def _noisy_note(meta: dict) -> list[str]:
