@@ -26,8 +26,9 @@ BACKWARDS = {K.B.value, K.I.value, K.W.value}
 
 def serial_schedule(schedule: Schedule) -> Schedule:
     """``schedule``'s stages on one device, microbatch after microbatch: F through every stage, then the backward
-    (B, or I then W when ``schedule`` splits it) from the last stage back. Always a flush: the op costs do not depend
-    on the weight-update rule."""
+    (B, or I then W when ``schedule`` splits it) from the last stage back. Always a flush, so each stage's OPT is a
+    flush's step: PipeDream's and 2BW's copy of the newest weights into a version buffer, and PipeDream's
+    per-backward norm, are not in it."""
     stages = range(schedule.num_stages)
     back = [K.I, K.W] if schedule.splits_backward else [K.B]
     actions: list[Action] = []
@@ -39,10 +40,13 @@ def serial_schedule(schedule: Schedule) -> Schedule:
 
 
 def stage_op_times(spec: RunSpec) -> list[dict[str, int]]:
-    """Per stage of ``spec.schedule``, the mean ns of each op it runs (F, B or I and W, OPT) over the measured
-    iterations of its serial program on one spawned rank (``spec``'s warm-up dropped)."""
-    serial = dataclasses.replace(spec, schedule=serial_schedule(spec.schedule), data_parallel=1)
-    return op_means(execute(serial), spec.schedule.num_stages)
+    """Per stage of ``spec.schedule``, the mean ns of each op it runs (F, B or I and W, OPT) over ``spec.iterations``
+    runs of its serial program on one spawned rank (``spec``'s warm-up dropped, and one more run at the end: the
+    executor's last run copies the gradients its numerics tests compare, just before the steps)."""
+    serial = dataclasses.replace(spec, schedule=serial_schedule(spec.schedule), data_parallel=1,
+                                 iterations=spec.iterations + 1)
+    run = execute(serial)
+    return op_means(dataclasses.replace(run, rows=run.rows[:-1]), spec.schedule.num_stages)
 
 
 def op_means(run: RunResult, num_stages: int) -> list[dict[str, int]]:
@@ -56,7 +60,7 @@ def op_means(run: RunResult, num_stages: int) -> list[dict[str, int]]:
         steps = norm_shares(rows)
         for _, kind, stage, _, start, end in rows:
             if kind in TIMED_KINDS:
-                norm = steps.get(stage, 0) if ActionKind(kind) is K.OPT else 0
+                norm = steps.get(stage, 0) if kind == K.OPT.value else 0
                 samples[stage].setdefault(kind, []).append(end - start + norm)
     return [{kind: int(statistics.mean(values)) for kind, values in ops.items()} for ops in samples]
 
@@ -65,9 +69,11 @@ def norm_shares(rows: list) -> dict[int, int]:
     """Each stage's share of the gradient norm that a flush computes between its last backward and its first step
     (the gap there), by its step's duration (both read every gradient once). The simulator's step stands for the
     norm and the step (``StageCost.optimizer_ns``); the norm's own all-reduce is a collective of its own."""
-    opt = [(stage, start, end) for _, kind, stage, _, start, end in rows if ActionKind(kind) is K.OPT]
-    first = min((start for _, start, _ in opt), default=None)
-    ends = [end for _, kind, _, _, _, end in rows if kind in BACKWARDS and first is not None and end <= first]
+    opt = [(stage, start, end) for _, kind, stage, _, start, end in rows if kind == K.OPT.value]
+    if not opt:
+        return {}
+    first = min(start for _, start, _ in opt)
+    ends = [end for _, kind, _, _, _, end in rows if kind in BACKWARDS and end <= first]
     if not ends:
         return {}
     steps = {stage: end - start for stage, start, end in opt}

@@ -27,6 +27,7 @@ from pipescope.experiments.validate_stages import (
     STAGE_TIMING_ITERATIONS,
     op_error_summary,
     op_table_lines,
+    relative_error as _relative,
     time_stages,
 )
 from pipescope.simulator.ir import COMPUTE_KINDS, ActionKind
@@ -54,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iterations", default="5", help="measured iterations, after the warm-up (default 5)")
     p.add_argument("--warmup", default="5", help="warm-up iterations, not measured (default 5; memory is tracked in "
                    "the first): a fresh rank's first iterations run up to 2x slower")
-    p.add_argument("--op-times", default="profile", choices=("profile", "stages"),
+    p.add_argument("--op-times", choices=("profile", "stages"),
                    help="where the simulation's op times come from: the calibration profile's kernel benches "
                    "(profile, default), or every stage timed in the executor on one rank, one op after another, as "
                    "Megatron's pipeline simulator does (stages: the error is then the schedule model's own; "
@@ -100,10 +101,13 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
     timeout = integer_flag("--timeout", args.timeout, 1, 3600)
     with tempfile.TemporaryDirectory() as folder:
         profile = args.profile or _calibrate(args, folder)
-        config, warnings = _shared_cores(load_config(None, _sets(args, profile)), _sets(args, profile))
+        sets = _sets(args, profile)
+        config, warnings = (load_config(None, sets), []) if gpu else _shared_cores(load_config(None, sets), sets)
+        if gpu:
+            _check_gpu_profile(config, profile)
         from pipescope.runner import prepare, run_prepared
         built = prepare(config)
-        op_times, table = "stages" if gpu else getattr(args, "op_times", "profile"), None
+        op_times, table = "stages" if gpu else getattr(args, "op_times", None) or "profile", None
         if op_times == "stages":
             _phase(f"time every stage on one {'GPU' if gpu else 'rank'}, one op after another")
             spec = _spec(built.schedule, built.config, STAGE_TIMING_ITERATIONS, warmup, timeout, args.device)
@@ -133,12 +137,25 @@ def _device(args: argparse.Namespace) -> bool:
         return False
     for name in PIPELINE_FLAGS:
         if getattr(args, name, None) is not None:
-            raise ValueError(f"--{name.replace('_', '-')}: needs the pipeline run over ranks, which --device cuda "
-                             "does not do yet (it times every stage on one GPU)")
+            raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)!r} with --device cuda, expected "
+                             "--device cpu (cuda times the stages on one GPU; it runs no pipeline yet)")
+    if getattr(args, "op_times", None) == "profile":
+        raise ValueError("--op-times: got 'profile' with --device cuda, expected stages (on one GPU the profile is "
+                         "what the measured ops are compared with)")
     import torch
     if not torch.cuda.is_available():
         raise ValueError("--device: got 'cuda', but torch sees no CUDA device here; expected cpu")
     return True
+
+
+def _check_gpu_profile(config, profile: str) -> None:
+    """A ``--profile`` compared with ops on the GPU must have been calibrated on one (one line naming the flag)."""
+    import json
+    from pathlib import Path
+    measured_on = json.loads(Path(profile, "profile.json").read_text()).get("device", {}).get("type")
+    if measured_on != "cuda":
+        raise ValueError(f"--profile: {profile} was calibrated on {measured_on}, expected a cuda profile for "
+                         "--device cuda")
 
 
 def _ops_report(schedule, table: list[dict]) -> dict:
@@ -213,9 +230,10 @@ def _measure(result, config, iterations: int, warmup: int, timeout: int) -> tupl
     each rank's measured memory (``executor_memory.RankMemory``)."""
     from pipescope.calibration.executor import execute
 
-    run = execute(_spec(result.schedule, config, iterations, warmup, timeout))
+    # One run more than measured: the executor's last copies the gradients its numerics tests compare
+    run = execute(_spec(result.schedule, config, iterations + 1, warmup, timeout))
     frames = []
-    for index, ranks in enumerate(run.rows):
+    for index, ranks in enumerate(run.rows[:-1]):
         rows = [(device, *row) for device, device_rows in enumerate(ranks) for row in device_rows]
         frame = pd.DataFrame(rows, columns=["device", "action", "kind", "stage", "microbatch", "start_ns", "end_ns"])
         frame = _compute_rows(frame)
@@ -313,10 +331,6 @@ def _memory(predicted, measured) -> dict:
 def _busy(frame: pd.DataFrame, device: int) -> int:
     rows = frame[frame["device"] == device]
     return int((rows["end_ns"] - rows["start_ns"]).sum())
-
-
-def _relative(predicted: float, measured: float) -> float:
-    return (predicted - measured) / measured if measured else math.inf
 
 
 OP_TIME_SOURCES = {"profile": "the profile", "stages": "each stage timed on one rank"}

@@ -6,15 +6,21 @@ simulation (docs/validation.md, "Two sources of op times" and "One GPU").
 from __future__ import annotations
 
 import dataclasses
-import statistics
+from typing import TYPE_CHECKING
+
+import pandas as pd
 
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.program import op_durations
 
+if TYPE_CHECKING:
+    from pipescope.calibration.executor_spec import RunSpec
+    from pipescope.runner import Prepared
+
 STAGE_TIMING_ITERATIONS = 10  # serial runs whose op means become the simulation's op times
 
 
-def time_stages(built, spec) -> tuple[object, list[dict]]:
+def time_stages(built: Prepared, spec: RunSpec) -> tuple[Prepared, list[dict]]:
     """(``built`` with its profile's op times replaced by the measured ones, the per-op table ``stage_op_table``)."""
     from pipescope.calibration.stage_timing import stage_op_times
     measured = stage_op_times(spec)
@@ -31,15 +37,19 @@ def stage_op_table(predicted: dict[tuple[int, ActionKind], int], measured: list[
         for kind, ns in sorted(ops.items()):
             profile = predicted[stage, ActionKind(kind)]
             rows.append({"stage": stage, "op": kind, "profile_ns": profile, "measured_ns": ns,
-                         "error": (profile - ns) / max(ns, 1)})
+                         "error": relative_error(profile, ns)})
     return rows
 
 
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured, signed; inf for a measured 0 (validate's one definition)."""
+    return (predicted - measured) / measured if measured else float("inf")
+
+
 def op_error_summary(table: list[dict]) -> dict[str, float]:
-    """Median signed error and the p90 of its size over the table's rows."""
-    errors = [row["error"] for row in table]
-    sizes = sorted(abs(e) for e in errors)
-    return {"op_time_error_median": statistics.median(errors), "op_time_error_p90": sizes[int(0.9 * (len(sizes) - 1))]}
+    """Median signed error and the p90 of its size over the table's rows (the p90 as the pipeline report's)."""
+    errors = pd.Series([row["error"] for row in table], dtype=float)
+    return {"op_time_error_median": float(errors.median()), "op_time_error_p90": float(errors.abs().quantile(0.9))}
 
 
 def op_table_lines(table: list[dict]) -> list[str]:

@@ -75,6 +75,7 @@ def prepare(config: Config) -> Prepared:
         ConfigError: a bad key, value or combination, naming the key.
     """
     config = _with_precision(config)
+    _check_host_cores(config)
     cluster = _precheck(config)
     analytic = isinstance(config.costs, AnalyticCostsConfig)
     model = _model(config) if analytic else None
@@ -121,7 +122,7 @@ def run_prepared(built: Prepared) -> SimResult:
                           model_flops_per_iteration=model_flops(model, config, schedule) if analytic else None,
                           peak_flops_per_device=_peak(config, cluster) * config.parallel.tensor if analytic else None,
                           config=config, memory_runtime=config.memory.runtime,
-                          host_cores=_host_cores(config))
+                          host_cores=config.cluster.host_cores)
     except CostError as err:
         raise ConfigError(f"costs: {err}") from None
     except SyncError as err:
@@ -133,13 +134,12 @@ def run_prepared(built: Prepared) -> SimResult:
     return result
 
 
-def _host_cores(config: Config) -> int | None:
-    """``cluster.host_cores``, refused (naming the key) beside more than one node: they are one host's cores."""
+def _check_host_cores(config: Config) -> None:
+    """``cluster.host_cores`` beside more than one node is refused, naming the key: they are one host's cores."""
     cores, nodes = config.cluster.host_cores, config.cluster.nodes
     if cores is not None and nodes != 1:
         raise ConfigError(f"cluster.host_cores: got {cores} with cluster.nodes {nodes}; expected cluster.nodes 1 "
                           "(the cores of one host, which all its ranks share)")
-    return cores
 
 
 def _compute_faults(config: Config, cluster: Cluster) -> ComputeFaults | None:

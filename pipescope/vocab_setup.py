@@ -51,16 +51,20 @@ def apply_vocab(config: Config, schedule: Schedule, costs: CostModel, model: Mod
 
 
 def _redistributed(config: Config, schedule: Schedule, costs: CostModel) -> tuple[Config, Schedule, CostModel]:
-    """Config and costs with the layer split that balances the devices' F + I + W (never slower than the equal
-    split on the slowest device)."""
+    """Config and costs with the layer split that balances the devices' forward and backward, as the engine times
+    them (``program.op_durations``: F + I + W, or F + B where a profile timed the fused backward) (never slower than
+    the equal split on the slowest device)."""
     if config.model.layers_per_stage is not None:
         raise ConfigError("schedule.vocab: redistribute picks model.layers_per_stage itself, but it is given; "
                           "expected one of them (schedule.vocab naive keeps the given split)")
     def with_split(split: tuple[int, ...]) -> CostModel:
         return dataclasses.replace(costs, layers_per_stage=split, _cache={})
 
+    back = (ActionKind.I, ActionKind.W) if schedule.splits_backward else (ActionKind.B,)
+
     def stage_ns(split: tuple[int, ...]) -> list[int]:
-        return [c.forward_ns + c.input_grad_ns + c.weight_grad_ns for c in stage_costs(with_split(split), schedule)]
+        durations = op_durations(stage_costs(with_split(split), schedule), schedule.recompute)
+        return [durations[s, ActionKind.F] + sum(durations[s, k] for k in back) for s in range(schedule.num_stages)]
 
     split = balance_layers(stage_layers(_layers(costs), schedule.num_stages), schedule.stage_to_device, stage_ns)
     model = dataclasses.replace(config.model, layers_per_stage=split)

@@ -15,13 +15,16 @@ import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import simpy
 
 from pipescope.simulator.ir import COMPUTE_KINDS, Role, ScheduleError
-from pipescope.simulator.host_cores import SharedCores
 from pipescope.simulator.network import Network
 from pipescope.simulator.program import Program
+
+if TYPE_CHECKING:
+    from pipescope.simulator.host_cores import SharedCores
 
 
 @contextmanager

@@ -360,7 +360,12 @@ class ProfiledCosts(PerStageCache):
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
         cost = self._stage(self._layers_of(stage, num_stages, self.layers), stage, num_stages)
-        return cost if self.op_times is None else with_op_times(cost, self.op_times[stage])
+        if self.op_times is None:
+            return cost
+        if len(self.op_times) != num_stages:
+            raise ProfileError(f"op_times: got {len(self.op_times)} stages' times, expected {num_stages} (the stages "
+                               "of the schedule they were measured on)")
+        return with_op_times(cost, self.op_times[stage])
 
     def _stage(self, n: int, stage: int, num_stages: int) -> StageCost:
         """Costs of ``stage`` of ``num_stages`` holding ``n`` transformer layers."""

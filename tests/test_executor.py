@@ -310,7 +310,9 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
     code = main(["validate", "--device", "tpu"])
     assert code == 2 and "--device: got 'tpu', expected cpu or cuda" in capsys.readouterr().err
     code = main(["validate", "--device", "cuda", "--gantt", "x.png"])  # refused before anything runs
-    assert code == 2 and "--gantt: needs the pipeline run over ranks" in capsys.readouterr().err
+    assert code == 2 and "--gantt: got 'x.png' with --device cuda, expected --device cpu" in capsys.readouterr().err
+    code = main(["validate", "--device", "cuda", "--op-times", "profile"])
+    assert code == 2 and "--op-times: got 'profile' with --device cuda, expected stages" in capsys.readouterr().err
     if not torch.cuda.is_available():
         code = main(["validate", "--device", "cuda"])
         assert code == 2 and "torch sees no CUDA device here" in capsys.readouterr().err

@@ -252,3 +252,5 @@ def test_measured_op_times_replace_the_profiles_but_not_its_bytes(tmp_path: Path
     assert (last.forward_ns, last.input_grad_ns, last.weight_grad_ns) == (44, 55, 66)
     assert last.optimizer_ns == costs.stage_cost(1, 2, 1).optimizer_ns
     assert first.activation_bytes == costs.stage_cost(0, 2, 1).activation_bytes and first.params == 3 * 700 + 50
+    with pytest.raises(ProfileError, match=r"^op_times: got 2 stages' times, expected 3"):
+        measured.stage_cost(0, 3, 1)  # times measured on another split
