@@ -42,8 +42,8 @@ from pipescope.calibration.executor_spec import RunSpec
 from pipescope.calibration.executor_state import Rank, Row
 from pipescope.simulator.lowering import lower, step_points
 
-__all__ = ["Reference", "RunError", "RunResult", "RunSpec", "execute", "execute_all", "free_port", "launch",
-           "reference_step"]
+__all__ = ["Reference", "RunError", "RunResult", "RunSpec", "execute", "execute_all", "execute_timed", "free_port",
+           "launch", "reference_step"]
 
 
 @dataclass
@@ -174,6 +174,13 @@ def execute(spec: RunSpec) -> RunResult:
     """Run ``spec`` on ``schedule.num_devices x data_parallel`` spawned ranks (gloo on 127.0.0.1); see
     ``execute_all``."""
     return execute_all([spec])[0]
+
+
+def execute_timed(spec: RunSpec) -> RunResult:
+    """``execute`` for timing: one run more than ``spec.iterations``, whose rows are dropped, because the last run
+    copies the gradients the numerics tests compare just before each step, inside the timeline."""
+    run = execute(dataclasses.replace(spec, iterations=spec.iterations + 1))
+    return dataclasses.replace(run, rows=run.rows[:-1])
 
 
 def execute_all(specs: list[RunSpec]) -> list[RunResult]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from pipescope.calibration.executor import RunResult, RunSpec, execute
+from pipescope.calibration.executor import RunResult, RunSpec, execute_timed
 from pipescope.simulator.ir import Action, ActionKind, Schedule
 
 K = ActionKind
@@ -41,12 +41,9 @@ def serial_schedule(schedule: Schedule) -> Schedule:
 
 def stage_op_times(spec: RunSpec) -> list[dict[str, int]]:
     """Per stage of ``spec.schedule``, the mean ns of each op it runs (F, B or I and W, OPT) over ``spec.iterations``
-    runs of its serial program on one spawned rank (``spec``'s warm-up dropped, and one more run at the end: the
-    executor's last run copies the gradients its numerics tests compare, just before the steps)."""
-    serial = dataclasses.replace(spec, schedule=serial_schedule(spec.schedule), data_parallel=1,
-                                 iterations=spec.iterations + 1)
-    run = execute(serial)
-    return op_means(dataclasses.replace(run, rows=run.rows[:-1]), spec.schedule.num_stages)
+    runs of its serial program on one spawned rank (``spec``'s warm-up dropped; ``executor.execute_timed``)."""
+    serial = dataclasses.replace(spec, schedule=serial_schedule(spec.schedule), data_parallel=1)
+    return op_means(execute_timed(serial), spec.schedule.num_stages)
 
 
 def op_means(run: RunResult, num_stages: int) -> list[dict[str, int]]:

@@ -10,6 +10,7 @@ executor tracked in its warm-up iteration (docs/validation.md says what differs 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -101,12 +102,12 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
     timeout = integer_flag("--timeout", args.timeout, 1, 3600)
     with tempfile.TemporaryDirectory() as folder:
         profile = args.profile or _calibrate(args, folder)
-        sets = _sets(args, profile)
-        config, warnings = (load_config(None, sets), []) if gpu else _shared_cores(load_config(None, sets), sets)
-        if gpu:
-            _check_gpu_profile(config, profile)
+        config = load_config(None, _sets(args, profile))
+        config, warnings = (config, []) if gpu else _shared_cores(config)
         from pipescope.runner import prepare, run_prepared
         built = prepare(config)
+        if gpu:
+            _check_gpu_profile(built.costs.meta, profile)
         op_times, table = "stages" if gpu else getattr(args, "op_times", None) or "profile", None
         if op_times == "stages":
             _phase(f"time every stage on one {'GPU' if gpu else 'rank'}, one op after another")
@@ -148,11 +149,11 @@ def _device(args: argparse.Namespace) -> bool:
     return True
 
 
-def _check_gpu_profile(config, profile: str) -> None:
-    """A ``--profile`` compared with ops on the GPU must have been calibrated on one (one line naming the flag)."""
-    import json
-    from pathlib import Path
-    measured_on = json.loads(Path(profile, "profile.json").read_text()).get("device", {}).get("type")
+def _check_gpu_profile(meta: dict, profile: str) -> None:
+    """A ``--profile`` compared with ops on the GPU must have been calibrated on one (one line naming the flag);
+    ``meta`` is its ``profile.json`` as ``ProfiledCosts`` loaded and checked it."""
+    device = meta.get("device")
+    measured_on = device.get("type") if isinstance(device, dict) else None
     if measured_on != "cuda":
         raise ValueError(f"--profile: {profile} was calibrated on {measured_on}, expected a cuda profile for "
                          "--device cuda")
@@ -164,7 +165,7 @@ def _ops_report(schedule, table: list[dict]) -> dict:
             "device": "cuda", "op_times": "stages", "stage_ops": table, **op_error_summary(table), "warnings": []}
 
 
-def _shared_cores(config, sets: list[str]):
+def _shared_cores(config):
     """(config, warnings): with more ranks than CPU cores, the simulation shares the cores between the ranks as the
     OS does (``cluster.host_cores``), and a warning, also printed, says so (docs/validation.md, "More ranks than
     cores")."""
@@ -174,7 +175,8 @@ def _shared_cores(config, sets: list[str]):
     warning = (f"{ranks} ranks on {cores} CPU cores: the ranks take turns on the cores, which the simulation "
                f"models (cluster.host_cores={cores}); gloo's transfers then wait for a core too, which it does not")
     print(f"pipescope validate: warning: {warning}", file=sys.stderr, flush=True)
-    return load_config(None, [*sets, f"cluster.host_cores={cores}"]), [warning]
+    cluster = dataclasses.replace(config.cluster, host_cores=cores)
+    return dataclasses.replace(config, cluster=cluster), [warning]
 
 
 def _sets(args: argparse.Namespace, profile: str) -> list[str]:
@@ -228,12 +230,11 @@ def _spec(schedule, config, iterations: int, warmup: int, timeout: int, device: 
 def _measure(result, config, iterations: int, warmup: int, timeout: int) -> tuple[pd.DataFrame, list]:
     """Measured compute rows of every iteration (columns as the timeline's, times from the iteration's start), and
     each rank's measured memory (``executor_memory.RankMemory``)."""
-    from pipescope.calibration.executor import execute
+    from pipescope.calibration.executor import execute_timed
 
-    # One run more than measured: the executor's last copies the gradients its numerics tests compare
-    run = execute(_spec(result.schedule, config, iterations + 1, warmup, timeout))
+    run = execute_timed(_spec(result.schedule, config, iterations, warmup, timeout))
     frames = []
-    for index, ranks in enumerate(run.rows[:-1]):
+    for index, ranks in enumerate(run.rows):
         rows = [(device, *row) for device, device_rows in enumerate(ranks) for row in device_rows]
         frame = pd.DataFrame(rows, columns=["device", "action", "kind", "stage", "microbatch", "start_ns", "end_ns"])
         frame = _compute_rows(frame)

@@ -341,7 +341,7 @@ def test_more_ranks_than_cores_share_them_in_the_simulation_and_are_warned(capsy
     cores = len(os.sched_getaffinity(0))
     for ranks in (cores, cores + 2):
         sets = [f"schedule.stages={ranks}", f"schedule.microbatches={2 * ranks}"]
-        config, warnings = _shared_cores(load_config(None, sets), sets)
+        config, warnings = _shared_cores(load_config(None, sets))
         if ranks == cores:
             assert warnings == [] and config.cluster.host_cores is None
         else:
