@@ -93,7 +93,7 @@ def screen(request: PlanRequest, candidate: Candidate) -> Screened:
 def _bounded(candidate: Candidate, run: Run) -> Screened:
     from pipescope.runner import prepare
     from pipescope.simulator.bounds import busy_per_iteration_ns, memory_lower_bounds
-    from pipescope.simulator.lowering import defers_steps
+    from pipescope.simulator.lowering import defers_steps, gradient_buffers
 
     built = prepare(run.config)
     if candidate.vocab == "redistribute" and _equal_split(built):
@@ -101,7 +101,7 @@ def _bounded(candidate: Candidate, run: Run) -> Screened:
                                                 "vocab naive")
     costs = built.stage_costs()
     config = built.config
-    buffers = 2 if defers_steps(built.schedule.weight_update, config.cluster.data_parallel) else 1
+    buffers = gradient_buffers(defers_steps(built.schedule.weight_update, config.cluster.data_parallel))
     memory = memory_lower_bounds(built.schedule, costs, config.model.precision, config.memory.runtime, buffers)
     worst = max(range(len(memory)), key=memory.__getitem__)
     capacity = built.capacity

@@ -213,6 +213,12 @@ def defers_steps(update: WeightUpdate, data_parallel: int) -> bool:
     return update is WeightUpdate.TWO_BW and data_parallel > 1
 
 
+def gradient_buffers(deferred: bool) -> int:
+    """Gradient buffers per stage that the memory ledger counts: 2 where steps are deferred (``defers_steps``: the
+    gradients still to apply and the next iteration's), else 1."""
+    return 2 if deferred else 1
+
+
 def add_optimizer_steps(program: Schedule, deferred: bool = False) -> Schedule:
     """``program`` with each stage's optimizer steps (``sOPTk``, see ``step_microbatch``) where the real executor
     runs them (docs/schedules.md "The optimizer step").

@@ -13,7 +13,7 @@ from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.host_cores import SharedCores
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
-from pipescope.simulator.lowering import add_optimizer_steps, defers_steps, lower
+from pipescope.simulator.lowering import add_optimizer_steps, defers_steps, gradient_buffers, lower
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.network import FifoLinks, Network
 from pipescope.simulator.program import Program, compile_program, op_durations
@@ -73,8 +73,8 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         samples = schedule.num_microbatches * samples_per_microbatch * data_parallel
         records = replay_timeline(program, times, schedule.num_devices * width, schedule.num_devices)
         result = build_result(schedule, records, stage_costs, costs.precision, samples,
-                              warnings=costs.notes() + _run_notes(schedule), gradient_buffers=2 if deferred else 1,
-                              **extra)
+                              warnings=costs.notes() + _run_notes(schedule),
+                              gradient_buffers=gradient_buffers(deferred), **extra)
     if isinstance(network, RoutedNetwork):
         result.links, result.network = network.link_stats(result.makespan_ns), network.counters()
         result.link_spans = network.busy_spans()
