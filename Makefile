@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PIPESCOPE ?= $(VENV)/bin/pipescope
 DEMO_OUT ?= demo-out
 
-.PHONY: demo demo-run test lint bench clean
+.PHONY: demo demo-run test lint bench clean gpu-site
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,5 +30,12 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PIPESCOPE) bench
 
+# The pure-Python packages validate needs beyond a GPU box's torch, pandas and pyarrow, to carry there
+# (experiments/gpu_session.py; docs/validation.md, "A GPU session").
+gpu-site: $(STAMP)
+	rm -rf .gpu-site
+	$(PY) -m pip install --no-deps --target .gpu-site \
+		$$($(PY) -c 'from pipescope.experiments.gpu_session import CARRIED; print(*CARRIED)')
+
 clean:
-	rm -rf $(VENV) $(DEMO_OUT)
+	rm -rf $(VENV) $(DEMO_OUT) .gpu-site

@@ -52,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatch-size", default="1", help="samples per microbatch (default 1)")
     p.add_argument("--device", default="cpu", help="cpu (default), or cuda: every stage timed on one GPU, op by op, "
                    "against the profile's op times (no pipeline run over GPUs yet)")
-    p.add_argument("--profile", metavar="DIR", help="a 'pipescope calibrate' folder to use instead of calibrating")
+    p.add_argument("--profile", metavar="DIR", help="a 'pipescope calibrate --precision fp32' folder of this "
+                   "--device to use instead of calibrating (the executor runs fp32)")
     p.add_argument("--iterations", default="5", help="measured iterations, after the warm-up (default 5)")
     p.add_argument("--warmup", default="5", help="warm-up iterations, not measured (default 5; memory is tracked in "
                    "the first): a fresh rank's first iterations run up to 2x slower")
@@ -106,8 +107,7 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         config, warnings = (config, []) if gpu else _shared_cores(config)
         from pipescope.runner import prepare, run_prepared
         built = prepare(config)
-        if gpu:
-            _check_gpu_profile(built.costs.meta, profile)
+        _check_profile(built.costs.meta, profile, args.device)
         op_times, table = "stages" if gpu else getattr(args, "op_times", None) or "profile", None
         if op_times == "stages":
             _phase(f"time every stage on one {'GPU' if gpu else 'rank'}, one op after another")
@@ -149,14 +149,25 @@ def _device(args: argparse.Namespace) -> bool:
     return True
 
 
-def _check_gpu_profile(meta: dict, profile: str) -> None:
-    """A ``--profile`` compared with ops on the GPU must have been calibrated on one (one line naming the flag);
+EXECUTOR_PRECISION = "fp32"  # the executor builds every stage in fp32 (docs/validation.md, "One GPU")
+
+
+def _check_profile(meta: dict, profile: str, device: str) -> None:
+    """The executor runs the profile's model in fp32 on ``device``: a ``--profile`` without a model shape, or timed in
+    another precision or on another device, would be compared with ops it never timed (one line naming the flag).
     ``meta`` is its ``profile.json`` as ``ProfiledCosts`` loaded and checked it."""
-    device = meta.get("device")
-    measured_on = device.get("type") if isinstance(device, dict) else None
-    if measured_on != "cuda":
-        raise ValueError(f"--profile: {profile} was calibrated on {measured_on}, expected a cuda profile for "
-                         "--device cuda")
+    model = meta.get("model") or {}
+    missing = [key for key in ("layers", "hidden", "heads", "seq", "vocab") if key not in model]
+    if missing:
+        raise ValueError(f"--profile: {profile} has no model.{missing[0]} in profile.json, expected a folder "
+                         "written by pipescope calibrate")
+    if meta.get("precision") != EXECUTOR_PRECISION:
+        raise ValueError(f"--profile: {profile} was calibrated in {meta.get('precision')}, expected "
+                         f"{EXECUTOR_PRECISION}, the precision the executor runs (calibrate --precision fp32)")
+    measured_on = meta["device"].get("type") if isinstance(meta.get("device"), dict) else None
+    if measured_on != device:
+        raise ValueError(f"--profile: {profile} was calibrated on {measured_on}, expected a {device} profile for "
+                         f"--device {device}")
 
 
 def _ops_report(schedule, table: list[dict]) -> dict:
@@ -192,7 +203,7 @@ def _calibrate(args: argparse.Namespace, folder: str) -> str:
     _phase(f"calibrate {args.model} on {args.device}")
     command = [sys.executable, "-m", "pipescope.calibration.commands", "calibrate", "--model", args.model,
                "--device", args.device, "--out", folder, "--microbatch-sizes", str(args.microbatch_size),
-               "--vocab-shards", "1", "--budget-s", "0.3"]
+               "--vocab-shards", "1", "--budget-s", "0.3", "--precision", EXECUTOR_PRECISION]
     _run_step("calibrate", command)
     if args.device == "cuda":  # one GPU, no transfers: the per-op comparison needs no comms profile
         return folder

@@ -318,6 +318,30 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
         assert code == 2 and "torch sees no CUDA device here" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("meta, expected", [
+    ({"model": {"layers": 5}}, "has no model.hidden in profile.json, expected a folder written by pipescope calibrate"),
+    ({"precision": "bf16"}, "was calibrated in bf16, expected fp32, the precision the executor runs"),
+    ({"device": {"type": "cuda"}}, "was calibrated on cuda, expected a cpu profile for --device cpu"),
+])
+def test_validate_refuses_a_profile_the_executor_cannot_run_as_timed(tmp_path, capsys, meta, expected):
+    """The executor builds the profile's model in fp32 on --device: a profile without a shape, of another precision
+    (calibrate's default on a GPU is bf16) or of another device is one line before any rank starts."""
+    import json
+
+    from test_profiled_costs import make_profile
+
+    from pipescope.experiments.cli import main
+    folder = make_profile(tmp_path / "profile", mbs=(1, 2))
+    good = {"model": {"name": "t", "layers": 4, "hidden": 64, "heads": 4, "seq": 128, "vocab": 512},
+            "precision": "fp32", "device": {"type": "cpu"}}
+    path = folder / "profile.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **good, **meta}))
+    assert main(["validate", "--profile", str(folder), "--iterations", "1", "--warmup", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"pipescope: error: --profile: {folder} {expected}") and err.count("\n") == 1
+    assert out == ""
+
+
 def test_stage_by_stage_program_runs_every_stage_on_one_device_forward_then_backward():
     """The serial program of ``validate --op-times stages``: one device, each microbatch's F through every stage then
     its backward back (I then W where the schedule splits it), a flush that lowers with no transfer."""
