@@ -12,12 +12,13 @@ is tracked exactly in the first run of the program (``executor_memory``; the CUD
 
 Module map: ``executor`` (this: RunSpec, RunResult, the worker and the launcher), ``executor_state`` (one rank's
 actions), ``executor_weights`` (versions, gradient buffer, optimizer, update rule), ``executor_memory`` (the
-tracker), ``executor_reference`` (the one-process reference).
+tracker), ``executor_clock`` (the action stamps), ``executor_reference`` (the one-process reference).
 
 Every module is built from its own seed, so the ranks and the one-process reference start from the same weights,
-and the numerics tests compare losses, gradients and weights. Start and end of every action are ``perf_counter_ns``
-after a barrier (one clock on one machine; on CUDA the device is synchronised around each action, and the ranks use
-nccl, which ignores tags: only programs whose p2p order matches between peers run there). A rank that dies or stops
+and the numerics tests compare losses, gradients and weights. Start and end of every action are stamped after a
+barrier by ``executor_clock``: ``perf_counter_ns`` on CPU (one clock on one machine), CUDA events on a GPU (the GPU's
+time, as calibrate's). On CUDA the ranks use nccl, which ignores tags: only programs whose p2p order matches between
+peers run there. A rank that dies or stops
 making progress ends the run with one line naming it and its action, and no process is left.
 """
 
@@ -82,6 +83,8 @@ def _worker(rank: int, world: int, port: int, backend: str, body: Callable, payl
     try:
         torch.set_num_threads(1)  # two threads per rank on two cores run 2-6x slower
         torch.set_num_interop_threads(1)
+        if backend == "nccl":  # the GPU _run_spec gives this rank, before nccl picks one for its communicators
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         body(rank, payload, out, progress)
         dist.barrier()
@@ -129,35 +132,34 @@ def _run_spec(rank: int, spec: RunSpec, path: str, progress, groups: dict[str, o
     state = Rank(spec, rank, program, groups, device)
     actions = [a for a in program.device_actions[state.index] if a is not None]
     points = step_points(actions, state.rule.update, state.rule.microbatches)
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    clock = state.clock
     runs, all_rows, losses, memory = spec.warmup + spec.iterations, [], [], None
     for run in range(runs):
-        state.reset(last_run=run == runs - 1)
+        state.reset(last_run=spec.numerics and run == runs - 1)
         state.tracker.active = run == 0 and not cuda
         if run == 0 and cuda:
             cuda_reset(device)
         dist.barrier()
+        clock.begin()
         rows = []
         for step, action in enumerate(actions):
             progress[2 * rank + 1] = step
             _maybe_fail(spec, rank, step)
             state.wait_inputs(action)
-            sync()
-            start = time.perf_counter_ns()
+            start = clock.stamp()
             state.run(action)
-            sync()
-            rows.append((str(action), action.kind.value, action.stage, action.microbatch, start,
-                         time.perf_counter_ns()))
+            rows.append((str(action), action.kind.value, action.stage, action.microbatch, start, clock.stamp()))
             rows += state.after(step, points)
         progress[2 * rank + 1] = len(actions)
         rows += state.finish()
         if run == 0:
             memory = cuda_peak(device) if cuda else state.tracker.result
             state.tracker.active = False
-        all_rows.append(rows)
+        all_rows.append(clock.resolve(rows))
         losses += state.losses
-    torch.save({"rows": all_rows[spec.warmup:], "losses": losses, "grads": {k: g.cpu() for k, g in
-                state.grads.items()}, "weights": state.weights(), "memory": dataclasses.asdict(memory),
+    numerics = {"grads": {k: g.cpu() for k, g in state.grads.items()}, "weights": state.weights()} if \
+        spec.numerics else {"grads": {}, "weights": {}}
+    torch.save({"rows": all_rows[spec.warmup:], "losses": losses, **numerics, "memory": dataclasses.asdict(memory),
                 "versions": state.seen}, path)
 
 
@@ -177,10 +179,9 @@ def execute(spec: RunSpec) -> RunResult:
 
 
 def execute_timed(spec: RunSpec) -> RunResult:
-    """``execute`` for timing: one run more than ``spec.iterations``, whose rows are dropped, because the last run
-    copies the gradients the numerics tests compare just before each step, inside the timeline."""
-    run = execute(dataclasses.replace(spec, iterations=spec.iterations + 1))
-    return dataclasses.replace(run, rows=run.rows[:-1])
+    """``execute`` for timing: no gradients or weights kept for the numerics tests (their copies before the last run's
+    steps would fall inside its timeline, and a model's worth of them is gigabytes to save)."""
+    return execute(dataclasses.replace(spec, numerics=False))
 
 
 def execute_all(specs: list[RunSpec]) -> list[RunResult]:

@@ -31,6 +31,7 @@ class RunSpec:
     device: str = "cpu"
     timeout_s: float = 120.0
     inject: tuple[str, int, int] | None = None  # ("exit" | "hang", rank, step): a rank that dies or hangs there
+    numerics: bool = True  # keep the last run's gradients and the final weights (False for timing runs)
 
     @property
     def world(self) -> int:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipescope.calibration.executor_clock import make_clock
 from pipescope.calibration.executor_memory import MemoryTracker
 from pipescope.calibration.executor_weights import (StageWeights, UpdateRule, clip_coefficient, optimizer_tensors,
                                                    squared_norm)
@@ -93,6 +94,7 @@ class Rank:
                      for j in range(program.total_microbatches)]
         self.split = {(a.stage, a.microbatch) for acts in program.device_actions for a in acts
                       if a is not None and a.kind is K.I}
+        self.clock = make_clock(device)
         self.tracker = MemoryTracker(time.perf_counter_ns)
         for stage in self.stages.values():
             self._hold_static(stage.own, stage)
@@ -301,9 +303,9 @@ class Rank:
         weights.updates += 1
         if self.last_run and weights.updates == self.rule.steps_per_run:
             self.grads.update(weights.named([p.grad for p in weights.versions[weights.latest]]))
-        start = time.perf_counter_ns()
+        start = self.clock.stamp()
         created = weights.step(coefficient, lagged=self.rule.lagged)
-        end = time.perf_counter_ns()
+        end = self.clock.stamp()
         for t in created:
             self.tracker.hold(t, "weights", ("weights", id(weights)))
         k = self.rule.last_microbatch(group)

@@ -117,7 +117,7 @@ class StageWeights:
         self.modules = modules
         self.names = [(i, name) for i, module in modules.items() for name, _ in module.named_parameters()]
         own = [p for module in modules.values() for p in module.parameters()]
-        self.grad = torch.zeros(sum(p.numel() for p in own))
+        self.grad = torch.zeros(sum(p.numel() for p in own), dtype=own[0].dtype, device=own[0].device)
         self.own = own  # the modules' parameters: the buffer the modules run with as they are
         self.versions: dict[int, list[torch.Tensor]] = {0: own}
         self._attach_grads(own)
