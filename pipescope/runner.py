@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
-from pipescope.config import Config, ConfigError
+from pipescope.config import RANGES, Config, ConfigError
 from pipescope.simulator.costs import (
     AnalyticCosts,
     AnalyticCostsConfig,
@@ -17,7 +17,15 @@ from pipescope.simulator.costs import (
     stage_costs,
 )
 from pipescope.simulator.ir import Schedule
-from pipescope.simulator.models import PRECISIONS, PRESETS, ModelSpec, layer_work, output_layer_flops, stage_layers
+from pipescope.simulator.models import (
+    PRECISIONS,
+    PRESETS,
+    SHAPE_KEYS,
+    ModelSpec,
+    layer_work,
+    output_layer_flops,
+    stage_layers,
+)
 from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
@@ -174,6 +182,11 @@ def _with_profile_model(config: Config, costs: ProfiledCosts) -> Config:
     dimension that contradicts it is refused (layers and seq may differ: times are per layer and interpolated
     over the measured sequence lengths)."""
     m, measured = config.model, costs.meta.get("model", {})
+    unknown = [key for key in ("layers", *FIXED_BY_PROFILE) if key not in measured and getattr(m, key) is None]
+    if unknown:  # else the default preset's shape would stand in for the measured model's, silently
+        raise ConfigError(f"costs.profile: {config.costs.profile!r} has no model.{unknown[0]} in its profile.json; "
+                          f"expected the model the profile measured (pipescope calibrate writes it), or set "
+                          f"model.{unknown[0]}")
     given = {key: getattr(m, key) for key in FIXED_BY_PROFILE if getattr(m, key) is not None}
     if m.preset is not None:
         given = {key: getattr(_model(config), key) for key in FIXED_BY_PROFILE}
@@ -184,9 +197,18 @@ def _with_profile_model(config: Config, costs: ProfiledCosts) -> Config:
                               f"{key}={measured[key]}; expected the profile's model (leave model.preset and "
                               f"model.{key} unset, or calibrate this model)")
     name = measured.get("name")
-    shape = {key: measured.get(key) for key in FIXED_BY_PROFILE}
+    shape = {key: measured.get(key, getattr(m, key)) for key in FIXED_BY_PROFILE}
     model = dataclasses.replace(m, preset=name if name in PRESETS else m.preset, layers=costs.layers, seq=costs.seq,
                                 precision=costs.precision, **shape)
+    for key in SHAPE_KEYS:  # the config's own limits (docs/cli.md, "Limits"): a profile is a file a user hands us
+        low, high = RANGES[f"model.{key}"]
+        if not low <= getattr(model, key) <= high:
+            raise ConfigError(f"costs.profile: {config.costs.profile!r} measured model.{key}={getattr(model, key)}; "
+                              f"expected {low} to {high}")
+    try:
+        model.spec()  # heads must divide hidden
+    except ValueError as err:
+        raise ConfigError(f"costs.profile: {config.costs.profile!r}: {err}") from None
     return dataclasses.replace(config, model=model)
 
 

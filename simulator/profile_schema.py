@@ -139,6 +139,9 @@ def read_metadata(profile_dir: str | os.PathLike, name: str = COMPUTE_META) -> d
         raise ProfileError(f"{path}: a JSON {type(meta).__name__}; expected a JSON object of metadata")
     check_version(meta, str(path))
     check_metadata(meta, str(path))
+    kind = "compute" if name == COMPUTE_META else "comms"
+    if meta.get("kind", kind) != kind:  # absent in hand-made profiles: the file name says which it is
+        raise ProfileError(f"{path}: kind={short_repr(meta['kind'])}; expected {kind!r}")
     return meta
 
 

@@ -259,6 +259,12 @@ class ProfiledCosts(PerStageCache):
         makes it 1 ns, the clock's resolution.
         """
         t, memory = self.timings, self.memory
+        self._check_unique()
+        measured = {int(seq) for seq in t.loc[t["component"] == "layer", "seq"]}
+        missing = [seq for seq in self.meta.get("seqs", []) if seq not in measured]
+        if missing:
+            raise ProfileError(f"{self.files['timings']}: no layer row with seq={missing[0]}, which profile.json's "
+                               f"seqs lists; expected the sequence lengths the tables hold ({sorted(measured)})")
         for component, ops in STAGE_OPS.items():
             for op in ops:
                 if not ((t["component"] == component) & (t["op"] == op) & (t["shards"] == 1)).any():
@@ -285,6 +291,18 @@ class ProfiledCosts(PerStageCache):
                 raise ProfileError(f"{self.files['comms_fit']}: row {row.Index + 1}: p2p latency_ns={row.latency_ns:g}"
                                    f", bandwidth={row.bandwidth:g} would move {nbytes} bytes in {seconds:g} s; "
                                    f"expected at most {MAX_OP_SECONDS:g} s per transfer") from None
+
+    def _check_unique(self) -> None:
+        """One row per measured point: a second one would be read in place of the first, or averaged, silently."""
+        for table, key in (("timings", TIMING_KEY), ("memory", MEMORY_KEY)):
+            frame = getattr(self, table)
+            twice = frame.duplicated(list(key), keep="first")
+            if twice.any():
+                row = int(twice.to_numpy().argmax())
+                point = ", ".join(f"{k}={frame[k].iloc[row]:g}" if frame[k].dtype.kind == "f" else
+                                  f"{k}={frame[k].iloc[row]}" for k in key)
+                raise ProfileError(f"{self.files[table]}: row {row + 1}: {point} is measured twice; expected one row "
+                                   "per point")
 
     def notes(self) -> list[str]:
         """Human-readable warnings (extrapolation, precision mismatch) the simulation result prints."""
@@ -511,6 +529,11 @@ def load_comms_fit(profile_dir: str | os.PathLike) -> tuple[pd.DataFrame, str]:
     comms_meta = schema.read_metadata(profile_dir, schema.COMMS_META)
     path = schema.table_path(profile_dir, comms_meta, "comms_fit")
     return _read_checked(path, "comms_fit"), str(path)
+
+
+# The columns that name a measured point (the optimizer's rows differ by the parameters and tensors they step)
+TIMING_KEY = ("component", "op", "microbatch_size", "seq", "shards", "params", "tensors")
+MEMORY_KEY = ("component", "microbatch_size", "seq")
 
 
 def _read_checked(path: Path, table: str) -> pd.DataFrame:

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_profiled_costs import add_comms, make_profile, memory_rows, timing_rows
+from test_profiled_costs import MODEL, add_comms, make_profile, memory_rows, timing_rows
 
 from pipescope.calibration import commands
 from pipescope.calibration.args import MAX_INT
@@ -307,7 +307,7 @@ def corruptions(draw: st.DrawFn) -> list[tuple]:
 def write_corrupted(folder: Path, edits: list[tuple]) -> None:
     tables = {name: [dict(row) for row in rows] for name, rows in TABLES.items()}
     meta = {"schema_version": SCHEMA_VERSION, "kind": "compute", "precision": "bf16",
-            "model": {"layers": 5, "seq": 128}, "seqs": [128], "microbatch_sizes": [2, 4],
+            "model": dict(MODEL), "seqs": [128], "microbatch_sizes": [2, 4],
             "tables": {"timings": "timings.csv", "memory": "memory.csv"}}
     for edit in edits:
         if edit[0] == "meta":
@@ -496,3 +496,51 @@ def test_a_key_given_twice_in_profile_metadata_is_refused(tmp_path: Path) -> Non
     (tmp_path / "profile.json").write_text('{"schema_version": 1, "precision": "fp32", "precision": "bf16"}')
     with pytest.raises(ProfileError, match="key 'precision' appears twice"):
         read_metadata(tmp_path)
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"seqs": [64]}, r"timings.csv: no layer row with seq=64, which profile.json's seqs lists; expected the sequence "
+                     r"lengths the tables hold \(\[128\]\)"),
+    ({"kind": "comms"}, r"profile.json: kind='comms'; expected 'compute'"),
+])
+def test_metadata_that_contradicts_the_profile_is_refused(tmp_path: Path, change: dict, expected: str) -> None:
+    folder = csv_profile(tmp_path)
+    set_meta(folder, **change)
+    assert re.search(expected, load_error(folder))
+
+
+@pytest.mark.parametrize(("table", "row", "expected"), [
+    ("timings", 1, r"timings.csv: row 2: component=layer, op=I, microbatch_size=2, seq=128, shards=1, params=0, "
+                   r"tensors=0 is measured twice; expected one row per point"),
+    ("memory", 0, r"memory.csv: row 2: component=layer, microbatch_size=2, seq=128 is measured twice"),
+])
+def test_a_point_measured_twice_is_refused(tmp_path: Path, table: str, row: int, expected: str) -> None:
+    """A second row for one point would be read instead of the first, silently: which one is the measurement?"""
+    folder = csv_profile(tmp_path)
+    path = folder / f"{table}.csv"
+    frame = pd.read_csv(path)
+    frame.loc[row - 1 if row else 1] = frame.loc[row]  # the row before (or after) becomes a copy of it
+    frame.to_csv(path, index=False)
+    assert re.search(expected, load_error(folder))
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    ({}, r"has no model.layers in its profile.json; expected the model the profile measured \(pipescope calibrate "
+         r"writes it\), or set model.layers"),
+    ({"layers": 5}, r"has no model.hidden in its profile.json"),
+    ({**MODEL, "layers": 100_001}, r"measured model.layers=100001; expected 1 to 100000"),
+    ({**MODEL, "heads": 3}, r"model.heads: got 3, expected a divisor of model.hidden \(=2048\)"),
+])
+def test_a_profile_whose_model_the_run_would_guess_or_cannot_take_is_refused(tmp_path: Path, model: dict,
+                                                                             expected: str) -> None:
+    """The profile's model is the run's: without its shape the default preset's would stand in, silently; beyond
+    the config's own limits, or with heads not dividing hidden, it is refused as a config key would be."""
+    from pipescope import Config, ConfigError, ScheduleConfig, run
+    from pipescope.simulator.profiled import ProfiledCostsConfig
+    folder = csv_profile(tmp_path)
+    set_meta(folder, model=model)
+    config = Config(schedule=ScheduleConfig("1f1b", stages=1, microbatches=2),
+                    costs=ProfiledCostsConfig(profile=str(folder)))
+    with pytest.raises(ConfigError) as info:
+        run(config)
+    assert "\n" not in str(info.value) and re.search(expected, str(info.value)) and str(folder) in str(info.value)

@@ -11,6 +11,7 @@ import pytest
 from pipescope.calibration.profile_io import write_json, write_table
 from pipescope.simulator.profile_schema import SCHEMA_VERSION, ProfileError
 from pipescope.simulator.costs import split_layers
+from pipescope.simulator.models import DEFAULT_PRESET, PRESETS
 from pipescope.simulator.network import link_transfer_ns
 from pipescope.simulator.profiled import ProfiledCosts, interp1
 
@@ -55,6 +56,12 @@ def memory_rows(mbs: tuple[int, ...], seqs: tuple[int, ...]) -> list[dict]:
              "peak_backward_bytes": float("nan")} for c in params for seq in seqs for mb in mbs]
 
 
+# The profile's model, as calibrate writes it: 5 layers of the default preset's width (the runner refuses a profile
+# whose shape it would have to guess)
+MODEL = {"name": "test", "layers": 5, "hidden": PRESETS[DEFAULT_PRESET].hidden, "heads": PRESETS[DEFAULT_PRESET].heads,
+         "seq": 128, "vocab": PRESETS[DEFAULT_PRESET].vocab}
+
+
 def make_profile(folder: Path, mbs: tuple[int, ...] = (2, 4), seqs: tuple[int, ...] = (128,),
                  version: int = SCHEMA_VERSION, parquet: bool = True, drop: str | None = None) -> Path:
     """Write a profile folder with the calibrate layout; ``drop`` removes one timings column."""
@@ -64,7 +71,7 @@ def make_profile(folder: Path, mbs: tuple[int, ...] = (2, 4), seqs: tuple[int, .
         timings = [{k: v for k, v in row.items() if k != drop} for row in timings]
     tables = {"timings": write_table(folder, "timings", timings, parquet=parquet),
               "memory": write_table(folder, "memory", memory_rows(mbs, seqs), parquet=parquet)}
-    meta = {"schema_version": version, "kind": "compute", "precision": "bf16", "model": {"layers": 5, "seq": max(seqs)},
+    meta = {"schema_version": version, "kind": "compute", "precision": "bf16", "model": {**MODEL, "seq": max(seqs)},
             "seqs": list(seqs), "tables": tables}
     write_json(folder / "profile.json", meta)
     return folder
