@@ -32,6 +32,7 @@ from pipescope.experiments.validate_stages import (
     time_stages,
 )
 from pipescope.simulator.ir import COMPUTE_KINDS, ActionKind
+from pipescope.simulator.models import PRESETS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunks", help="stages per device v (default: the schedule's)")
     p.add_argument("--recompute", action="store_true", help="recompute activations: F keeps only its stage input "
                    "and every backward runs the forward again first")
-    p.add_argument("--model", default="tiny", help="preset (default tiny; see 'pipescope calibrate --help')")
+    p.add_argument("--model", help="preset to calibrate (default tiny; see 'pipescope calibrate --help'); with "
+                   "--profile, the profile's model, which it must match")
     p.add_argument("--microbatch-size", default="1", help="samples per microbatch (default 1)")
     p.add_argument("--device", default="cpu", help="cpu (default), or cuda: every stage timed on one GPU, op by op, "
                    "against the profile's op times (no pipeline run over GPUs yet)")
@@ -107,7 +109,7 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         config, warnings = (config, []) if gpu else _shared_cores(config)
         from pipescope.runner import prepare, run_prepared
         built = prepare(config)
-        _check_profile(built.costs.meta, profile, args.device)
+        _check_profile(built.costs.meta, profile, args.device, args.model if args.profile else None)
         op_times, table = "stages" if gpu else getattr(args, "op_times", None) or "profile", None
         if op_times == "stages":
             _phase(f"time every stage on one {'GPU' if gpu else 'rank'}, one op after another")
@@ -149,18 +151,20 @@ def _device(args: argparse.Namespace) -> bool:
     return True
 
 
+DEFAULT_MODEL = "tiny"  # what validate calibrates without --model: seconds per run on a CPU
 EXECUTOR_PRECISION = "fp32"  # the executor builds every stage in fp32 (docs/validation.md, "One GPU")
 
 
-def _check_profile(meta: dict, profile: str, device: str) -> None:
-    """The executor runs the profile's model in fp32 on ``device``: a ``--profile`` without a model shape, or timed in
-    another precision or on another device, would be compared with ops it never timed (one line naming the flag).
-    ``meta`` is its ``profile.json`` as ``ProfiledCosts`` loaded and checked it."""
-    model = meta.get("model") or {}
-    missing = [key for key in ("layers", "hidden", "heads", "seq", "vocab") if key not in model]
-    if missing:
-        raise ValueError(f"--profile: {profile} has no model.{missing[0]} in profile.json, expected a folder "
-                         "written by pipescope calibrate")
+def _check_profile(meta: dict, profile: str, device: str, preset: str | None) -> None:
+    """The executor runs the profile's model in fp32 on ``device``: a ``--profile`` of another ``--model``
+    (``preset``, when given), or timed in another precision or on another device, would be compared with ops it never
+    timed (one line naming the flag). ``meta`` is its ``profile.json`` as ``ProfiledCosts`` loaded and
+    checked it."""
+    model = meta["model"]  # with its shape: the runner refuses a profile without
+    if preset is not None and _differs(preset, model):
+        shape = ", ".join(f"{key}={model.get(key)}" for key in ("layers", "hidden", "heads", "vocab"))
+        raise ValueError(f"--model: got {preset!r}, but --profile {profile} measured {model.get('name')!r} with "
+                         f"{shape}; expected its model (or leave --model out)")
     if meta.get("precision") != EXECUTOR_PRECISION:
         raise ValueError(f"--profile: {profile} was calibrated in {meta.get('precision')}, expected "
                          f"{EXECUTOR_PRECISION}, the precision the executor runs (calibrate --precision fp32)")
@@ -168,6 +172,13 @@ def _check_profile(meta: dict, profile: str, device: str) -> None:
     if measured_on != device:
         raise ValueError(f"--profile: {profile} was calibrated on {measured_on}, expected a {device} profile for "
                          f"--device {device}")
+
+
+def _differs(preset: str, model: dict) -> bool:
+    """Whether the profile's ``model`` is not the preset (by name or by any dimension but seq)."""
+    spec = PRESETS.get(preset)
+    return spec is None or model.get("name") != preset or any(
+        model.get(key) != getattr(spec, key) for key in ("layers", "hidden", "heads", "vocab"))
 
 
 def _ops_report(schedule, table: list[dict]) -> dict:
@@ -200,8 +211,9 @@ def _sets(args: argparse.Namespace, profile: str) -> list[str]:
 
 
 def _calibrate(args: argparse.Namespace, folder: str) -> str:
-    _phase(f"calibrate {args.model} on {args.device}")
-    command = [sys.executable, "-m", "pipescope.calibration.commands", "calibrate", "--model", args.model,
+    model = args.model or DEFAULT_MODEL
+    _phase(f"calibrate {model} on {args.device}")
+    command = [sys.executable, "-m", "pipescope.calibration.commands", "calibrate", "--model", model,
                "--device", args.device, "--out", folder, "--microbatch-sizes", str(args.microbatch_size),
                "--vocab-shards", "1", "--budget-s", "0.3", "--precision", EXECUTOR_PRECISION]
     _run_step("calibrate", command)

@@ -318,14 +318,18 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
         assert code == 2 and "torch sees no CUDA device here" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("meta, expected", [
-    ({"model": {"layers": 5}}, "has no model.hidden in profile.json, expected a folder written by pipescope calibrate"),
-    ({"precision": "bf16"}, "was calibrated in bf16, expected fp32, the precision the executor runs"),
-    ({"device": {"type": "cuda"}}, "was calibrated on cuda, expected a cpu profile for --device cpu"),
+@pytest.mark.parametrize("meta, flags, expected", [
+    ({"model": {"layers": 5}}, [], "costs.profile: '{}' has no model.hidden in its profile.json; expected the model "
+                                   "the profile measured"),
+    ({"precision": "bf16"}, [], "--profile: {} was calibrated in bf16, expected fp32, the precision the executor runs"),
+    ({"device": {"type": "cuda"}}, [], "--profile: {} was calibrated on cuda, expected a cpu profile for --device cpu"),
+    ({}, ["--model", "tiny"], "--model: got 'tiny', but --profile {} measured 't' with layers=4, hidden=64, heads=4, "
+                              "vocab=512; expected its model (or leave --model out)"),
 ])
-def test_validate_refuses_a_profile_the_executor_cannot_run_as_timed(tmp_path, capsys, meta, expected):
-    """The executor builds the profile's model in fp32 on --device: a profile without a shape, of another precision
-    (calibrate's default on a GPU is bf16) or of another device is one line before any rank starts."""
+def test_validate_refuses_a_profile_the_executor_cannot_run_as_timed(tmp_path, capsys, meta, flags, expected):
+    """The executor builds the profile's model in fp32 on --device: a profile without its shape, of another precision
+    (calibrate's default on a GPU is bf16), of another device or another --model than asked is one line before any
+    rank starts."""
     import json
 
     from test_profiled_costs import make_profile
@@ -336,9 +340,9 @@ def test_validate_refuses_a_profile_the_executor_cannot_run_as_timed(tmp_path, c
             "precision": "fp32", "device": {"type": "cpu"}}
     path = folder / "profile.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **good, **meta}))
-    assert main(["validate", "--profile", str(folder), "--iterations", "1", "--warmup", "1"]) == 2
+    assert main(["validate", "--profile", str(folder), "--iterations", "1", "--warmup", "1", *flags]) == 2
     out, err = capsys.readouterr()
-    assert err.startswith(f"pipescope: error: --profile: {folder} {expected}") and err.count("\n") == 1
+    assert err.startswith(f"pipescope: error: {expected.format(folder)}") and err.count("\n") == 1
     assert out == ""
 
 
