@@ -73,7 +73,7 @@ Where = tuple[int, int, int, str]  # an action's stage, and the row, cell and te
 def _parse_rows(text: str) -> tuple[list[tuple[Action | None, ...]], dict[bool, Where]]:
     """Per row, its actions (None for an idle cell); and, for compute actions (key True) and the others (False), the
     highest stage one names and where it first appears."""
-    reader = csv.reader(io.StringIO(text))
+    reader = csv.reader(io.StringIO(text), strict=True)  # an unclosed quote is an error, not a cell to the end
     device_actions: list[tuple[Action | None, ...]] = []
     blank: list[int] = []  # blank rows since the last non-blank one (trailing blank lines are not idle ranks)
     highest: dict[bool, Where] = {}

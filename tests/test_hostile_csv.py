@@ -112,6 +112,9 @@ def test_a_folder_is_not_a_csv(tmp_path, cli) -> None:
     ("0F0,0B0\n1SEND_F0\n", "row 1 has no compute action"),
     ("0F0,0B0\n5F0,5B0\n", "row 1 cell 0: '5F0' uses stage 5 but the file has no compute action for stage(s) [1, 2"),
     ("0F0,0B0\n\n1F0,1B0\n", "row 1 is blank"),
+    # quotes: one left open runs to the end of the file, one closed mid-cell leaves text after it
+    ('0F0,"0B0\n', "row 0 (line 1): unexpected end of data, expected short comma-separated cells such as 0F0"),
+    ('0F0,"0B0"x\n1F0,1B0\n', "row 0 (line 1): ',' expected after '\"'"),
 ])
 def test_bad_cells_are_named_by_row_and_cell(tmp_path, cli, text: str, needle: str) -> None:
     path = tmp_path / "bad.csv"
