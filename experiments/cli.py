@@ -59,8 +59,9 @@ def choice_flag(flag: str, value: str, choices: tuple[str, ...]) -> str:
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE.yaml", help="experiment config (YAML sections schedule, model, "
-                   "cluster, costs)")
+    p.add_argument("--config", metavar="FILE.yaml", help="experiment config: a YAML file with sections schedule, "
+                   "model, cluster, parallel, costs, faults, memory and keys iterations, seed (docs/cli.md), or a "
+                   "shipped example by name, e.g. demo")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override one dotted key, e.g. --set costs.kind=uniform (repeatable; after --config)")
     p.add_argument("--schedule", help="schedule.name: gpipe, 1f1b (= flush), ..., torch:<Name>, csv:<path>; "

@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(parallel.tensor; widths that do not divide a node's GPUs or the heads are rejected; default "
                    "1,2,4,8)")
     p.add_argument("--sequence", default="off,on", help="sequence parallelism where t > 1 (parallel.sequence): "
-                   "off, on or both (default off,on)")
+                   "off, on, or off,on for both (default off,on)")
     p.add_argument("--depths", help="comma-separated pipeline depths to keep (default: every depth; 1 plans without "
                    "pipelining, e.g. tensor and data parallelism only)")
     p.add_argument("--vocab", default="naive,redistribute,vocab-1,vocab-2,interlaced", help="comma-separated "

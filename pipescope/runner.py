@@ -40,7 +40,8 @@ from pipescope.simulator.simulate import simulate
 from pipescope.topologies.cluster import Cluster
 from pipescope.vocab_setup import apply_vocab
 
-# Each microbatch-stage is 2-3 ops at about 12 us each (pipescope bench): 500k of them take about 15 s.
+# 500k microbatch-stages at 8 devices (1F1B, m = 62,500) took 16 s and 2.0 GB under uniform costs, 104 s and
+# 2.3 GB under analytic costs, whose transfers are routed flows (docs/cli.md, "Limits").
 MAX_MICROBATCH_STAGES = 500_000
 
 
@@ -384,8 +385,8 @@ def _precheck(config: Config) -> Cluster | None:
 def _check_size(size: int) -> None:
     if size > MAX_MICROBATCH_STAGES:
         raise ConfigError(f"schedule: stages x chunks x microbatches x iterations x data_parallel = {size:,} "
-                          f"microbatch-stages, "
-                          f"expected at most {MAX_MICROBATCH_STAGES:,} (about 15 s of simulation)")
+                          f"microbatch-stages, expected at most {MAX_MICROBATCH_STAGES:,} (at 8 devices that many "
+                          f"take about 16 s under uniform costs, 104 s under analytic costs)")
 
 
 def _iterations(config: Config) -> int:
