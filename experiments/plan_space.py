@@ -82,7 +82,23 @@ def gpu_count(base: dict[str, Any]) -> int:
 
 
 def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
-    """Every point of the space that uses all ``gpus``, in a fixed order."""
+    """Every point of the space that uses all ``gpus``, in a fixed order; ConfigError naming the flag that leaves
+    none (a plan of nothing would only say that nothing fits)."""
+    out = _points(request, gpus)
+    if out:
+        return out
+    tensors = [t for t in request.tensor if gpus % t == 0]
+    if not tensors:
+        raise ConfigError(f"--tensor: got {list(request.tensor)}, expected a width that divides the {gpus} GPUs")
+    depths = sorted({gpus // t // w for t in tensors for w in _divisors(gpus // t)})
+    if request.depths is not None and not set(request.depths) & set(depths):
+        raise ConfigError(f"--depths: got {list(request.depths)}, expected some of {depths} (the depths that use all "
+                          f"{gpus} GPUs with --tensor {','.join(map(str, tensors))})")
+    raise ConfigError(f"--vocab: got {list(request.vocab)}, expected a method these schedules and widths run "
+                      "(the sharded ones need 1F1B or V-Half without tensor parallelism)")
+
+
+def _points(request: PlanRequest, gpus: int) -> list[Candidate]:
     out = []
     for tensor in request.tensor:
         if gpus % tensor:

@@ -176,3 +176,17 @@ def test_nothing_fits_is_a_finding(cli) -> None:
 def test_bad_request_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--top"):
         plan(PlanRequest(SMALL.base, 16, top=0), workers=1, progress=False)
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--tensor", "3"], "--tensor: got [3], expected a width that divides the 8 GPUs"),
+    (["--tensor", "2", "--depths", "8"], "--depths: got [8], expected some of [1, 2, 4] (the depths that use all 8 "
+                                         "GPUs with --tensor 2)"),
+    (["--depths", "2", "--vocab", "vocab-1", "--schedules", "zb-h1"], "--vocab: got ['vocab-1'], expected a method "
+                                                                        "these schedules and widths run"),
+])
+def test_a_space_with_no_candidate_names_the_flag(cli, flags: list[str], expected: str) -> None:
+    """A search space that leaves no candidate on the cluster is a usage error naming the flag, not a plan of
+    nothing that says nothing fits and gives no reason."""
+    code, out, err = cli(["plan", "--global-batch", "64", "--no-progress", *flags])
+    assert (code, out) == (2, "") and err.startswith(f"pipescope: error: {expected}") and err.count("\n") == 1
