@@ -23,6 +23,7 @@ def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     if missing:
         raise ValueError(f"INPUT: no column {missing[0]!r}; expected a sweep over model.vocab and schedule.vocab")
     frame = frame.assign(method=frame["schedule.name"].astype(str) + " " + frame[METHOD].astype(str))
+    _check_one_point_per_mark(frame)
     panels = sorted({(int(stages), int(seq)) for stages, seq in zip(frame[STAGES], frame[SEQ])})
     if len(panels) > MAX_PANELS:
         raise ValueError(f"INPUT: {len(panels)} (stages, seq) pairs, expected at most {MAX_PANELS}: filter the table")
@@ -62,6 +63,22 @@ def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), frameon=False, fontsize=9)
     return fig
+
+
+def _check_one_point_per_mark(frame: pd.DataFrame) -> None:
+    """ValueError unless the table varies the vocabulary and nothing else beside the panels' and the lines' axes:
+    runs that differ in another key would be averaged into one mark, silently."""
+    sizes = sorted(frame[VOCAB].dropna().unique())
+    if len(sizes) < 2:
+        raise ValueError(f"INPUT: {VOCAB} takes {len(sizes)} value(s) {[int(v) for v in sizes]}, expected a sweep over "
+                         f"{VOCAB} (two sizes at least)")
+    axes = [c for c in frame.columns if ("." in c or c in ("iterations", "seed")) and c not in NEEDED]
+    groups = frame.groupby([STAGES, SEQ, "method", VOCAB], dropna=False)
+    for column in axes:
+        if (groups[column].nunique(dropna=False) > 1).any():
+            values = sorted(frame[column].dropna().astype(str).unique())[:4]
+            raise ValueError(f"INPUT: {column} varies ({', '.join(values)}) between runs of one mark (stages, seq, "
+                             "method and vocabulary alike), expected one run per mark: filter the table")
 
 
 ORDER = ("1f1b", "v-half", "naive", "redistribute", "vocab-1", "vocab-2", "interlaced")

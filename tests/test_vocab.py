@@ -298,10 +298,15 @@ def test_plot_vocab_draws_a_sweep_table(tmp_path, capsys) -> None:
     pd.DataFrame(rows).to_csv(table, index=False)
     out = tmp_path / "v.png"
     assert main(["plot", "vocab", str(table), "-o", str(out)]) == 0 and out.stat().st_size > 10_000
-    pd.DataFrame(rows).drop(columns="schedule.vocab").to_csv(table, index=False)
-    assert main(["plot", "vocab", str(table), "-o", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "schedule.vocab" in err
+    for frame, needle in [
+            (pd.DataFrame(rows).drop(columns="schedule.vocab"), "no column 'schedule.vocab'"),
+            (pd.DataFrame(rows[::2]), "model.vocab takes 1 value(s) [32000], expected a sweep over model.vocab"),
+            (pd.DataFrame(rows * 2).assign(**{"schedule.microbatches": [8] * 4 + [16] * 4}),
+             "schedule.microbatches varies (16, 8) between runs of one mark")]:
+        frame.to_csv(table, index=False)
+        assert main(["plot", "vocab", str(table), "-o", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and needle in err
 
 
 def test_kernel_report_lists_the_shard_passes() -> None:
