@@ -39,7 +39,8 @@ def usage_error(message: str) -> int:
 def decimal(text: str) -> int:
     """An argparse type: a plain decimal integer (Python's int() would also take ``1_6`` and spaces)."""
     if not re.fullmatch(r"[0-9]{1,18}", text):
-        raise argparse.ArgumentTypeError(f"got {text!r}, expected a plain decimal integer")
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected a non-negative plain decimal integer of at most 18 "
+                                         "digits")
     return int(text)
 
 

@@ -88,7 +88,10 @@ def _profiled(profile: str, op: str, ranks: list[int], nbytes: int) -> tuple[flo
 
     from pipescope.simulator.profiled import load_comms_fit
 
-    fit, path = load_comms_fit(profile)
+    try:
+        fit, path = load_comms_fit(profile)
+    except ValueError as err:  # ProfileError: its messages name costs.profile, the config key; here it is a flag
+        raise ValueError(f"--profile: {str(err).removeprefix('costs.profile: ')}") from None
     n = len(ranks)
     rows = fit[(fit["collective"] == op) & (fit["world_size"] == n)].sort_values("lo_bytes")
     if rows.empty:
@@ -121,7 +124,9 @@ def parse_ranks(text: str | None, gpus: int) -> list[int]:
         if match is None:
             raise ValueError(f"--ranks: got {short_repr(text)}, expected ranks such as 0-7 or 0,8,16,24")
         low, high = int(match.group(1)), int(match.group(2) or match.group(1))
-        if high < low or high >= gpus:
+        if high < low:
+            raise ValueError(f"--ranks: {part.strip()!r} runs backwards, expected low-high with low <= high")
+        if high >= gpus:
             raise ValueError(f"--ranks: {part.strip()!r} is not within 0-{gpus - 1}, the GPUs of this topology")
         ranks += range(low, high + 1)
     if len(set(ranks)) != len(ranks) or len(ranks) < 2:

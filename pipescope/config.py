@@ -119,7 +119,7 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
     if kind is int:
         text = str(value) if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
         if not re.fullmatch(r"[-+]?[0-9]{1,18}", text.strip()):  # plain decimal; 18 digits stay inside int64
-            raise ValueError(f"got {short_repr(value)}, expected a plain decimal integer")
+            raise ValueError(f"got {short_repr(value)}, expected a plain decimal integer of at most 18 digits")
         return int(text)
     if kind is float:
         try:

@@ -173,8 +173,9 @@ def _with_precision(config: Config) -> Config:
         raise ConfigError(str(err)) from None
     precision = m.precision or device.default_precision
     if precision not in device.peak_flops:
+        gpu = device.name.split("-")[0]  # the family: a machine may carry another memory size than the datasheet's
         raise ConfigError(f"model.precision: got {precision!r}, expected one of {', '.join(device.peak_flops)} on "
-                          f"{device.name} (it has no {precision} tensor cores)")
+                          f"{config.cluster.topology} ({gpu} GPUs have no {precision} tensor cores)")
     return dataclasses.replace(config, model=dataclasses.replace(m, precision=precision))
 
 

@@ -124,7 +124,8 @@ def read_metadata(profile_dir: str | os.PathLike, name: str = COMPUTE_META) -> d
     """
     path = Path(profile_dir) / name
     if not path.is_file():
-        raise ProfileError(f"costs.profile: {str(profile_dir)!r} has no {name}; expected a pipescope calibrate output")
+        writer = "pipescope calibrate" if name == COMPUTE_META else "pipescope calibrate-comms"
+        raise ProfileError(f"costs.profile: {str(profile_dir)!r} has no {name}; expected a {writer} output")
     try:
         size = path.stat().st_size
         if size > MAX_METADATA_BYTES:

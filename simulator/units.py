@@ -17,8 +17,8 @@ _SIGNED_NUMBER = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(
 
 _EXPONENT = re.compile(r"[eE][-+]?0*[0-9]{3,}")
 TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "min": 60.0}
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB": 2**50}
 _SIZE_UNITS_FOLDED = {unit.lower(): scale for unit, scale in SIZE_UNITS.items()}
 BANDWIDTH_UNITS = {"": 1.0, "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
                    "Kbit/s": 1e3 / 8, "Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8, "Tbit/s": 1e12 / 8,
@@ -75,7 +75,7 @@ def parse_size(value: object) -> int:
     """Bytes from ``'16GiB'``, ``'512MB'``, ``'1e3'`` or a plain number.
 
     Units are case-insensitive (``'1gib'`` == ``'1GiB'``; there are no bit units, so ``'1Gb'`` is a gigabyte):
-    B, KB, MB, GB, TB (powers of 10) and KiB, MiB, GiB, TiB (powers of 2). The number may be fractional or in
+    B, KB, MB, GB, TB, PB (powers of 10) and KiB, MiB, GiB, TiB, PiB (powers of 2). The number may be fractional or in
     exponent form as long as the result is a whole number of bytes: ``'1.5KiB'`` is 1536, ``'1.5B'`` is refused.
     The arithmetic is exact (no float rounding), so ``'0.1KB'`` is 100.
 

@@ -278,6 +278,9 @@ def test_collective_command_reports_nccl_tests_numbers(capsys):
     code, out, _ = _cli(capsys, "collective", "--topology", "dgx-h100", "--nodes", "2", "--bytes", "1GiB", "--json")
     assert code == 0 and json.loads(out)["algorithm"] == "hierarchical"
     for bad, message in ((["--ranks", "0-99"], "--ranks: '0-99' is not within 0-7"),
+                         (["--ranks", "7-0"], "--ranks: '7-0' runs backwards, expected low-high with low <= high"),
+                         (["--profile", "tests"], "--profile: 'tests' has no comms.json; expected a pipescope "
+                                                   "calibrate-comms output"),
                          (["--op", "gather"], "--op: got 'gather', expected one of all_reduce"),
                          (["--bytes", "lots"], "--bytes:"), (["--algorithm", "magic"], "--algorithm: got 'magic'")):
         code, _, err = _cli(capsys, "collective", *bad)

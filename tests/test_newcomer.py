@@ -79,7 +79,8 @@ def test_precision_defaults_to_what_the_gpu_runs_and_refuses_what_it_cannot() ->
     v100 = run(load_config(None, ["cluster.topology=p3dn-v100"]))
     assert (h100.config.model.precision, v100.config.model.precision) == ("bf16", "fp16")
     assert v100.peak_flops_per_device == 125e12
-    with pytest.raises(ConfigError, match=r"^model.precision: got 'bf16', expected one of fp16, fp32 on V100"):
+    expected = r"^model.precision: got 'bf16', expected one of fp16, fp32 on p3dn-v100 \(V100 GPUs have no bf16 tensor"
+    with pytest.raises(ConfigError, match=expected):
         run(load_config(None, ["cluster.topology=p3dn-v100", "model.precision=bf16"]))
 
 

@@ -12,7 +12,8 @@ from pipescope.simulator.units import parse_size
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    ("1gib", 2**30), ("1GiB", 2**30), ("1TiB", 2**40), ("1tb", 10**12), ("1e3", 1000), ("512MB", 512 * 10**6),
+    ("1gib", 2**30), ("1GiB", 2**30), ("1TiB", 2**40), ("1tb", 10**12), ("1PiB", 2**50), ("2pb", 2 * 10**15),
+    ("1e3", 1000), ("512MB", 512 * 10**6),
     ("32KiB", 32 * 1024), ("1.5KiB", 1536), ("0.1KB", 100), (" 4 kb ", 4000), ("0", 0), (4096, 4096), (2.0**30, 2**30),
 ])
 def test_sizes_are_exact_and_units_any_case(text: object, expected: int) -> None:
@@ -21,7 +22,7 @@ def test_sizes_are_exact_and_units_any_case(text: object, expected: int) -> None
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("1XB", "got '1XB': unknown unit 'XB', expected one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (any case)"),
+    ("1XB", "got '1XB': unknown unit 'XB', expected one of B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB (any case)"),
     ("1Gbit", "got '1Gbit': unknown unit 'Gbit', expected one of"),
     ("abc", "got 'abc', expected a size such as '16GiB' or '512MB'"),
     ("-1GB", "got '-1GB', expected a non-negative size"),
