@@ -91,11 +91,11 @@ def screen(request: PlanRequest, candidate: Candidate) -> Screened:
 
 
 def _bounded(candidate: Candidate, run: Run) -> Screened:
-    from pipescope.runner import prepare
+    from pipescope.runner import prepare_checked
     from pipescope.simulator.bounds import busy_per_iteration_ns, memory_lower_bounds
     from pipescope.simulator.lowering import defers_steps, gradient_buffers
 
-    built = prepare(run.config)
+    built = prepare_checked(run.config)
     if candidate.vocab == "redistribute" and _equal_split(built):
         return Screened(candidate, None, reason="redistribute keeps the equal layer split here: the same run as "
                                                 "vocab naive")
@@ -255,12 +255,12 @@ def refine(screened: Screened) -> Screened:
     its makespan) runs no faster than on a free network with one replica, since longer transfers and the
     all-reduces only delay ops whose order on each device is fixed. That run costs a few ms; without faults only
     (jitter can make an op faster than its cost)."""
-    from pipescope.runner import prepare
+    from pipescope.runner import prepare_checked
     from pipescope.simulator.faults import FaultsConfig
     from pipescope.simulator.ir import WeightUpdate
     from pipescope.simulator.simulate import simulate
 
-    built = prepare(screened.run.config)
+    built = prepare_checked(screened.run.config)
     schedule, config = built.schedule, built.config
     if schedule.weight_update is not WeightUpdate.FLUSH or config.faults != FaultsConfig():
         return dataclasses.replace(screened, refined=True)

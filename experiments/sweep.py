@@ -10,7 +10,7 @@ a Dask cluster (``Client.get_executor()``: one code path for both), appends one 
 Example::
 
     from pipescope.experiments.sweep import expand, run_sweep
-    report = run_sweep(expand("experiments/configs/p3.16xlarge-gpt-2.2b-schedules.yaml"), "out", workers=2)
+    report = run_sweep(expand("p3.16xlarge-gpt-2.2b-schedules"), "out", workers=2)
     report.frame.groupby("schedule.name")["iteration_time_s"].min()
 """
 

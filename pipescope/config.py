@@ -50,7 +50,8 @@ class Config:
     """A whole experiment: each section is the config of the component it configures.
 
     Build one in Python (``Config(schedule=ScheduleConfig("zb-v", stages=8))``) or from YAML and ``--set`` overrides
-    with ``load_config``. docs/cli.md lists every key.
+    with ``load_config``; ``pipescope.run`` checks the first by the second's rules (``check_config``). docs/cli.md
+    lists every key.
     """
 
     schedule: ScheduleConfig = ScheduleConfig()
@@ -151,10 +152,11 @@ def _convert_ints(key: str, value: Any) -> tuple[int, ...]:
 
 def _list_items(value: Any) -> list:
     """The entries of a list value, counted before anything is split or converted (at most MAX_LIST_ENTRIES)."""
-    count = value.count(",") + 1 if isinstance(value, str) else len(value) if isinstance(value, list) else 1
+    sequence = isinstance(value, (list, tuple))  # a tuple: a Python-built config's value (``check_config``)
+    count = value.count(",") + 1 if isinstance(value, str) else len(value) if sequence else 1
     if count > MAX_LIST_ENTRIES:
         raise ValueError(f"got {count:,} entries, expected at most {MAX_LIST_ENTRIES:,}")
-    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else [value]
+    items = value.split(",") if isinstance(value, str) else list(value) if sequence else [value]
     if not items or items == [""]:
         raise ValueError(f"got {short_repr(value)}, expected a list of integers such as 5,6,6,5")
     return items
@@ -175,7 +177,9 @@ def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
+def _build(cls: type, raw: Any, prefix: str, typed: bool = False) -> Any:
+    """``cls`` from a mapping of its keys, each converted and checked. ``typed``: the values come from a config built
+    in Python (``check_config``), so each must already be what conversion makes of it."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: got {short_repr(raw)}, expected a mapping of keys")
     hints = _type_hints(cls)
@@ -190,9 +194,9 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             raise ConfigError(f"{key}: unknown key, expected one of {', '.join(prefix + f for f in fields)}")
         kind, optional = _field_type(hints[name])
         if name == "costs" and cls is Config:
-            values[name] = _build_costs(value, f"{key}.")
+            values[name] = _build_costs(value, f"{key}.", typed)
         elif dataclasses.is_dataclass(kind):
-            values[name] = _build(kind, value, f"{key}.")
+            values[name] = _build(kind, value, f"{key}.", typed)
         elif value is None and optional:
             values[name] = None
         else:
@@ -200,8 +204,21 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
                 values[name] = _convert_scalar(key, kind, value, fields[name].metadata.get("unit"))
             except ValueError as err:
                 raise ConfigError(f"{key}: {err}") from None
+            if typed:
+                _check_typed(key, value, values[name])
             _check_value(key, values[name])
     return cls(**values)
+
+
+def _check_typed(key: str, given: Any, converted: Any) -> None:
+    """A Python value must be what YAML's would convert to: text such as '4' or '2ms' is read only from YAML and
+    --set, and an int in a float key or a list in a tuple key is the same value. A bool never passes as an integer:
+    ``_convert_scalar`` refuses it before this."""
+    if given == converted or isinstance(given, list) and tuple(given) == converted:
+        return
+    example = "" if given is None else f", e.g. {short_repr(converted)}"
+    raise ConfigError(f"{key}: got {short_repr(given)} ({type(given).__name__}), expected "
+                      f"{type(converted).__name__}{example}")
 
 
 def _key(prefix: str, name: Any) -> str:
@@ -210,7 +227,7 @@ def _key(prefix: str, name: Any) -> str:
     return key if re.fullmatch(r"[\w.-]{1,60}", key) else short_repr(key)
 
 
-def _build_costs(raw: Any, prefix: str) -> CostsConfig:
+def _build_costs(raw: Any, prefix: str, typed: bool = False) -> CostsConfig:
     """The costs section: ``kind`` picks the config class. Keys of another kind are valid but not in effect (so
     ``--set costs.kind=uniform`` on a file that sets ``efficiency`` works); keys of no kind are errors."""
     if not isinstance(raw, dict):
@@ -226,7 +243,7 @@ def _build_costs(raw: Any, prefix: str) -> CostsConfig:
     built = {}  # every value must be valid, also where another kind is in effect
     for name, cls in COSTS_CONFIGS.items():
         own = {f.name for f in dataclasses.fields(cls)} - {"kind"}
-        built[name] = _build(cls, {key: value for key, value in raw.items() if key in own}, prefix)
+        built[name] = _build(cls, {key: value for key, value in raw.items() if key in own}, prefix, typed)
     return built[kind]
 
 
@@ -310,6 +327,43 @@ def read_yaml(name: str) -> dict:
 def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None = None) -> Config:
     """Defaults, then the YAML file (or ``raw``), then each ``--set`` in order."""
     return _check_combinations(_build(Config, config_tree(path, sets, raw), ""))
+
+
+def check_config(config: Config) -> Config:
+    """``config``, built in Python, checked by ``load_config``'s rules and returned as ``load_config`` would build it
+    from the same values (``efficiency=1`` becomes 1.0), so both paths run alike.
+
+    Raises:
+        ConfigError: a section of the wrong class, a value of the wrong type, or any value or combination
+            ``load_config`` refuses, naming the dotted key.
+    """
+    built = _check_combinations(_build(Config, _section_tree(config, Config, ""), "", typed=True))
+    if type(built.costs) is not type(config.costs):  # kind picks the class from a mapping: it must agree here
+        raise ConfigError(f"costs.kind: got {short_repr(config.costs.kind)} in {type(config.costs).__name__}, "
+                          f"expected {type(config.costs)().kind.value} (leave kind unset)")
+    return built
+
+
+def _section_tree(section: Any, kind: Any, key: str) -> dict:
+    """A Python-built section as the mapping ``_build`` takes, each section checked to be of its class first (a str
+    where a ScheduleConfig belongs would otherwise fail deep inside the run). ``kind``: a class or a union of them;
+    ``key``: the section's dotted key, "" for the whole config."""
+    if not isinstance(section, kind):
+        classes = " or ".join(c.__name__ for c in typing.get_args(kind) or (kind,))
+        raise ConfigError(f"{key or 'config'}: got {short_repr(section)}, expected {classes}", key=key or "config")
+    tree = {field.name: getattr(section, field.name) for field in dataclasses.fields(section)}
+    for name, hint in _subsections(type(section)).items():
+        tree[name] = _section_tree(tree[name], hint, f"{key}.{name}" if key else name)
+    return tree
+
+
+@functools.cache
+def _subsections(cls: type) -> dict[str, Any]:
+    """Field name -> the class (or union of classes) of each field of ``cls`` that is a section; once per class, as
+    ``_type_hints``: each run checks its config."""
+    hints = _type_hints(cls)
+    return {name: hint for name, hint in hints.items()
+            if any(dataclasses.is_dataclass(c) for c in typing.get_args(hint) or (hint,))}
 
 
 def config_tree(path: str | None = None, sets: list[str] = (), raw: dict | None = None) -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-
+import os
 import re
 import shutil
 import subprocess
@@ -86,7 +86,7 @@ def test_planner_example_runs_and_its_best_is_the_first_ranked(capsys) -> None:
     """docs/planner.md's Python example runs as printed, through the public ``pipescope.plan``."""
     match = re.search(r"```python\n(.*?)```", (ROOT / "docs" / "planner.md").read_text(), re.S)
     assert match, "docs/planner.md has no python example"
-    scope: dict = {}
+    scope: dict = {"__name__": "__main__"}  # as a script runs it: the example's work is under the main guard
     exec(compile(match.group(1), "docs/planner.md", "exec"), scope)  # noqa: S102 (the project's own docs)
     report = scope["report"]
     assert isinstance(report, pipescope.PlanReport) and report.best == report.ranked[0]
@@ -94,3 +94,98 @@ def test_planner_example_runs_and_its_best_is_the_first_ranked(capsys) -> None:
     speeds = [row["throughput_samples_per_s"] for row in report.ranked]
     assert speeds == sorted(speeds, reverse=True)  # every simulated plan that fits, fastest first
     assert capsys.readouterr().out.split()[0] == report.best["schedule"]
+
+
+def python_examples(doc: Path) -> list[str]:
+    """Every ```python block of a markdown file."""
+    return re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+
+
+def test_doc_examples_that_start_workers_guard_them() -> None:
+    """A script that starts worker processes keeps that under ``if __name__ == "__main__":``: each worker starts by
+    importing the script again (forkserver, spawn), and an unguarded one would start workers from a worker."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    starting = [(doc.name, code) for doc in docs for code in python_examples(doc)
+                if re.search(r"workers=|dask_executor\(|run_sweep\(|\bplan\(", code)]
+    assert len(starting) >= 3  # planner.md's, and sweeps.md's process pool and Dask cluster
+    for name, code in starting:
+        assert '\nif __name__ == "__main__":\n' in code, f"{name}: {code.splitlines()[0]}"
+
+
+@pytest.mark.parametrize("doc", ["planner.md", "sweeps.md"])
+def test_doc_examples_that_start_workers_run_as_scripts_from_any_folder(doc: str, tmp_path: Path) -> None:
+    """The first Python example of each page, pasted into a script and run outside the repository."""
+    script = tmp_path / "example.py"
+    script.write_text(python_examples(ROOT / "docs" / doc)[0])
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.strip()
+
+
+def demo_in_python() -> pipescope.Config:
+    """experiments/configs/demo.yaml, built in Python."""
+    return pipescope.Config(schedule=pipescope.ScheduleConfig("1f1b", stages=4, microbatches=8),
+                            model=pipescope.ModelConfig("gpt-1.3b", microbatch_size=4, precision="bf16"),
+                            cluster=pipescope.ClusterConfig("dgx-h100", nodes=1),
+                            costs=pipescope.AnalyticCostsConfig(efficiency=0.5))
+
+
+# What a new user passed; each raised nothing, or a TypeError or AttributeError from deep inside the run.
+BAD_PYTHON_CONFIGS = [
+    pytest.param(pipescope.Config(costs=pipescope.AnalyticCostsConfig(efficiency=2.0)), "costs.efficiency",
+                 "got 2.0, expected a number in (0, 1]", id="efficiency-over-1"),
+    pytest.param(pipescope.Config(model=pipescope.ModelConfig("gpt-1.3b", microbatch_size=0)), "model.microbatch_size",
+                 "got 0, expected an integer from 1 to", id="microbatch-0"),
+    pytest.param(pipescope.Config(schedule=pipescope.ScheduleConfig("1f1b", stages="4")), "schedule.stages",
+                 "got '4' (str), expected int", id="stages-str"),
+    pytest.param(pipescope.Config(schedule=pipescope.ScheduleConfig("1f1b", stages=True)), "schedule.stages",
+                 "got True, expected a plain decimal integer", id="stages-bool"),
+    pytest.param(pipescope.Config(schedule="1f1b"), "schedule", "got '1f1b', expected ScheduleConfig",
+                 id="schedule-str"),
+    pytest.param(pipescope.Config(costs=None), "costs", "got None, expected AnalyticCostsConfig or", id="costs-none"),
+    pytest.param(pipescope.Config(costs=pipescope.UniformCostsConfig(forward="2ms")), "costs.forward",
+                 "got '2ms' (str), expected float, e.g. 0.002", id="time-as-text"),
+    pytest.param(pipescope.Config(costs=pipescope.AnalyticCostsConfig(kind="uniform")), "costs.kind",
+                 "got 'uniform' in AnalyticCostsConfig, expected analytic", id="kind-of-another-class"),
+    pytest.param("demo", "config", "got 'demo', expected Config", id="not-a-config"),
+]
+
+
+@pytest.mark.parametrize(("config", "key", "message"), BAD_PYTHON_CONFIGS)
+def test_a_python_built_config_is_checked_like_yaml(config: pipescope.Config, key: str, message: str) -> None:
+    """``pipescope.run`` and ``runner.prepare`` refuse a bad Python-built config as ``load_config`` refuses a bad
+    file: one line, ``ConfigError`` naming the dotted key, the value and what was expected."""
+    from pipescope.runner import prepare
+
+    for entry in (pipescope.run, prepare):
+        with pytest.raises(pipescope.ConfigError) as err:
+            entry(config)
+        assert err.value.key == key and str(err.value).startswith(f"{key}: {message}"), str(err.value)
+        assert "\n" not in str(err.value)
+
+
+def test_a_python_built_config_runs_as_the_same_values_from_yaml() -> None:
+    """demo.yaml built in Python equals what ``load_config`` reads, and runs to the same result."""
+    config, loaded = demo_in_python(), pipescope.load_config("demo")
+    assert config == loaded
+    python, yaml = pipescope.run(config), pipescope.run(loaded)
+    assert python.config == yaml.config
+    assert (python.iteration_time_s, python.mfu, python.peak_memory_bytes) == \
+        (yaml.iteration_time_s, yaml.mfu, yaml.peak_memory_bytes)
+    assert python.timeline.equals(yaml.timeline)
+
+
+def test_check_config_returns_what_load_config_builds() -> None:
+    """An int where a float belongs and a list where a tuple belongs are the same values (converted as YAML's are);
+    every shipped config comes back unchanged, so checking twice changes nothing."""
+    from pipescope.config import EXPERIMENT_KEYS, _shipped_configs, check_config, load_config, read_yaml
+
+    config = pipescope.Config(costs=pipescope.AnalyticCostsConfig(efficiency=1),
+                              model=pipescope.ModelConfig(layers_per_stage=[6, 6, 6, 6]))
+    checked = check_config(config)
+    assert checked.costs == config.costs and type(checked.costs.efficiency) is float
+    assert checked.model.layers_per_stage == (6, 6, 6, 6)
+    for name in _shipped_configs():
+        loaded = load_config(raw={k: v for k, v in read_yaml(name).items() if k not in EXPERIMENT_KEYS})
+        assert check_config(loaded) == loaded, name
