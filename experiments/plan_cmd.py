@@ -92,6 +92,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if report.best is not None else EXIT_NOTHING_FITS
 
 
+# The keys each candidate sets (plan_space.Candidate.overrides) and the flags that choose their values
+SEARCHED_BY = {"schedule.name": "--schedules", "schedule.stages": "--depths", "schedule.microbatches":
+               "--global-batch", "schedule.recompute": "--recompute", "schedule.vocab": "--vocab",
+               "model.microbatch_size": "--microbatch-sizes", "cluster.data_parallel": "--depths and --tensor",
+               "parallel.tensor": "--tensor", "parallel.sequence": "--sequence"}
+
+
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
     from pipescope.config import config_tree
     from pipescope.experiments.plan_space import RECOMPUTE, VOCAB_METHODS, PlanRequest, base_config
@@ -104,6 +111,10 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
             cap = parse_size(args.memory_cap)
         except ValueError as err:
             raise ValueError(f"--memory-cap: {err}") from None
+    for item in args.sets:  # a searched key set here would be overridden by every candidate, silently
+        key = item.split("=", 1)[0].strip()
+        if key in SEARCHED_BY:
+            raise ValueError(f"--set: {key} is what the planner searches, expected {SEARCHED_BY[key]} instead")
     base = base_config(args.model, args.topology, integer_flag("--nodes", args.nodes, 1, 4096), cap,
                        config_tree(args.config, args.sets))
     request = PlanRequest(

@@ -92,15 +92,26 @@ def _one_input(args: argparse.Namespace) -> str:
     return args.inputs[0]
 
 
+def _shipped_config(name: str) -> str:
+    """A shipped config's file for its name (``demo``), as ``simulate --config`` takes it; else ``name``."""
+    from pipescope.config import ConfigError, config_path
+    try:
+        return str(config_path(name))
+    except ConfigError:
+        return name
+
+
 def _run(args: argparse.Namespace):
     """The ``RunData`` a gantt or memory figure draws, from a trace, a timeline or a config."""
     from pipescope.experiments import plots_inputs as inputs
     from pipescope.experiments.plots_data import run_data
     path = _one_input(args)
+    if not path.lower().endswith(RUN_SUFFIXES):
+        path = _shipped_config(path)
     lower = path.lower()
     if not lower.endswith(RUN_SUFFIXES):
         raise ValueError(f"INPUT: got {path[:200]!r}, expected a Chrome trace (.json, .json.gz), a timeline "
-                         f"(.parquet, .csv) or a config (.yaml)")
+                         f"(.parquet, .csv) or a config (.yaml, or a shipped one's name such as demo)")
     if args.sets and not lower.endswith((".yaml", ".yml")):
         raise ValueError("--set: only with a config INPUT (.yaml); a file holds a run that already happened")
     if lower.endswith((".yaml", ".yml")):

@@ -26,10 +26,11 @@ def _headline(result: SimResult) -> str:
 
 def _options(config: Config) -> str:
     """`` recompute`` or `` selective recompute``, then `` t=2`` (or `` t=2 sequence-parallel``) under tensor
-    parallelism."""
+    parallelism and `` w=4`` with data-parallel replicas."""
     text = {"full": " recompute", "selective": " selective recompute"}.get(config.schedule.recompute, "")
-    p = config.parallel
-    return text + (f" t={p.tensor}{' sequence-parallel' if p.sequence else ''}" if p.tensor > 1 else "")
+    p, w = config.parallel, config.cluster.data_parallel
+    text += f" t={p.tensor}{' sequence-parallel' if p.sequence else ''}" if p.tensor > 1 else ""
+    return text + (f" w={w}" if w > 1 else "")
 
 
 def _totals(result: SimResult) -> list[str]:

@@ -299,7 +299,7 @@ class ProfiledCosts(PerStageCache):
             twice = frame.duplicated(list(key), keep="first")
             if twice.any():
                 row = int(twice.to_numpy().argmax())
-                point = ", ".join(f"{k}={frame[k].iloc[row]:g}" if frame[k].dtype.kind == "f" else
+                point = ", ".join(f"{k}={frame[k].iloc[row]:g}" if pd.api.types.is_float_dtype(frame[k]) else
                                   f"{k}={frame[k].iloc[row]}" for k in key)
                 raise ProfileError(f"{self.files[table]}: row {row + 1}: {point} is measured twice; expected one row "
                                    "per point")

@@ -109,3 +109,11 @@ def test_an_empty_preset_or_a_topology_file_in_capitals(cli, tmp_path) -> None:
     assert cli(["simulate", *UNIFORM, "--set", f"cluster.topology={machine}"])[0] == 0
     code, _, err = cli(["simulate", *UNIFORM, "--set", f"cluster.topology={tmp_path / 'none.yaml'}"])
     assert code == 2 and "is not a file, expected a readable YAML file" in err
+
+
+def test_the_table_headline_names_every_parallel_width() -> None:
+    """w replicas multiply the devices the table lists: its headline says so, as it says t under tensor parallelism."""
+    from pipescope.experiments.report import table
+    sets = ["schedule.stages=2", "schedule.microbatches=2", "cluster.data_parallel=2"]
+    assert table(run(load_config(None, sets))).splitlines()[0].startswith("1f1b: p=2 m=2 v=1 w=2  weight update")
+    assert " w=" not in table(run(load_config(None, sets[:2]))).splitlines()[0]

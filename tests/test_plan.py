@@ -162,7 +162,9 @@ def test_cli_json_and_errors(cli) -> None:
     for flags, key in [(["--global-batch", "0"], "--global-batch"), (["--global-batch", "8", "--schedules", "nope"],
                        "--schedules"), (["--global-batch", "8", "--recompute", "half"], "--recompute"),
                        (["--global-batch", "8", "--memory-cap", "lots"], "--memory-cap"),
-                       (["--global-batch", "8", "--set", "cluster.fabric=mesh"], "cluster.fabric")]:
+                       (["--global-batch", "8", "--set", "cluster.fabric=mesh"], "cluster.fabric"),
+                       (["--global-batch", "8", "--set", "schedule.stages=4"],
+                        "--set: schedule.stages is what the planner searches, expected --depths instead")]:
         code, out, err = cli(["plan", "--no-progress", *flags])
         assert code == 2 and err.count("\n") == 1 and key in err
 

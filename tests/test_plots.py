@@ -195,6 +195,8 @@ def test_cli_gantt_from_a_config(cli, tmp_path: Path) -> None:
     config.write_text("schedule: {name: zb-v, stages: 2, microbatches: 4}\ncosts: {kind: uniform}\n")
     code, _, _ = cli(["plot", "gantt", str(config), "--set", "schedule.microbatches=6", "-o", str(tmp_path / "z.png")])
     assert code == 0 and png_size(tmp_path / "z.png")[0] > 1000
+    code, _, _ = cli(["plot", "memory", "demo", "--set", "costs.kind=uniform", "-o", str(tmp_path / "d.png")])
+    assert code == 0 and png_size(tmp_path / "d.png")[0] > 1000  # a shipped config by name, as simulate takes it
 
 
 def test_memory_figure_and_cli(twobw: pipescope.SimResult, cli, files: dict[str, Path], tmp_path: Path) -> None:
