@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ MODELS = ("tiny", "gpt-355m", "gpt-1.3b")
 CARRIED = {"pyyaml": ("yaml", "_yaml"), "simpy": ("simpy",), "tqdm": ("tqdm",)}
 # validate's schedule per model: zb-h1 times F, I, W and the step of every stage; stages divide the layers
 VALIDATION = {"tiny": ("zb-h1", 2, 4), "gpt-355m": ("zb-h1", 4, 8), "gpt-1.3b": ("zb-h1", 4, 8)}
+STOP_GRACE_S = 15  # how long a stopped step may take to stop its own children
 ROOT = Path(__file__).resolve().parent.parent  # the source tree: `python -m pipescope...` runs from here
 
 
@@ -49,15 +51,23 @@ def steps(models: list[str], device: str, out: Path, budget_s: str, iterations: 
     return todo
 
 
-def run_step(name: str, args: list[str], out: Path, device: str) -> bool:
-    """Run ``pipescope ARGS`` from the source tree; its output in OUT/logs (a validate's stdout is its report)."""
+def run_step(name: str, args: list[str], out: Path, device: str, timeout_s: float) -> bool:
+    """Run ``pipescope ARGS`` from the source tree, stopped after ``timeout_s`` (a hung step must not take the
+    device's whole time); its output in OUT/logs (a validate's stdout is its report)."""
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     print(f"gpu_session: {name} ...", file=sys.stderr, flush=True)
     with open(logs / f"{name}.out", "w") as stdout, open(logs / f"{name}.err", "w") as stderr:
-        code = subprocess.run([sys.executable, "-m", "pipescope.experiments.cli", *args], cwd=ROOT, stdout=stdout,
-                              stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+        # its own process group: a stopped step's ranks and calibrations go with it
+        step = subprocess.Popen([sys.executable, "-m", "pipescope.experiments.cli", *args], cwd=ROOT, stdout=stdout,
+                                stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        try:
+            code = step.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(step)
+            print(f"gpu_session: stopped after {timeout_s:g} s (--step-timeout)", file=stderr, flush=True)
+            code = 124
     if code == 0 and args[0] == "validate":
         report = out / "validation" / device_name(device) / f"{name.removeprefix('validate-')}.json"
         report.parent.mkdir(parents=True, exist_ok=True)
@@ -65,6 +75,17 @@ def run_step(name: str, args: list[str], out: Path, device: str) -> bool:
     status = "ok" if code == 0 else f"failed (exit {code}): {_last_line(logs / f'{name}.err')}"
     print(f"gpu_session: {name} {status} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return code == 0
+
+
+def _stop(step: subprocess.Popen) -> None:
+    """Stop a step's process group: SIGTERM first, so that torchrun (which starts its workers in sessions of their
+    own) stops them, then SIGKILL for whatever is left of the group."""
+    os.killpg(step.pid, signal.SIGTERM)
+    try:
+        step.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(step.pid, signal.SIGKILL)
+        step.wait()
 
 
 def _last_line(path: Path) -> str:
@@ -82,13 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default), or cpu to rehearse")
     parser.add_argument("--budget-s", default="2.0", help="calibrate's wall-time budget per op in seconds (default 2)")
     parser.add_argument("--iterations", default="10", help="validate's measured iterations (default 10)")
+    parser.add_argument("--step-timeout", default="540", help="seconds before a step is stopped (default 540: "
+                        "the device tool gives a command 600)")
     args = parser.parse_args(argv)
     try:  # checked here, not once per step
         number("--budget-s", args.budget_s, 0.0, MAX_BUDGET_S)
         integer_flag("--iterations", args.iterations, 1, 100)
+        timeout_s = number("--step-timeout", args.step_timeout, 0.0, MAX_BUDGET_S)
     except ValueError as err:
         return usage_error(str(err))
-    results = [run_step(name, step, args.out, args.device)
+    results = [run_step(name, step, args.out, args.device, timeout_s)
                for name, step in steps(args.models, args.device, args.out, args.budget_s, args.iterations)]
     return 0 if all(results) else 1
 

@@ -94,3 +94,20 @@ def test_gpu_session_checks_its_flags_before_any_step(tmp_path: Path) -> None:
     assert done.returncode == 2 and done.stderr == (
         "pipescope: error: --iterations: got '0', expected an integer from 1 to 100\n")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_step_past_its_timeout_is_stopped_with_its_children(tmp_path: Path) -> None:
+    """A hung step must not take the device's whole time: it is stopped, said so, and leaves no process behind."""
+    import time
+
+    import psutil
+    started = time.time()
+    done = subprocess.run([sys.executable, "-m", "pipescope.experiments.gpu_session", str(tmp_path), "--device", "cpu",
+                           "--models", "tiny", "--step-timeout", "4"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1
+    assert "gpu_session: calibrate-tiny failed (exit 124): gpu_session: stopped after 4 s" in done.stderr
+    time.sleep(1)
+    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline", "create_time"])
+            if p.info["create_time"] >= started and "pipescope" in " ".join(p.info["cmdline"] or [])]
+    assert left == []
