@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pipescope.experiments.processes import run_in_group
 
 MODELS = ("tiny", "gpt-355m", "gpt-1.3b")
 # What validate needs beyond a GPU box's torch, numpy, pandas and pyarrow: distribution -> the names it imports as
 CARRIED = {"pyyaml": ("yaml", "_yaml"), "simpy": ("simpy",), "tqdm": ("tqdm",)}
 # validate's schedule per model: zb-h1 times F, I, W and the step of every stage; stages divide the layers
 VALIDATION = {"tiny": ("zb-h1", 2, 4), "gpt-355m": ("zb-h1", 4, 8), "gpt-1.3b": ("zb-h1", 4, 8)}
-STOP_GRACE_S = 15  # how long a stopped step may take to stop its own children
 ROOT = Path(__file__).resolve().parent.parent  # the source tree: `python -m pipescope...` runs from here
 
 
@@ -59,15 +58,11 @@ def run_step(name: str, args: list[str], out: Path, device: str, timeout_s: floa
     started = time.monotonic()
     print(f"gpu_session: {name} ...", file=sys.stderr, flush=True)
     with open(logs / f"{name}.out", "w") as stdout, open(logs / f"{name}.err", "w") as stderr:
-        # its own process group: a stopped step's ranks and calibrations go with it
-        step = subprocess.Popen([sys.executable, "-m", "pipescope.experiments.cli", *args], cwd=ROOT, stdout=stdout,
-                                stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-        try:
-            code = step.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _stop(step)
+        done = run_in_group([sys.executable, "-m", "pipescope.experiments.cli", *args], timeout_s, cwd=ROOT,
+                            stdout=stdout, stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if done is None:
             print(f"gpu_session: stopped after {timeout_s:g} s (--step-timeout)", file=stderr, flush=True)
-            code = 124
+        code = 124 if done is None else done.returncode
     if code == 0 and args[0] == "validate":
         report = out / "validation" / device_name(device) / f"{name.removeprefix('validate-')}.json"
         report.parent.mkdir(parents=True, exist_ok=True)
@@ -75,17 +70,6 @@ def run_step(name: str, args: list[str], out: Path, device: str, timeout_s: floa
     status = "ok" if code == 0 else f"failed (exit {code}): {_last_line(logs / f'{name}.err')}"
     print(f"gpu_session: {name} {status} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return code == 0
-
-
-def _stop(step: subprocess.Popen) -> None:
-    """Stop a step's process group: SIGTERM first, so that torchrun (which starts its workers in sessions of their
-    own) stops them, then SIGKILL for whatever is left of the group."""
-    os.killpg(step.pid, signal.SIGTERM)
-    try:
-        step.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(step.pid, signal.SIGKILL)
-        step.wait()
 
 
 def _last_line(path: Path) -> str:

@@ -24,6 +24,7 @@ import pandas as pd
 
 from pipescope.config import ConfigError, load_config
 from pipescope.experiments.cli import check_output_names, integer_flag
+from pipescope.experiments.processes import run_in_group
 from pipescope.experiments.validate_stages import (
     STAGE_TIMING_ITERATIONS,
     op_error_summary,
@@ -151,6 +152,7 @@ def _device(args: argparse.Namespace) -> bool:
     return True
 
 
+CALIBRATION_TIMEOUT_S = 600  # per calibration command; then it is stopped, with the ranks it started
 DEFAULT_MODEL = "tiny"  # what validate calibrates without --model: seconds per run on a CPU
 EXECUTOR_PRECISION = "fp32"  # the executor builds every stage in fp32 (docs/validation.md, "One GPU")
 
@@ -231,8 +233,10 @@ def _calibrate(args: argparse.Namespace, folder: str) -> str:
 def _run_step(name: str, command: list[str]) -> None:
     """Run one calibration command (one thread per process, as the executor's ranks); RuntimeError with its last
     line if it fails."""
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ,
-                                                                                      "OMP_NUM_THREADS": "1"})
+    done = run_in_group(command, CALIBRATION_TIMEOUT_S, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done is None:
+        raise RuntimeError(f"{name} failed: still running after {CALIBRATION_TIMEOUT_S} s, stopped")
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"{name} failed: {last}")
