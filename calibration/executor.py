@@ -17,8 +17,9 @@ tracker), ``executor_clock`` (the action stamps), ``executor_reference`` (the on
 Every module is built from its own seed, so the ranks and the one-process reference start from the same weights,
 and the numerics tests compare losses, gradients and weights. Start and end of every action are stamped after a
 barrier by ``executor_clock``: ``perf_counter_ns`` on CPU (one clock on one machine), CUDA events on a GPU (the GPU's
-time, as calibrate's). On CUDA the ranks use nccl, which ignores tags: only programs whose p2p order matches between
-peers run there. A rank that dies or stops
+time, as calibrate's). On CUDA the ranks use nccl, which ignores tags: a program whose two devices post the transfers
+between them in different orders is refused before launch (``executor_spec.p2p_order_mismatch``; every built-in
+schedule's lowering agrees). A rank that dies or stops
 making progress ends the run with one line naming it and its action, and no process is left.
 """
 
@@ -39,7 +40,7 @@ import torch.distributed as dist
 
 from pipescope.calibration.executor_memory import RankMemory, cuda_peak, cuda_reset
 from pipescope.calibration.executor_reference import Reference, reference_step
-from pipescope.calibration.executor_spec import RunSpec
+from pipescope.calibration.executor_spec import RunSpec, p2p_order_mismatch
 from pipescope.calibration.executor_state import Rank, Row
 from pipescope.simulator.lowering import lower, step_points
 
@@ -194,6 +195,9 @@ def execute_all(specs: list[RunSpec]) -> list[RunResult]:
     """
     for spec in specs:
         spec.check()
+        mismatch = p2p_order_mismatch(lower(spec.schedule)) if spec.device == "cuda" else None
+        if mismatch:
+            raise ValueError(f"{spec.schedule.name} on nccl: {mismatch}, expected the same order (nccl has no tags)")
     world = specs[0].world
     if any(spec.world != world or spec.device != specs[0].device for spec in specs):
         raise ValueError("execute_all: every spec must run on the same number of ranks (devices x data_parallel) "

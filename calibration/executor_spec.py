@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pipescope.calibration.executor_weights import OPTIMIZERS
 from pipescope.calibration.presets import Shape
-from pipescope.simulator.ir import Schedule
+from pipescope.simulator.ir import Action, ActionKind, Schedule
 
 
 @dataclass(frozen=True)
@@ -51,3 +51,30 @@ class RunSpec:
         for name, value, expected, wrong in bad:
             if wrong:
                 raise ValueError(f"RunSpec.{name}: got {value!r}, expected {expected}")
+
+
+# A p2p action -> (which way its peer stage is, the SEND of the message it moves, as the stage offset and kind)
+_MESSAGES = {ActionKind.SEND_F: (1, 0, ActionKind.SEND_F), ActionKind.SEND_B: (-1, 0, ActionKind.SEND_B),
+             ActionKind.RECV_F: (-1, -1, ActionKind.SEND_F), ActionKind.RECV_B: (1, 1, ActionKind.SEND_B)}
+
+
+def p2p_order_mismatch(program: Schedule) -> str | None:
+    """Where two devices of a lowered program post the transfers between them in different orders, in one line;
+    None when every pair agrees. nccl matches a pair's sends and receives in the order they are posted (it has no
+    tags, as gloo does), so such a program would hang or hand a tensor to the wrong receive on GPUs."""
+    home = program.stage_to_device
+    posted: dict[tuple[int, int], list[Action]] = {}  # (device, peer) -> the messages it posts to or from the peer
+    for device, actions in enumerate(program.device_actions):
+        for a in actions:
+            if a is not None and a.kind in _MESSAGES:
+                way, offset, send = _MESSAGES[a.kind]
+                posted.setdefault((device, home[a.stage + way]), []).append(Action(a.stage + offset, send,
+                                                                                   a.microbatch))
+    for (device, peer), mine in sorted(posted.items()):
+        theirs = posted.get((peer, device), [])
+        if device < peer and mine != theirs:
+            k = next(i for i in range(len(mine) + 1) if i == len(mine) or i == len(theirs) or mine[i] != theirs[i])
+            here, there = (str(x[k]) if k < len(x) else "nothing" for x in (mine, theirs))
+            return (f"devices {device} and {peer} post their transfers in different orders: transfer {k + 1} is "
+                    f"{here} on device {device}, {there} on device {peer}")
+    return None

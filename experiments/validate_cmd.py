@@ -1,10 +1,11 @@
 """``pipescope validate``: calibrate (or load a profile), simulate, run the same program for real, report the error.
 
-The real run is ``calibration.executor`` (gloo ranks on this machine, one thread each, AdamW with clipping after each
-iteration); the prediction is ``pipescope.run`` on the profile. Warm-up iterations are dropped and the median of the
-measured ones is compared: iteration time (the optimizer steps included, as both timelines have them), busy time, each
-op matched by device and name (``sOPTk`` included), and each device's peak memory: the memory ledger against what the
-executor tracked in its warm-up iteration (docs/validation.md says what differs and why).
+The real run is ``calibration.executor`` (gloo ranks on this machine, one thread each, or nccl ranks with a GPU
+each; AdamW with clipping after each iteration); the prediction is ``pipescope.run`` on the profile. Warm-up
+iterations are dropped and the median of the measured ones is compared: iteration time (the optimizer steps
+included, as both timelines have them), busy time, each op matched by device and name (``sOPTk`` included), and
+each device's peak memory: the memory ledger against what the executor tracked in its warm-up iteration (the CUDA
+allocator's peak on GPUs; docs/validation.md says what differs and why).
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="preset to calibrate (default tiny; see 'pipescope calibrate --help'); with "
                    "--profile, the profile's model, which it must match")
     p.add_argument("--microbatch-size", default="1", help="samples per microbatch (default 1)")
-    p.add_argument("--device", default="cpu", help="cpu (default), or cuda: every stage timed on one GPU, op by op, "
-                   "against the profile's op times (no pipeline run over GPUs yet)")
+    p.add_argument("--device", default="cpu", help="cpu (default; gloo ranks), or cuda: the pipeline over nccl "
+                   "ranks, one GPU each, when torch sees as many GPUs as --stages; with fewer, every stage timed on "
+                   "one GPU, op by op, against the profile's op times")
     p.add_argument("--profile", metavar="DIR", help="a 'pipescope calibrate --precision fp32' folder of this "
                    "--device to use instead of calibrating (the executor runs fp32)")
     p.add_argument("--iterations", default="5", help="measured iterations, after the warm-up (default 5)")
@@ -100,28 +102,29 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
     """(report, predicted compute rows, measured compute rows)."""
-    gpu = _device(args)
+    mode = _mode(args)
     iterations = integer_flag("--iterations", args.iterations, 1, 100)
     warmup = integer_flag("--warmup", args.warmup, 1, 100)
     timeout = integer_flag("--timeout", args.timeout, 1, 3600)
     with tempfile.TemporaryDirectory() as folder:
-        profile = args.profile or _calibrate(args, folder)
+        profile = args.profile or _calibrate(args, folder, comms=mode != ONE_GPU)
         config = load_config(None, _sets(args, profile))
-        config, warnings = (config, []) if gpu else _shared_cores(config)
+        config, warnings = _shared_cores(config) if mode == CPU else (config, [])
         from pipescope.runner import prepare, run_prepared
         built = prepare(config)
         _check_profile(built.costs.meta, profile, args.device, args.model if args.profile else None)
-        op_times, table = "stages" if gpu else getattr(args, "op_times", None) or "profile", None
+        op_times, table = "stages" if mode == ONE_GPU else getattr(args, "op_times", None) or "profile", None
         if op_times == "stages":
-            _phase(f"time every stage on one {'GPU' if gpu else 'rank'}, one op after another")
+            _phase(f"time every stage on one {'rank' if mode == CPU else 'GPU'}, one op after another")
             spec = _spec(built.schedule, built.config, STAGE_TIMING_ITERATIONS, warmup, timeout, args.device)
             built, table = time_stages(built, spec)
-        if gpu:  # one GPU: the ops, stage by stage, against the profile's (docs/validation.md, "One GPU")
+        if mode == ONE_GPU:  # the ops, stage by stage, against the profile's (docs/validation.md, "GPUs")
             return _ops_report(built.schedule, table), None, None
         _phase("simulate")
         result = run_prepared(built)
-        _phase(f"run ({result.schedule.num_devices} gloo ranks, {warmup} warm-up + {iterations} iterations)")
-        measured, memory = _measure(result, result.config, iterations, warmup, timeout)
+        backend = "gloo" if mode == CPU else "nccl"
+        _phase(f"run ({result.schedule.num_devices} {backend} ranks, {warmup} warm-up + {iterations} iterations)")
+        measured, memory = _measure(result, result.config, iterations, warmup, timeout, args.device)
     _write_measured(result, measured, args)
     predicted = _compute_rows(result.timeline)
     report = {**_report(result, predicted, measured, memory), "op_times": op_times, "warnings": warnings}
@@ -131,30 +134,42 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
 
 
 PIPELINE_FLAGS = ("gantt", "timeline", "trace", "max_error")  # what only a pipeline run over ranks serves
+CPU, GPUS, ONE_GPU = "cpu", "gpus", "one-gpu"  # where validate runs: gloo ranks, nccl ranks, or stages on one GPU
 
 
-def _device(args: argparse.Namespace) -> bool:
-    """Whether ``--device`` is cuda (one-line errors for another device, or a flag a GPU run cannot serve)."""
+def _mode(args: argparse.Namespace) -> str:
+    """Where ``--device`` runs: ``cpu``; ``gpus`` (one nccl rank per pipeline device) when torch sees a GPU for
+    each; else ``one-gpu``, every stage timed on one GPU (one-line errors for another device, none, or a flag the
+    one-GPU run cannot serve)."""
     if args.device not in ("cpu", "cuda"):
         raise ValueError(f"--device: got {args.device!r}, expected cpu or cuda")
     if args.device == "cpu":
-        return False
-    for name in PIPELINE_FLAGS:
-        if getattr(args, name, None) is not None:
-            raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)!r} with --device cuda, expected "
-                             "--device cpu (cuda times the stages on one GPU; it runs no pipeline yet)")
-    if getattr(args, "op_times", None) == "profile":
-        raise ValueError("--op-times: got 'profile' with --device cuda, expected stages (on one GPU the profile is "
-                         "what the measured ops are compared with)")
+        return CPU
     import torch
     if not torch.cuda.is_available():
         raise ValueError("--device: got 'cuda', but torch sees no CUDA device here; expected cpu")
-    return True
+    return cuda_mode(args, torch.cuda.device_count())
+
+
+def cuda_mode(args: argparse.Namespace, gpus: int) -> str:
+    """``gpus`` or ``one-gpu`` for ``--device cuda`` on a machine with ``gpus`` GPUs."""
+    stages = integer_flag("--stages", args.stages, 1, 100_000)
+    if gpus >= stages:
+        return GPUS
+    for name in PIPELINE_FLAGS:
+        if getattr(args, name, None) is not None:
+            raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)!r} with --device cuda on {gpus} "
+                             f"GPU(s), expected {stages} GPUs, one per stage device (with fewer, validate times the "
+                             "stages on one GPU and runs no pipeline)")
+    if getattr(args, "op_times", None) == "profile":
+        raise ValueError("--op-times: got 'profile' with --device cuda on fewer GPUs than --stages, expected stages "
+                         "(on one GPU the profile is what the measured ops are compared with)")
+    return ONE_GPU
 
 
 CALIBRATION_TIMEOUT_S = 600  # per calibration command; then it is stopped, with the ranks it started
 DEFAULT_MODEL = "tiny"  # what validate calibrates without --model: seconds per run on a CPU
-EXECUTOR_PRECISION = "fp32"  # the executor builds every stage in fp32 (docs/validation.md, "One GPU")
+EXECUTOR_PRECISION = "fp32"  # the executor builds every stage in fp32 (docs/validation.md, "GPUs")
 
 
 def _check_profile(meta: dict, profile: str, device: str, preset: str | None) -> None:
@@ -212,21 +227,23 @@ def _sets(args: argparse.Namespace, profile: str) -> list[str]:
     return sets + ([f"schedule.chunks={args.chunks}"] if args.chunks else [])
 
 
-def _calibrate(args: argparse.Namespace, folder: str) -> str:
+def _calibrate(args: argparse.Namespace, folder: str, comms: bool) -> str:
     model = args.model or DEFAULT_MODEL
     _phase(f"calibrate {model} on {args.device}")
     command = [sys.executable, "-m", "pipescope.calibration.commands", "calibrate", "--model", model,
                "--device", args.device, "--out", folder, "--microbatch-sizes", str(args.microbatch_size),
                "--vocab-shards", "1", "--budget-s", "0.3", "--precision", EXECUTOR_PRECISION]
     _run_step("calibrate", command)
-    if args.device == "cuda":  # one GPU, no transfers: the per-op comparison needs no comms profile
+    if not comms:  # one GPU, no transfers: the per-op comparison needs no comms profile
         return folder
-    _phase(f"calibrate-comms (p2p and collectives over {args.stages} gloo ranks)")
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    _phase(f"calibrate-comms (p2p and collectives over {args.stages} {backend} ranks)")
     from pipescope.calibration.executor import free_port
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.stages),
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    _run_step("calibrate-comms", torchrun + ["-m", "pipescope.calibration.comms", "--out", folder,
-                                             "--min-bytes", "4KiB", "--max-bytes", "1MiB"])
+    largest = "64MiB" if args.device == "cuda" else "1MiB"  # a GPU model's activations; CPU's stay small
+    _run_step("calibrate-comms", torchrun + ["-m", "pipescope.calibration.comms", "--out", folder, "--backend",
+                                             backend, "--min-bytes", "4KiB", "--max-bytes", largest])
     return folder
 
 
@@ -254,12 +271,12 @@ def _spec(schedule, config, iterations: int, warmup: int, timeout: int, device: 
                    timeout_s=timeout, device=device)
 
 
-def _measure(result, config, iterations: int, warmup: int, timeout: int) -> tuple[pd.DataFrame, list]:
+def _measure(result, config, iterations: int, warmup: int, timeout: int, device: str) -> tuple[pd.DataFrame, list]:
     """Measured compute rows of every iteration (columns as the timeline's, times from the iteration's start), and
     each rank's measured memory (``executor_memory.RankMemory``)."""
     from pipescope.calibration.executor import execute_timed
 
-    run = execute_timed(_spec(result.schedule, config, iterations, warmup, timeout))
+    run = execute_timed(_spec(result.schedule, config, iterations, warmup, timeout, device))
     frames = []
     for index, ranks in enumerate(run.rows):
         rows = [(device, *row) for device, device_rows in enumerate(ranks) for row in device_rows]
@@ -352,7 +369,8 @@ def _memory(predicted, measured) -> dict:
             "measured_peak_memory_bytes": measured.peak_bytes,
             "memory_error": _relative(predicted.peak_memory_bytes, measured.peak_bytes),
             "predicted_static_memory_bytes": predicted.static_memory_bytes,
-            "measured_static_memory_bytes": sum(measured.at_peak.get(k, 0) for k in STATIC),
+            "measured_static_memory_bytes": sum(measured.at_peak[k] for k in STATIC) if STATIC[0] in measured.at_peak
+            else None,  # the CUDA allocator's peak has no categories
             "measured_peak_category": measured.peak_category, "measured_at_peak": measured.at_peak}
 
 

@@ -1,6 +1,6 @@
 """``validate``'s stage-by-stage part: every stage's ops timed by the executor on one rank (one GPU with ``--device
 cuda``), compared op by op with the profile's, and, with ``--op-times stages``, put in the profile's place for the
-simulation (docs/validation.md, "Two sources of op times" and "One GPU").
+simulation (docs/validation.md, "Two sources of op times" and "GPUs").
 """
 
 from __future__ import annotations

@@ -309,13 +309,49 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
         capsys.readouterr().err
     code = main(["validate", "--device", "tpu"])
     assert code == 2 and "--device: got 'tpu', expected cpu or cuda" in capsys.readouterr().err
-    code = main(["validate", "--device", "cuda", "--gantt", "x.png"])  # refused before anything runs
-    assert code == 2 and "--gantt: got 'x.png' with --device cuda, expected --device cpu" in capsys.readouterr().err
-    code = main(["validate", "--device", "cuda", "--op-times", "profile"])
-    assert code == 2 and "--op-times: got 'profile' with --device cuda, expected stages" in capsys.readouterr().err
     if not torch.cuda.is_available():
         code = main(["validate", "--device", "cuda"])
         assert code == 2 and "torch sees no CUDA device here" in capsys.readouterr().err
+
+
+def test_validate_on_cuda_runs_the_pipeline_with_a_gpu_per_device_else_times_the_stages_on_one():
+    """As many GPUs as --stages: the pipeline over nccl ranks, every flag as on CPU. Fewer: every stage on one GPU,
+    and the flags only a pipeline run serves are refused in one line naming the flag."""
+    from pipescope.experiments.cli import build_parser
+    from pipescope.experiments.validate_cmd import cuda_mode
+    parse = build_parser().parse_args
+    assert cuda_mode(parse(["validate", "--device", "cuda", "--stages", "4", "--gantt", "g.png"]), 8) == "gpus"
+    assert cuda_mode(parse(["validate", "--device", "cuda", "--stages", "4", "--op-times", "profile"]), 4) == "gpus"
+    assert cuda_mode(parse(["validate", "--device", "cuda", "--stages", "4"]), 1) == "one-gpu"
+    for flags, expected in [(["--gantt", "x.png"], "--gantt: got 'x.png' with --device cuda on 1 GPU(s), expected 4 "
+                                                   "GPUs, one per stage device"),
+                            (["--op-times", "profile"], "--op-times: got 'profile' with --device cuda on fewer GPUs "
+                                                        "than --stages, expected stages")]:
+        with pytest.raises(ValueError) as info:
+            cuda_mode(parse(["validate", "--device", "cuda", "--stages", "4", *flags]), 1)
+        assert str(info.value).startswith(expected)
+
+
+def test_a_program_whose_devices_post_transfers_in_different_orders_is_refused_on_nccl():
+    """nccl has no tags: a pair's transfers match in posting order. Every built-in schedule's lowering agrees; a
+    program with two sends swapped is found, named, and refused before any rank starts."""
+    import dataclasses
+
+    from pipescope.calibration.executor_spec import p2p_order_mismatch
+    from pipescope.simulator.lowering import lower
+    for name, chunks in (*FLUSH, ("v-min", 2), ("2bw", 1), ("pipedream", 1)):
+        for p in (2, 4):
+            assert p2p_order_mismatch(lower(build(name, p, 2 * p, chunks=chunks))) is None, (name, p)
+    program = lower(build("gpipe", 2, 2))
+    first = list(program.device_actions[0])
+    sends = [i for i, a in enumerate(first) if a is not None and a.kind is ActionKind.SEND_F]
+    first[sends[0]], first[sends[1]] = first[sends[1]], first[sends[0]]
+    swapped = dataclasses.replace(program, device_actions=(tuple(first), *program.device_actions[1:]))
+    assert p2p_order_mismatch(swapped) == ("devices 0 and 1 post their transfers in different orders: transfer 1 is "
+                                           "0SEND_F1 on device 0, 0SEND_F0 on device 1")
+    spec = RunSpec(swapped, SHAPE, device="cuda")
+    with pytest.raises(ValueError, match=r"^gpipe on nccl: devices 0 and 1 post their transfers in different orders"):
+        execute_all([spec])
 
 
 @pytest.mark.parametrize("meta, flags, expected", [
