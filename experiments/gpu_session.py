@@ -2,8 +2,9 @@
 tree (docs/validation.md, "A GPU session").
 
 For each model: the profile users simulate with (``calibrate``: bf16 on CUDA, every microbatch size and vocabulary
-shard count) into ``OUT/profiles/<device>/<model>``, then ``validate``: every stage timed on the device against the
-profile of the executor's own precision (fp32), its JSON report in ``OUT/validation/<device>/<model>.json``. Each step
+shard count) into ``OUT/profiles/<device>/<model>``, then ``validate``: every stage timed on one GPU against the
+profile of the executor's own precision (fp32), and the pipeline too where there is a GPU per stage device, its JSON
+report in ``OUT/validation/<device>/<model>.json``. Each step
 is a subprocess with its output in ``OUT/logs``, so one that fails (say, out of memory) leaves the others; the exit
 code is 1 when any failed. A GPU box has torch, numpy, pandas and pyarrow; ``validate`` also needs PyYAML, SimPy and
 tqdm, which ``make gpu-site`` puts in ``.gpu-site`` to carry there (they are pure Python).
