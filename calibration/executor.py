@@ -157,7 +157,7 @@ def _run_spec(rank: int, spec: RunSpec, path: str, progress, groups: dict[str, o
             memory = cuda_peak(device) if cuda else state.tracker.result
             state.tracker.active = False
         all_rows.append(clock.resolve(rows))
-        losses += state.losses
+        losses += [float(loss) for loss in state.losses]
     numerics = {"grads": {k: g.cpu() for k, g in state.grads.items()}, "weights": state.weights()} if \
         spec.numerics else {"grads": {}, "weights": {}}
     torch.save({"rows": all_rows[spec.warmup:], "losses": losses, **numerics, "memory": dataclasses.asdict(memory),

@@ -70,9 +70,9 @@ def p2p_order_mismatch(program: Schedule) -> str | None:
                 way, offset, send = _MESSAGES[a.kind]
                 posted.setdefault((device, home[a.stage + way]), []).append(Action(a.stage + offset, send,
                                                                                    a.microbatch))
-    for (device, peer), mine in sorted(posted.items()):
-        theirs = posted.get((peer, device), [])
-        if device < peer and mine != theirs:
+    for device, peer in sorted({tuple(sorted(pair)) for pair in posted}):
+        mine, theirs = posted.get((device, peer), []), posted.get((peer, device), [])
+        if mine != theirs:
             k = next(i for i in range(len(mine) + 1) if i == len(mine) or i == len(theirs) or mine[i] != theirs[i])
             here, there = (str(x[k]) if k < len(x) else "nothing" for x in (mine, theirs))
             return (f"devices {device} and {peer} post their transfers in different orders: transfer {k + 1} is "

@@ -157,7 +157,9 @@ class Rank:
         recompute = self.program.recompute  # keep only the stage input: no graph, nothing saved
         x = self._forward(a, tensors, x, targets, grad=not recompute)
         if a.stage == self.last_stage:
-            self.losses[a.microbatch // self.program.num_microbatches] += x.item() / self.program.num_microbatches
+            # kept on the device, read after the run: an .item() here would wait for the GPU inside F's timing
+            self.losses[a.microbatch // self.program.num_microbatches] += x.detach().double() / \
+                self.program.num_microbatches
             x = x / self.rule.loss_divisor
         self.outputs[a.stage, a.microbatch] = x
         self.tracker.hold(x, "outputs", ("out", a.stage, a.microbatch))

@@ -73,6 +73,12 @@ def run_step(name: str, args: list[str], out: Path, device: str, timeout_s: floa
     return code == 0
 
 
+def _check_device(device: str) -> None:
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: got 'cuda', but torch sees no CUDA device here; expected cpu (to rehearse)")
+
+
 def _last_line(path: Path) -> str:
     lines = path.read_text().strip().splitlines()
     return lines[-1] if lines else "no output"
@@ -95,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         number("--budget-s", args.budget_s, 0.0, MAX_BUDGET_S)
         integer_flag("--iterations", args.iterations, 1, 100)
         timeout_s = number("--step-timeout", args.step_timeout, 0.0, MAX_BUDGET_S)
+        _check_device(args.device)
     except ValueError as err:
         return usage_error(str(err))
-    results = [run_step(name, step, args.out, args.device, timeout_s)
-               for name, step in steps(args.models, args.device, args.out, args.budget_s, args.iterations)]
+    out = args.out.resolve()  # the steps run from the source tree
+    results = [run_step(name, step, out, args.device, timeout_s)
+               for name, step in steps(args.models, args.device, out, args.budget_s, args.iterations)]
     return 0 if all(results) else 1
 
 

@@ -92,11 +92,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if report.best is not None else EXIT_NOTHING_FITS
 
 
-# The keys each candidate sets (plan_space.Candidate.overrides) and the flags that choose their values
+# The keys each candidate sets (plan_space.Candidate.overrides) or the flags set, and the flags that choose them
 SEARCHED_BY = {"schedule.name": "--schedules", "schedule.stages": "--depths", "schedule.microbatches":
                "--global-batch", "schedule.recompute": "--recompute", "schedule.vocab": "--vocab",
                "model.microbatch_size": "--microbatch-sizes", "cluster.data_parallel": "--depths and --tensor",
-               "parallel.tensor": "--tensor", "parallel.sequence": "--sequence"}
+               "parallel.tensor": "--tensor", "parallel.sequence": "--sequence",
+               # and what plan_space.base_config writes from the flags
+               "model.preset": "--model", "cluster.topology": "--topology", "cluster.nodes": "--nodes",
+               "cluster.memory": "--memory-cap"}
 
 
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:

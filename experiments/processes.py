@@ -1,4 +1,10 @@
-"""Commands that start processes of their own (calibrate, torchrun), run so that stopping one stops them all."""
+"""Commands that start processes of their own (calibrate, torchrun), run so that stopping one stops them all.
+
+A command runs in a session of its own, so that its whole process group can be signalled (torchrun, in turn, starts
+each worker in a session of its own and stops them when it gets SIGTERM). Stops nest: gpu_session stops a validate
+step, which stops the calibration it started. The inner stop is given less time than the outer one waits, so that
+it finishes before the outer one gives up and kills.
+"""
 
 from __future__ import annotations
 
@@ -10,23 +16,39 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-STOP_GRACE_S = 15  # how long a stopped command may take to stop its own children
+STOP_GRACE_S = 15  # how long a command past its timeout may take to stop its own children
+INTERRUPTED_GRACE_S = 5  # the same when this process itself is being stopped: its stopper waits STOP_GRACE_S
 
 
 def run_in_group(command: list[str], timeout_s: float, **popen: Any) -> subprocess.CompletedProcess | None:
     """Run ``command`` in a process group of its own (``popen``: ``subprocess.Popen``'s arguments); None when it
-    was still running after ``timeout_s`` and was stopped, with everything it started. Its own group keeps a
-    terminal's Ctrl-C from it, so an interrupt here stops it too."""
-    with subprocess.Popen(command, start_new_session=True, **popen) as process, _terminate_raises():
+    was still running after ``timeout_s`` and was stopped, with everything it started. A Ctrl-C or a SIGTERM here
+    (its own group keeps a terminal's Ctrl-C from it) stops it too, then goes on as SystemExit or KeyboardInterrupt."""
+    with _terminate_raises():
+        process = subprocess.Popen(command, start_new_session=True, **popen)
         try:
             out, err = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            stop_group(process)
+            stop_group(process, STOP_GRACE_S)
             return None
-        except BaseException:  # Ctrl-C or a stop: the group would run on, and Popen's exit wait for it
-            stop_group(process)
+        except BaseException:
+            stop_group(process, INTERRUPTED_GRACE_S)
             raise
         return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def stop_group(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to the process group first, so that torchrun stops the workers it started, then SIGKILL for whatever
+    is left after ``grace_s``. Waits for the process, not for its pipes: a worker in a session of its own may still
+    hold them open."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):  # the group is gone already
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 @contextlib.contextmanager
@@ -45,14 +67,3 @@ def _terminate_raises() -> Iterator[None]:
 
 def _exit(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-def stop_group(process: subprocess.Popen) -> None:
-    """SIGTERM to the process group first, so that torchrun (which starts its workers in sessions of their own)
-    stops them, then SIGKILL for whatever is left."""
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.communicate(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()

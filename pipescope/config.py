@@ -11,6 +11,8 @@ import dataclasses
 import enum
 import functools
 import math
+import numbers
+import os
 import re
 import types
 import typing
@@ -117,8 +119,8 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
         if str(value).lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
             return str(value).lower() in ("true", "yes", "1", "on")
         raise ValueError(f"got {short_repr(value)}, expected true or false")
-    if kind is int:
-        text = str(value) if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
+    if kind is int:  # numbers.Integral: numpy's integers too, from a Python-built config
+        text = str(value) if isinstance(value, (numbers.Integral, str)) and not isinstance(value, bool) else ""
         if not re.fullmatch(r"[-+]?[0-9]{1,18}", text.strip()):  # plain decimal; 18 digits stay inside int64
             raise ValueError(f"got {short_repr(value)}, expected a plain decimal integer of at most 18 digits")
         return int(text)
@@ -130,7 +132,7 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
         if not math.isfinite(number):
             raise ValueError(f"got {short_repr(value)}, expected a finite number")
         return number
-    return str(value)
+    return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
 
 
 def _convert_ints(key: str, value: Any) -> tuple[int, ...]:
@@ -214,7 +216,8 @@ def _check_typed(key: str, given: Any, converted: Any) -> None:
     """A Python value must be what YAML's would convert to: text such as '4' or '2ms' is read only from YAML and
     --set, and an int in a float key or a list in a tuple key is the same value. A bool never passes as an integer:
     ``_convert_scalar`` refuses it before this."""
-    if given == converted or isinstance(given, list) and tuple(given) == converted:
+    if given == converted or isinstance(given, list) and tuple(given) == converted or \
+            isinstance(given, os.PathLike) and os.fspath(given) == converted:
         return
     example = "" if given is None else f", e.g. {short_repr(converted)}"
     raise ConfigError(f"{key}: got {short_repr(given)} ({type(given).__name__}), expected "

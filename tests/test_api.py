@@ -186,6 +186,14 @@ def test_check_config_returns_what_load_config_builds() -> None:
     checked = check_config(config)
     assert checked.costs == config.costs and type(checked.costs.efficiency) is float
     assert checked.model.layers_per_stage == (6, 6, 6, 6)
+    # numpy's integers and a path object, as scripts build them, are the same values too
+    import numpy as np
+    from pipescope.simulator.profiled import ProfiledCostsConfig
+    config = pipescope.Config(schedule=pipescope.ScheduleConfig("1f1b", stages=np.int64(4), microbatches=np.int32(8)),
+                              costs=ProfiledCostsConfig(profile=Path("profiles/x")), seed=np.int64(3))
+    checked = check_config(config)
+    assert (checked.schedule.stages, checked.schedule.microbatches, checked.seed) == (4, 8, 3)
+    assert type(checked.schedule.stages) is int and checked.costs.profile == "profiles/x"
     for name in _shipped_configs():
         loaded = load_config(raw={k: v for k, v in read_yaml(name).items() if k not in EXPERIMENT_KEYS})
         assert check_config(loaded) == loaded, name

@@ -94,6 +94,12 @@ def test_gpu_session_checks_its_flags_before_any_step(tmp_path: Path) -> None:
     assert done.returncode == 2 and done.stderr == (
         "pipescope: error: --iterations: got '0', expected an integer from 1 to 100\n")
     assert not (tmp_path / "o").exists()
+    import torch
+    if not torch.cuda.is_available():  # cuda is the default: where there is none, one line, not a traceback
+        done = subprocess.run([sys.executable, "-m", "pipescope.experiments.gpu_session", str(tmp_path / "o")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stderr == ("pipescope: error: --device: got 'cuda', but torch sees no "
+                                                        "CUDA device here; expected cpu (to rehearse)\n")
 
 
 def test_a_step_past_its_timeout_is_stopped_with_its_children(tmp_path: Path) -> None:

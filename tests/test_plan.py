@@ -164,7 +164,8 @@ def test_cli_json_and_errors(cli) -> None:
                        (["--global-batch", "8", "--memory-cap", "lots"], "--memory-cap"),
                        (["--global-batch", "8", "--set", "cluster.fabric=mesh"], "cluster.fabric"),
                        (["--global-batch", "8", "--set", "schedule.stages=4"],
-                        "--set: schedule.stages is what the planner searches, expected --depths instead")]:
+                        "--set: schedule.stages is what the planner searches, expected --depths instead"),
+                       (["--global-batch", "8", "--set", "model.preset=gpt-355m"], "expected --model instead")]:
         code, out, err = cli(["plan", "--no-progress", *flags])
         assert code == 2 and err.count("\n") == 1 and key in err
 
