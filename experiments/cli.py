@@ -107,9 +107,23 @@ def check_output_names(args: argparse.Namespace) -> None:
         other = named.setdefault(os.path.abspath(path), flag)
         if other != flag:
             raise ConfigError(f"--{flag}: got {path!r}, the file --{other} writes; expected another name")
+        _check_writable(flag, path)
     if args.timeline and args.timeline.lower().endswith(".parquet") and importlib.util.find_spec("pyarrow") is None:
         raise ConfigError(f"--timeline: {args.timeline!r} is Parquet, which needs pyarrow: "
                           f"pip install 'pipescope[sweep]' (or write a .csv)")
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """ConfigError unless ``path`` can be written: opened for appending, as the writer will (a file this creates is
+    removed again), so that a folder or a read-only place fails now, not after the run."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"--{flag}: cannot write {path!r} ({err.strerror}), expected a writable file name") from None
+    if not existed:
+        os.remove(path)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -105,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         return usage_error(str(err))
     out = args.out.resolve()  # the steps run from the source tree
-    results = [run_step(name, step, out, args.device, timeout_s)
-               for name, step in steps(args.models, args.device, out, args.budget_s, args.iterations)]
+    try:
+        results = [run_step(name, step, out, args.device, timeout_s)
+                   for name, step in steps(args.models, args.device, out, args.budget_s, args.iterations)]
+    except KeyboardInterrupt:  # the running step is stopped already (run_in_group)
+        print("gpu_session: interrupted", file=sys.stderr)
+        return 130
     return 0 if all(results) else 1
 
 

@@ -112,7 +112,7 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         config, warnings = _shared_cores(config) if mode == CPU else (config, [])
         from pipescope.runner import prepare, run_prepared
         built = prepare(config)
-        _check_profile(built.costs.meta, profile, args.device, args.model if args.profile else None)
+        _check_profile(built.costs, profile, args.device, args.model if args.profile else None, mode != ONE_GPU)
         op_times, table = "stages" if mode == ONE_GPU else getattr(args, "op_times", None) or "profile", None
         if op_times == "stages":
             _phase(f"time every stage on one {'rank' if mode == CPU else 'GPU'}, one op after another")
@@ -127,7 +127,8 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         measured, memory = _measure(result, result.config, iterations, warmup, timeout, args.device)
     _write_measured(result, measured, args)
     predicted = _compute_rows(result.timeline)
-    report = {**_report(result, predicted, measured, memory), "op_times": op_times, "warnings": warnings}
+    report = {**_report(result, predicted, measured, memory), "op_times": op_times,
+              "warnings": warnings + result.warnings}  # the simulation's too: unmeasured sizes, noisy rows
     if table is not None:
         report.update(stage_ops=table, **op_error_summary(table))
     return report, predicted, measured
@@ -172,11 +173,12 @@ DEFAULT_MODEL = "tiny"  # what validate calibrates without --model: seconds per 
 EXECUTOR_PRECISION = "fp32"  # the executor builds every stage in fp32 (docs/validation.md, "GPUs")
 
 
-def _check_profile(meta: dict, profile: str, device: str, preset: str | None) -> None:
+def _check_profile(costs, profile: str, device: str, preset: str | None, transfers: bool) -> None:
     """The executor runs the profile's model in fp32 on ``device``: a ``--profile`` of another ``--model``
     (``preset``, when given), or timed in another precision or on another device, would be compared with ops it never
-    timed (one line naming the flag). ``meta`` is its ``profile.json`` as ``ProfiledCosts`` loaded and
-    checked it."""
+    timed, and a pipeline's transfers need the profile's p2p fit (else the default topology's links stand in for
+    gloo's); one line naming the flag. ``costs``: the ``ProfiledCosts`` loaded and checked from it."""
+    meta = costs.meta
     model = meta["model"]  # with its shape: the runner refuses a profile without
     if preset is not None and _differs(preset, model):
         shape = ", ".join(f"{key}={model.get(key)}" for key in ("layers", "hidden", "heads", "vocab"))
@@ -189,6 +191,10 @@ def _check_profile(meta: dict, profile: str, device: str, preset: str | None) ->
     if measured_on != device:
         raise ValueError(f"--profile: {profile} was calibrated on {measured_on}, expected a {device} profile for "
                          f"--device {device}")
+    if transfers and costs.comms_fit is None:
+        raise ValueError(f"--profile: {profile} has no comms.json, expected the transfers measured too "
+                         f"(torchrun --nproc-per-node 2 -m pipescope.calibration.comms --out {profile}), or no "
+                         "--profile")
 
 
 def _differs(preset: str, model: dict) -> bool:
@@ -229,6 +235,8 @@ def _sets(args: argparse.Namespace, profile: str) -> list[str]:
 
 def _calibrate(args: argparse.Namespace, folder: str, comms: bool) -> str:
     model = args.model or DEFAULT_MODEL
+    if model not in PRESETS:  # before a calibration subprocess says so, wrapped in its own error
+        raise ValueError(f"--model: got {model!r}, expected one of {', '.join(PRESETS)}")
     _phase(f"calibrate {model} on {args.device}")
     command = [sys.executable, "-m", "pipescope.calibration.commands", "calibrate", "--model", model,
                "--device", args.device, "--out", folder, "--microbatch-sizes", str(args.microbatch_size),

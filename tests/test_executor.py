@@ -361,11 +361,14 @@ def test_a_program_whose_devices_post_transfers_in_different_orders_is_refused_o
     ({"device": {"type": "cuda"}}, [], "--profile: {} was calibrated on cuda, expected a cpu profile for --device cpu"),
     ({}, ["--model", "tiny"], "--model: got 'tiny', but --profile {} measured 't' with layers=4, hidden=64, heads=4, "
                               "vocab=512; expected its model (or leave --model out)"),
+    ({}, [], "--profile: {} has no comms.json, expected the transfers measured too (torchrun --nproc-per-node 2 -m "
+             "pipescope.calibration.comms --out {}), or no --profile"),
 ])
 def test_validate_refuses_a_profile_the_executor_cannot_run_as_timed(tmp_path, capsys, meta, flags, expected):
     """The executor builds the profile's model in fp32 on --device: a profile without its shape, of another precision
-    (calibrate's default on a GPU is bf16), of another device or another --model than asked is one line before any
-    rank starts."""
+    (calibrate's default on a GPU is bf16), of another device or another --model than asked, or without the
+    transfers a pipeline run needs (the default topology's NVLinks would stand in for gloo) is one line before any
+    rank starts; so is an unknown --model to calibrate."""
     import json
 
     from test_profiled_costs import make_profile
@@ -378,8 +381,10 @@ def test_validate_refuses_a_profile_the_executor_cannot_run_as_timed(tmp_path, c
     path.write_text(json.dumps({**json.loads(path.read_text()), **good, **meta}))
     assert main(["validate", "--profile", str(folder), "--iterations", "1", "--warmup", "1", *flags]) == 2
     out, err = capsys.readouterr()
-    assert err.startswith(f"pipescope: error: {expected.format(folder)}") and err.count("\n") == 1
+    assert err.startswith(f"pipescope: error: {expected.format(folder, folder)}") and err.count("\n") == 1
     assert out == ""
+    assert main(["validate", "--model", "nosuch"]) == 2
+    assert capsys.readouterr().err.startswith("pipescope: error: --model: got 'nosuch', expected one of tiny, ")
 
 
 def test_stage_by_stage_program_runs_every_stage_on_one_device_forward_then_backward():
