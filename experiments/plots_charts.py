@@ -104,7 +104,11 @@ def bubble_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
 
 def throughput_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     """Throughput against GPUs (stages x data-parallel replicas), a line per schedule; where several splits of
-    the same GPUs ran (4 stages x 2 replicas, 8 x 1), the best one's."""
+    the same GPUs ran (4 stages x 2 replicas, 8 x 1), the best one's among those that fit in memory."""
+    if "oom" in frame:  # a run that does not fit is no split anyone can use, however fast it would be
+        frame = frame[~frame["oom"].astype(bool)]
+        if frame.empty:
+            raise ValueError("INPUT: every run is out of memory (oom), expected some that fit")
     replicas = frame[REPLICAS] if REPLICAS in frame else 1
     frame = frame.assign(**{GPUS: frame[STAGES] * replicas})  # a sweep's own ``gpus`` counts simulated devices only
     lines = sweep_lines(frame, GPUS, "throughput_samples_per_s", (STAGES, REPLICAS), "max")

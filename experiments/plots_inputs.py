@@ -264,17 +264,26 @@ def read_validate(doc: Any, path: str) -> dict:
     devices = doc["per_device"]
     if not isinstance(devices, list) or not 1 <= len(devices) <= 4096:
         raise ValueError(f"INPUT: {_name(path)}: per_device: expected a list of 1 to 4096 devices")
-    for key in ("predicted_iteration_time_s", "measured_iteration_time_s", "iteration_time_error"):
-        _number(doc[key], key, path)
+    for key in ("predicted_iteration_time_s", "measured_iteration_time_s"):
+        if _number(doc[key], key, path) <= 0:
+            raise ValueError(f"INPUT: {_name(path)}: {key}: got {doc[key]!r}, expected a time above 0")
+    seen = set()
     for i, d in enumerate(devices):
         if not isinstance(d, dict):
             raise ValueError(f"INPUT: {_name(path)}: per_device[{i}]: expected an object")
         memory = ("predicted_peak_memory_bytes", "measured_peak_memory_bytes") if "predicted_peak_memory_bytes" in d \
             else ()
         for key in ("device", "predicted_busy_s", "measured_busy_s", *memory):
-            _number(d.get(key), f"per_device[{i}].{key}", path)
-    return {**doc, "schedule": str(doc["schedule"])[:60], "stages": str(doc["stages"])[:10],
-            "microbatches": str(doc["microbatches"])[:10]}
+            if _number(d.get(key), f"per_device[{i}].{key}", path) < 0:
+                raise ValueError(f"INPUT: {_name(path)}: per_device[{i}].{key}: got {d[key]!r}, expected >= 0")
+        if d["device"] in seen:
+            raise ValueError(f"INPUT: {_name(path)}: per_device[{i}].device: got {d['device']!r} twice, expected "
+                             "each device once")
+        seen.add(d["device"])
+    # the title's error, from the two times it sits above, not the stored field (which could say anything)
+    error = doc["predicted_iteration_time_s"] / doc["measured_iteration_time_s"] - 1
+    return {**doc, "iteration_time_error": error, "schedule": str(doc["schedule"])[:60],
+            "stages": str(doc["stages"])[:10], "microbatches": str(doc["microbatches"])[:10]}
 
 
 def _number(value: Any, what: str, path: str) -> float:

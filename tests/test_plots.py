@@ -240,6 +240,17 @@ def test_bubble_and_throughput_from_a_sweep(cli, files: dict[str, Path], tmp_pat
         assert fig.axes[0].get_ylabel() == "throughput (samples/s)"
     finally:
         plt.close(fig)
+    table = read_sweep(str(files["sweep.parquet"]), "throughput")
+    fastest = table["throughput_samples_per_s"].idxmax()
+    out_of_memory = table.assign(oom=table.index == fastest)  # the fastest run does not fit: it is no best split
+    fig = throughput_figure(out_of_memory)
+    try:
+        top = max(max(line.get_ydata()) for line in fig.axes[0].lines)
+        assert top < table.loc[fastest, "throughput_samples_per_s"]
+    finally:
+        plt.close(fig)
+    with pytest.raises(ValueError, match="every run is out of memory"):
+        throughput_figure(table.assign(oom=True))
     for kind in ("bubble", "throughput"):
         for source, name in ((files["sweep.parquet"], f"{kind}.png"), (files["sweep.csv"], f"{kind}.svg")):
             assert cli(["plot", kind, str(source), "-o", str(tmp_path / name)])[0] == 0
@@ -265,6 +276,22 @@ def test_overlay_from_validate_report_and_two_timelines(cli, files: dict[str, Pa
     code, _, _ = cli(["plot", "overlay", str(files["t.parquet"]), str(files["measured.parquet"]), "-o",
                       str(tmp_path / "o.png")])
     assert code == 0 and png_size(tmp_path / "o.png")[0] > 1000
+    report = json.loads(files["validate.json"].read_text())
+    first = report["per_device"][0]
+    for change, needle in [({"measured_iteration_time_s": 0}, "measured_iteration_time_s: got 0, expected a time "
+                                                              "above 0"),
+                           ({"per_device": [first, first]}, "per_device[1].device: got 0 twice, expected each device "
+                                                             "once"),
+                           ({"per_device": [{**first, "measured_busy_s": -1}]}, "per_device[0].measured_busy_s: "
+                                                                                  "got -1, expected >= 0")]:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({**report, **change}))
+        code, _, err = cli(["plot", "overlay", str(bad), "-o", str(tmp_path / "b.png")])
+        assert code == 2 and needle in err and err.count("\n") == 1
+    from pipescope.experiments.plots_inputs import read_validate
+    wrong = {**report, "iteration_time_error": 0.5}  # the title shows the times' error, not a stored one
+    expected = report["predicted_iteration_time_s"] / report["measured_iteration_time_s"] - 1
+    assert read_validate(wrong, "r.json")["iteration_time_error"] == pytest.approx(expected)
 
 
 def test_default_output_name(cli, files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
