@@ -114,8 +114,17 @@ def check_output_names(args: argparse.Namespace) -> None:
 
 
 def _check_writable(flag: str, path: str) -> None:
-    """ConfigError unless ``path`` can be written: opened for appending, as the writer will (a file this creates is
-    removed again), so that a folder or a read-only place fails now, not after the run."""
+    """ConfigError unless ``path`` can be written, so that a folder or a read-only place fails now, not after the
+    run: opened for appending, as the writer will (a file this creates is removed again); where its folder is still
+    to be made (the writers make it), the nearest folder that exists must be writable."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        while not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise ConfigError(f"--{flag}: cannot write {path!r} ({folder!r} is not a writable folder), expected a "
+                              "writable file name")
+        return
     existed = os.path.exists(path)
     try:
         with open(path, "ab"):
