@@ -142,6 +142,30 @@ def test_killed_sweep_resumes_without_repeating_finished_runs(tmp_path) -> None:
     assert len(pd.read_parquet(out / "results.parquet")) == 40
 
 
+def test_sigterm_stops_a_sweep_as_ctrl_c_and_leaves_no_worker(tmp_path) -> None:
+    """`kill PID` (the sweep alone, not its group): the chunks running are logged, the pool is shut down, and no
+    worker is left behind parented to init, as the default SIGTERM left them."""
+    import psutil
+    path = experiment(tmp_path, schedule={"name": "1f1b", "stages": 8, "microbatches": 64},
+                      sweep={"seed": list(range(40))})
+    out = tmp_path / "out"
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "pipescope.experiments.cli", "sweep", path, "--out", str(out),
+                             "--workers", "2", "--chunk-size", "1"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(_lines(out)) < 3:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "pipescope: stopping: logging the" in err
+    assert 3 <= len(read_rows(out / "runs.jsonl")) < 40
+    time.sleep(1)
+    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline", "create_time"])
+            if p.info["create_time"] >= started and "multiprocessing" in " ".join(p.info["cmdline"] or [])]
+    assert left == []
+
+
 def _lines(out: Path) -> list[bytes]:
     path = out / "runs.jsonl"
     return [line for line in path.read_bytes().splitlines(keepends=True) if line.endswith(b"\n")] \
