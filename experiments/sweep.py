@@ -333,7 +333,8 @@ def drain(executor: Executor, chunks: list[list[Run]], log: RunLog, window: int,
     """Submit chunks, at most ``window`` in flight, and log each chunk's rows as it ends (one fsync a chunk). ``task``
     (default ``run_chunk``) runs one chunk in a worker; the planner passes its own, and an in-memory ``log``. A chunk
     whose task failed (a worker died) is lost, not logged, so running the sweep again retries it. On Ctrl-C the
-    chunks already running are waited for and logged (a second Ctrl-C stops at once)."""
+    chunks already running are waited for and logged (a second Ctrl-C stops waiting; the pool's shutdown still lets
+    the workers finish what they hold, unlogged)."""
     pending: dict[Future, list[Run]] = {}
     queue, lost = iter(chunks), []
     with bar:
@@ -350,7 +351,7 @@ def drain(executor: Executor, chunks: list[list[Run]], log: RunLog, window: int,
         except KeyboardInterrupt:
             running = {future: chunk for future, chunk in pending.items() if not future.cancel()}
             bar.write(f"pipescope: stopping: logging the {len(running)} chunks still running (Ctrl-C again to "
-                      f"stop now)", file=sys.stderr)
+                      f"stop waiting)", file=sys.stderr)
             _collect(wait(running)[0], running, log, bar, lost)
             raise
 
