@@ -181,6 +181,16 @@ def test_bad_request_is_a_config_error() -> None:
         plan(PlanRequest(SMALL.base, 16, top=0), workers=1, progress=False)
 
 
+def test_every_key_the_planner_sets_is_refused_with_set() -> None:
+    """plan_cmd.SEARCHED_BY names a flag for each key a candidate sets or the flags write, no more and no fewer: a key
+    added to either without a flag would be overridden silently again."""
+    from pipescope.experiments.plan_cmd import SEARCHED_BY
+    candidate = Candidate("1f1b", tensor=2, width=2, depth=2, microbatch_size=1, recompute="none", sequence=True)
+    flags = base_config("gpt-355m", "dgx-h100", 1, 1 << 30)
+    written = {f"{section}.{key}" for section, keys in flags.items() for key in keys}
+    assert set(SEARCHED_BY) == set(candidate.overrides(8)) | written
+
+
 @pytest.mark.parametrize(("flags", "expected"), [
     (["--tensor", "3"], "--tensor: got [3], expected a width that divides the 8 GPUs"),
     (["--tensor", "2", "--depths", "8"], "--depths: got [8], expected some of [1, 2, 4] (the depths that use all 8 "
