@@ -63,7 +63,7 @@ def integer(key: str, text: str, low: int = 1, high: int = MAX_INT) -> int:
     value = _plain_int(text)
     if value is None or not low <= value <= high:
         shown = short_repr(text, 40) if value is None else value
-        raise UsageError(f"{key}: {shown}, expected an integer from {low} to {high}")
+        raise UsageError(f"{key}: got {shown}, expected an integer from {low} to {high}")
     return value
 
 
@@ -91,10 +91,10 @@ def int_list(key: str, text: str, example: str = "1,2,4,8", high: int = MAX_INT)
     expected = f"expected comma-separated positive integers, e.g. {example}"
     values = [_plain_int(v) for v in text.split(",")]
     if not values or None in values or len(set(values)) < len(values):  # an empty item or a repeat is a typo
-        raise UsageError(f"{key}: {short_repr(text, 40)}, {expected}")
+        raise UsageError(f"{key}: got {short_repr(text, 40)}, {expected}")
     bad = [v for v in values if not 1 <= v <= high]
     if bad:
-        raise UsageError(f"{key}: {bad[0]}, {expected}" + (f" (at most {high})" if bad[0] > 0 else ""))
+        raise UsageError(f"{key}: got {bad[0]}, {expected}" + (f" (at most {high})" if bad[0] > 0 else ""))
     return tuple(sorted(set(values)))
 
 
@@ -103,7 +103,7 @@ def number(key: str, text: str, low: float, high: float) -> float:
     value = float(text) if isinstance(text, str) and _DECIMAL.fullmatch(text) else None
     if value is None or not math.isfinite(value) or not low < value <= high:
         shown = short_repr(text, 40) if value is None or not math.isfinite(value) else value
-        raise UsageError(f"{key}: {shown}, expected a number above {low:g} and at most {high:g}")
+        raise UsageError(f"{key}: got {shown}, expected a number above {low:g} and at most {high:g}")
     return value
 
 
@@ -113,14 +113,14 @@ def size_arg(key: str, text: str, low: int = 1, high: int = MAX_MESSAGE_BYTES) -
     flag."""
     expected = f"expected a size from {low} to {high} bytes (1 TiB)"
     if _LONG_EXPONENT.search(text):
-        raise UsageError(f"{key}: {short_repr(text, 40)}, {expected}")
+        raise UsageError(f"{key}: got {short_repr(text, 40)}, {expected}")
     try:
         size = parse_size(text)
     except ValueError as exc:
         # parse_size says "got <value>, expected ..."; calibration's messages read "<key>: <value>, expected ...".
-        raise UsageError(f"{key}: {str(exc).removeprefix('got ')}") from None
+        raise UsageError(f"{key}: got {str(exc).removeprefix('got ')}") from None
     if not low <= size <= high:
-        raise UsageError(f"{key}: {short_repr(text, 40)}, {expected}")
+        raise UsageError(f"{key}: got {short_repr(text, 40)}, {expected}")
     return size
 
 
@@ -162,7 +162,7 @@ def timing_config(args: argparse.Namespace, flush_l2: bool = True, command: str 
               "rel_tol": number("--rel-tol", args.rel_tol, 0.0, 1.0),
               "budget_s": number("--budget-s", args.budget_s, 0.0, MAX_BUDGET_S)}
     if values["max_reps"] < values["min_reps"]:
-        raise UsageError(f"--max-reps: {values['max_reps']}, expected at least --min-reps {values['min_reps']}")
+        raise UsageError(f"--max-reps: got {values['max_reps']}, expected at least --min-reps {values['min_reps']}")
     values.update(spread_values(args) if remeasure else {"retries": 0})
     require_torch(command)
     from pipescope.calibration.timing import TimingConfig

@@ -70,9 +70,9 @@ def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
         raise UsageError(str(exc)) from None
     microbatches = int_list("--microbatch-sizes", args.microbatch_sizes)
     if args.precision is not None and args.precision not in PRECISIONS:
-        raise UsageError(f"--precision: {args.precision!r}, expected one of {', '.join(PRECISIONS)}")
+        raise UsageError(f"--precision: got {args.precision!r}, expected one of {', '.join(PRECISIONS)}")
     if args.device is not None and not re.fullmatch(r"cpu|cuda(:[0-9]{1,4})?", args.device):
-        raise UsageError(f"--device: {args.device!r}, expected cuda, cuda:N or cpu")
+        raise UsageError(f"--device: got {args.device!r}, expected cuda, cuda:N or cpu")
     if not args.out:
         raise UsageError("--out: missing, expected a folder to write the profile to")
     shards = integer("--vocab-shards", args.vocab_shards, 1, MAX_VOCAB_SHARDS)
@@ -82,9 +82,9 @@ def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device: {device!r}, expected cpu (torch sees no CUDA device here)")
+        raise UsageError(f"--device: got {device!r}, expected cpu (torch sees no CUDA device here)")
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise UsageError(f"--device: {device!r}, expected cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        raise UsageError(f"--device: got {device!r}, expected cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     precision = args.precision or ("bf16" if device.startswith("cuda") else "fp32")
     check_fits(shape, max(microbatches), shape.seq, precision, device, device_memory(torch, device))
     from pipescope.calibration.calibrate import CalibrationConfig
@@ -120,7 +120,7 @@ def check_fits(shape, microbatch: int, seq: int, precision: str, device: str,  #
         return
     flag = max(need, key=need.get)
     value = {"--hidden": shape.hidden, "--vocab": shape.vocab, "--microbatch-sizes": microbatch}[flag]
-    raise UsageError(f"{flag}: {value}, expected a model that fits: hidden {shape.hidden}, vocab {shape.vocab}, "
+    raise UsageError(f"{flag}: got {value}, expected a model that fits: hidden {shape.hidden}, vocab {shape.vocab}, "
                      f"microbatch {microbatch}, seq {seq} in {precision} need at least {total / 2**30:.4g} GiB, "
                      f"{device} has {limit / 2**30:.4g} GiB")
 

@@ -41,7 +41,7 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 def setup(backend: str | None) -> torch.device:
     """Join the torchrun group; returns the device this rank times on."""
     if backend == "nccl" and not torch.cuda.is_available():
-        raise UsageError("--backend: 'nccl', expected gloo on a machine without CUDA (nccl needs a GPU)")
+        raise UsageError("--backend: got 'nccl', expected gloo on a machine without CUDA (nccl needs a GPU)")
     use_nccl = backend == "nccl" or (backend is None and torch.cuda.is_available())
     if use_nccl:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

@@ -57,16 +57,16 @@ def comms_config(args: argparse.Namespace, argv: list[str] | None) -> CommsConfi
     low = size_arg("--min-bytes", args.min_bytes, low=4)
     high = size_arg("--max-bytes", args.max_bytes, low=4)
     if low > high:
-        raise UsageError(f"--min-bytes: {args.min_bytes!r}, expected at least 4 bytes and at most --max-bytes")
+        raise UsageError(f"--min-bytes: got {args.min_bytes!r}, expected at least 4 bytes and at most --max-bytes")
     wanted = tuple(c.strip() for c in args.collectives.split(",") if c.strip())
     unknown = [c for c in wanted if c not in COLLECTIVES]
     if unknown or not wanted:
-        raise UsageError(f"--collectives: {args.collectives!r}, expected a subset of {','.join(COLLECTIVES)}")
+        raise UsageError(f"--collectives: got {args.collectives!r}, expected a subset of {','.join(COLLECTIVES)}")
     if args.backend not in (None, "nccl", "gloo"):
-        raise UsageError(f"--backend: {args.backend!r}, expected nccl or gloo")
+        raise UsageError(f"--backend: got {args.backend!r}, expected nccl or gloo")
     texts = [e for e in args.range_edges.split(",") if e.strip()]
     if not texts or len(texts) > MAX_RANGE_EDGES:
-        raise UsageError(f"--range-edges: {args.range_edges!r}, expected 1 to {MAX_RANGE_EDGES} positive sizes "
+        raise UsageError(f"--range-edges: got {args.range_edges!r}, expected 1 to {MAX_RANGE_EDGES} positive sizes "
                          "such as 1MiB,64MiB")
     edges = tuple(size_arg("--range-edges", e) for e in texts)
     timing = timing_config(args, flush_l2=False, command="calibrate-comms")  # last of the flags: it imports torch

@@ -50,8 +50,6 @@ class CudaClock:
         return [(*row[:-2], self._ns(row[-2]), self._ns(row[-1])) for row in rows]
 
     def _ns(self, stamp: Any) -> int:
-        if isinstance(stamp, int):  # a host stamp (an all-reduce's completion callback)
-            return stamp
         return self.origin_ns + round(self.origin.elapsed_time(stamp) * 1e6)  # elapsed_time is in ms
 
 

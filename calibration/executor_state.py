@@ -283,7 +283,7 @@ class Rank:
     def _reduce(self, stage: int, group: int) -> None:
         """Start the average of the stage's gradient buffer over its replicas (in place, like DDP's buckets)."""
         ended: list[int] = []
-        start = time.perf_counter_ns()
+        start = self.clock.stamp()  # on a GPU an event: when the device reaches the launch, not when the host does
         work = dist.all_reduce(self.stages[stage].grad, group=self.groups[f"stage{stage}"], async_op=True)
         stamped = work.get_future().then(lambda _: ended.append(time.perf_counter_ns()))
         self.reducing[stage] = (work, stamped, group, start, ended)
@@ -294,10 +294,14 @@ class Rank:
             return []
         work, stamped, group, start, ended = self.reducing.pop(stage)
         work.wait()
-        stamped.wait()
+        if self.device.type == "cuda":  # nccl completes the future at launch: the end is an event on the stream
+            end = self.clock.stamp()     # that now waits for the reduction
+        else:  # gloo completes it when the reduction ends, which may be long before this wait
+            stamped.wait()
+            end = ended[0]
         self.stages[stage].grad.div_(self.spec.data_parallel)
         k = self.rule.last_microbatch(group)
-        return [(str(Action(stage, K.ALL_REDUCE, k)), K.ALL_REDUCE.value, stage, k, start, ended[0])]
+        return [(str(Action(stage, K.ALL_REDUCE, k)), K.ALL_REDUCE.value, stage, k, start, end)]
 
     def _step(self, stage: int, group: int, coefficient: float) -> Row:
         """One stage's optimizer step, timed: the clipping scale, ``step()``, zeroing the gradient buffer."""

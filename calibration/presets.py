@@ -23,7 +23,7 @@ def resolve(preset: str | None, **overrides: int | None) -> Shape:
     given = {k: v for k, v in overrides.items() if v is not None}
     if preset is not None:
         if preset not in PRESETS:
-            raise ValueError(f"--model: {preset!r}, expected one of {', '.join(PRESETS)}")
+            raise ValueError(f"--model: got {preset!r}, expected one of {', '.join(PRESETS)}")
         shape = replace(PRESETS[preset], **given)
     else:
         missing = [f for f in fields if f not in given]
@@ -35,7 +35,7 @@ def resolve(preset: str | None, **overrides: int | None) -> Shape:
         if getattr(shape, name) <= 0:
             raise ValueError(f"--{name}: {getattr(shape, name)}, expected a positive integer")
     if shape.hidden % shape.heads:
-        raise ValueError(f"--heads: {shape.heads}, expected a divisor of --hidden {shape.hidden}")
+        raise ValueError(f"--heads: got {shape.heads}, expected a divisor of --hidden {shape.hidden}")
     return shape
 
 

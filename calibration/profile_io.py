@@ -37,7 +37,7 @@ def ensure_writable(out: str | os.PathLike) -> Path:
         os.close(fd)
         os.unlink(probe)
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-        raise ValueError(f"--out: {str(out)!r}, expected a writable folder ({type(exc).__name__}: "
+        raise ValueError(f"--out: got {str(out)!r}, expected a writable folder ({type(exc).__name__}: "
                          f"{getattr(exc, 'strerror', None) or exc})") from exc
     return path
 

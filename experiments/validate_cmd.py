@@ -83,7 +83,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         limit = _number("--max-error", args.max_error) if args.max_error is not None else None
         check_output_names(args)  # a bad file name fails now, not after a run of tens of seconds
         report, predicted, measured = validate(args)
-    except (ConfigError, ValueError) as err:
+    except ConfigError as err:
+        print(f"pipescope: error: {_as_flag(err)}", file=sys.stderr)
+        return 2
+    except ValueError as err:
         print(f"pipescope: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:  # a rank died or hung (RunError), or calibration failed
@@ -106,6 +109,8 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
     iterations = integer_flag("--iterations", args.iterations, 1, 100)
     warmup = integer_flag("--warmup", args.warmup, 1, 100)
     timeout = integer_flag("--timeout", args.timeout, 1, 3600)
+    if not args.profile:
+        _check_flags(args)
     with tempfile.TemporaryDirectory() as folder:
         profile = args.profile or _calibrate(args, folder, comms=mode != ONE_GPU)
         config = load_config(None, _sets(args, profile))
@@ -132,6 +137,18 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
     if table is not None:
         report.update(stage_ops=table, **op_error_summary(table))
     return report, predicted, measured
+
+
+FLAG_OF_KEY = {"schedule.name": "--schedule", "schedule.stages": "--stages", "schedule.microbatches": "--microbatches",
+               "schedule.chunks": "--chunks", "model.preset": "--model", "model.microbatch_size": "--microbatch-size",
+               "costs.profile": "--profile"}  # the config keys validate's flags set
+
+
+def _as_flag(err: ConfigError) -> str:
+    """The error, naming the flag typed rather than the config key it set."""
+    flag = FLAG_OF_KEY.get(err.key)
+    text = str(err)
+    return f"{flag}{text[len(err.key):]}" if flag and text.startswith(err.key) else text
 
 
 PIPELINE_FLAGS = ("gantt", "timeline", "trace", "max_error")  # what only a pipeline run over ranks serves
@@ -224,10 +241,18 @@ def _shared_cores(config):
     return dataclasses.replace(config, cluster=cluster), [warning]
 
 
-def _sets(args: argparse.Namespace, profile: str) -> list[str]:
+def _check_flags(args: argparse.Namespace) -> None:
+    """The schedule and model the flags name, built under analytic costs before a calibration of tens of seconds:
+    ``--stages 0`` or more stages than the model has layers fails now, in one line."""
+    from pipescope.runner import prepare
+    prepare(load_config(None, _sets(args, None) + [f"model.preset={json.dumps(args.model or DEFAULT_MODEL)}"]))
+
+
+def _sets(args: argparse.Namespace, profile: str | None) -> list[str]:
+    """The config the flags give: on the profile's costs, or analytic ones without a profile."""
+    costs = ["costs.kind=profile", f"costs.profile={json.dumps(profile)}"] if profile else ["costs.kind=analytic"]
     sets = [f"schedule.name={json.dumps(args.schedule)}", f"schedule.stages={args.stages}",
-            f"schedule.microbatches={args.microbatches}", "costs.kind=profile", f"costs.profile={json.dumps(profile)}",
-            f"model.microbatch_size={args.microbatch_size}",
+            f"schedule.microbatches={args.microbatches}", *costs, f"model.microbatch_size={args.microbatch_size}",
             "memory.runtime=torch"]  # the executor holds buffers as torch's pipelining runtime does
     sets += ["schedule.recompute=true"] if getattr(args, "recompute", False) else []
     return sets + ([f"schedule.chunks={args.chunks}"] if args.chunks else [])

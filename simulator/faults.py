@@ -60,7 +60,7 @@ class ComputeFaults:
 def _items(key: str, text: str) -> list[str]:
     items = [item.strip() for item in str(text).split(",") if item.strip()]
     if len(items) > MAX_ITEMS:
-        raise ValueError(f"{key}: {len(items):,} items, expected at most {MAX_ITEMS:,}")
+        raise ValueError(f"{key}: got {len(items):,} items, expected at most {MAX_ITEMS:,}")
     return items
 
 

@@ -229,7 +229,7 @@ class ProfiledCosts(PerStageCache):
         """
         for key, value in (("model.microbatch_size", microbatch_size), ("model.seq", seq), ("model.layers", layers)):
             if value is not None and not schema.is_count(value):
-                raise ValueError(f"{key}: {short_repr(value)}, expected a positive integer "
+                raise ValueError(f"{key}: got {short_repr(value)}, expected a positive integer "
                                  f"(at most {schema.MAX_NUMBER})")
         meta = schema.read_metadata(profile_dir)
         model = meta.get("model", {})

@@ -252,7 +252,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, list[s
 def test_microbatch_size_zero_is_a_one_line_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--microbatch-sizes 1,0 exits 2 with one line naming the key and the value."""
     code, err = run_cli(["calibrate", "--model", "tiny", "--microbatch-sizes", "1,0", "--out", str(tmp_path)], capsys)
-    assert code == 2 and err == ["pipescope: error: --microbatch-sizes: 0, expected comma-separated positive "
+    assert code == 2 and err == ["pipescope: error: --microbatch-sizes: got 0, expected comma-separated positive "
                                  "integers, e.g. 1,2,4,8"]
 
 
@@ -278,7 +278,7 @@ def test_unknown_preset_is_a_one_line_usage_error(tmp_path: Path, capsys: pytest
     """--model gpt-9000 exits 2 with one line listing the presets."""
     code, err = run_cli(["calibrate", "--model", "gpt-9000", "--out", str(tmp_path)], capsys)
     assert code == 2 and err == [
-        "pipescope: error: --model: 'gpt-9000', expected one of tiny, gpt-355m, gpt-1.3b, gpt-2.2b, gpt-3.8b"]
+        "pipescope: error: --model: got 'gpt-9000', expected one of tiny, gpt-355m, gpt-1.3b, gpt-2.2b, gpt-3.8b"]
 
 
 BLOCKER = """

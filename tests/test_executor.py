@@ -355,7 +355,7 @@ def test_a_program_whose_devices_post_transfers_in_different_orders_is_refused_o
 
 
 @pytest.mark.parametrize("meta, flags, expected", [
-    ({"model": {"layers": 5}}, [], "costs.profile: '{}' has no model.hidden in its profile.json; expected the model "
+    ({"model": {"layers": 5}}, [], "--profile: '{}' has no model.hidden in its profile.json; expected the model "
                                    "the profile measured"),
     ({"precision": "bf16"}, [], "--profile: {} was calibrated in bf16, expected fp32, the precision the executor runs"),
     ({"device": {"type": "cuda"}}, [], "--profile: {} was calibrated on cuda, expected a cpu profile for --device cpu"),
@@ -385,6 +385,16 @@ def test_validate_refuses_a_profile_the_executor_cannot_run_as_timed(tmp_path, c
     assert out == ""
     assert main(["validate", "--model", "nosuch"]) == 2
     assert capsys.readouterr().err.startswith("pipescope: error: --model: got 'nosuch', expected one of tiny, ")
+
+
+def test_validate_refuses_bad_flags_before_calibrating_naming_the_flag(capsys):
+    from pipescope.experiments.cli import main
+    for flags, expected in ((["--stages", "0"], "--stages: got 0, expected an integer from 1"),
+                            (["--stages", "5"], "model.layers: got 4, expected at least one layer per stage"),
+                            (["--microbatch-size", "0"], "--microbatch-size: got 0, expected an integer from 1")):
+        assert main(["validate", *flags]) == 2
+        err = capsys.readouterr().err  # one line: refused before the calibration's phase line
+        assert err.startswith(f"pipescope: error: {expected}") and err.count("\n") == 1, err
 
 
 def test_stage_by_stage_program_runs_every_stage_on_one_device_forward_then_backward():

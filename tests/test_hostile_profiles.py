@@ -368,32 +368,32 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, list[s
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (["--rel-tol", "nan"], "--rel-tol: 'nan', expected a number above 0 and at most 1"),
-    (["--rel-tol", "0"], "--rel-tol: 0.0, expected a number above 0"),
-    (["--budget-s", "nan"], "--budget-s: 'nan', expected a number above 0 and at most 86400"),
-    (["--budget-s", "inf"], "--budget-s: 'inf', expected a number"),
-    (["--budget-s", "1e999"], "--budget-s: '1e999', expected a number"),
-    (["--budget-s", "1e9"], "--budget-s: 1000000000.0, expected a number above 0 and at most 86400"),
-    (["--budget-s", "1_0"], "--budget-s: '1_0', expected a number"),
-    (["--layers", "1_6"], "--layers: '1_6', expected an integer from 1 to 2147483647"),
-    (["--hidden", " 8 "], "--hidden: ' 8 ', expected an integer from 1 to 2147483647"),
-    (["--vocab", "0x4"], "--vocab: '0x4', expected an integer"),
-    (["--heads", "1e3"], "--heads: '1e3', expected an integer"),
-    (["--layers", "9" * 5000], "--layers: '" + "9" * 39 + "..., expected an integer"),
-    (["--layers", "4294967296"], "--layers: 4294967296, expected an integer from 1 to 2147483647"),
-    (["--seq", "1_024"], "--seq: '1_024', expected comma-separated positive integers"),
-    (["--microbatch-sizes", "1, 2"], "--microbatch-sizes: '1, 2', expected comma-separated positive integers"),
-    (["--microbatch-sizes", "1,,2"], "--microbatch-sizes: '1,,2', expected comma-separated positive integers"),
-    (["--microbatch-sizes", "2,2"], "--microbatch-sizes: '2,2', expected comma-separated positive integers"),
-    (["--microbatch-sizes", "1,99999999999"], "--microbatch-sizes: '1,99999999999', expected comma-separated"),
-    (["--warmup", "-1"], "--warmup: -1, expected an integer from 0 to 10000"),
-    (["--warmup", "100000000000000000000"], "--warmup: '100000000000000000000', expected an integer from 0"),
-    (["--min-reps", "1000000"], "--min-reps: 1000000, expected an integer from 1 to 100000"),
-    (["--max-reps", "3", "--min-reps", "5"], "--max-reps: 3, expected at least --min-reps 5"),
-    (["--vocab-shards", "100000"], "--vocab-shards: 100000, expected an integer from 1 to 1024"),
-    (["--vocab-shards", "0"], "--vocab-shards: 0, expected an integer from 1 to 1024"),
-    (["--threads", "100000"], "--threads: 100000, expected an integer from 1 to"),
-    (["--device", "cuda:\u0663"], "--device: 'cuda:\u0663', expected cuda, cuda:N or cpu"),
+    (["--rel-tol", "nan"], "--rel-tol: got 'nan', expected a number above 0 and at most 1"),
+    (["--rel-tol", "0"], "--rel-tol: got 0.0, expected a number above 0"),
+    (["--budget-s", "nan"], "--budget-s: got 'nan', expected a number above 0 and at most 86400"),
+    (["--budget-s", "inf"], "--budget-s: got 'inf', expected a number"),
+    (["--budget-s", "1e999"], "--budget-s: got '1e999', expected a number"),
+    (["--budget-s", "1e9"], "--budget-s: got 1000000000.0, expected a number above 0 and at most 86400"),
+    (["--budget-s", "1_0"], "--budget-s: got '1_0', expected a number"),
+    (["--layers", "1_6"], "--layers: got '1_6', expected an integer from 1 to 2147483647"),
+    (["--hidden", " 8 "], "--hidden: got ' 8 ', expected an integer from 1 to 2147483647"),
+    (["--vocab", "0x4"], "--vocab: got '0x4', expected an integer"),
+    (["--heads", "1e3"], "--heads: got '1e3', expected an integer"),
+    (["--layers", "9" * 5000], "--layers: got '" + "9" * 39 + "..., expected an integer"),
+    (["--layers", "4294967296"], "--layers: got 4294967296, expected an integer from 1 to 2147483647"),
+    (["--seq", "1_024"], "--seq: got '1_024', expected comma-separated positive integers"),
+    (["--microbatch-sizes", "1, 2"], "--microbatch-sizes: got '1, 2', expected comma-separated positive integers"),
+    (["--microbatch-sizes", "1,,2"], "--microbatch-sizes: got '1,,2', expected comma-separated positive integers"),
+    (["--microbatch-sizes", "2,2"], "--microbatch-sizes: got '2,2', expected comma-separated positive integers"),
+    (["--microbatch-sizes", "1,99999999999"], "--microbatch-sizes: got '1,99999999999', expected comma-separated"),
+    (["--warmup", "-1"], "--warmup: got -1, expected an integer from 0 to 10000"),
+    (["--warmup", "100000000000000000000"], "--warmup: got '100000000000000000000', expected an integer from 0"),
+    (["--min-reps", "1000000"], "--min-reps: got 1000000, expected an integer from 1 to 100000"),
+    (["--max-reps", "3", "--min-reps", "5"], "--max-reps: got 3, expected at least --min-reps 5"),
+    (["--vocab-shards", "100000"], "--vocab-shards: got 100000, expected an integer from 1 to 1024"),
+    (["--vocab-shards", "0"], "--vocab-shards: got 0, expected an integer from 1 to 1024"),
+    (["--threads", "100000"], "--threads: got 100000, expected an integer from 1 to"),
+    (["--device", "cuda:\u0663"], "--device: got 'cuda:\u0663', expected cuda, cuda:N or cpu"),
 ])
 def test_bad_calibrate_flag_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, flags: list[str],
                                         expected: str) -> None:
@@ -409,7 +409,7 @@ def test_model_too_big_for_the_machine_is_refused_before_allocating(tmp_path: Pa
     code, err = run_cli(["calibrate", "--model", "tiny", "--hidden", "10000000", "--device", "cpu",
                          "--out", str(tmp_path)], capsys)
     assert code == 2 and len(err) == 1
-    assert err[0].startswith("pipescope: error: --hidden: 10000000, expected a model that fits: hidden 10000000")
+    assert err[0].startswith("pipescope: error: --hidden: got 10000000, expected a model that fits: hidden 10000000")
 
 
 def test_memory_bound_names_the_dominant_flag() -> None:
@@ -427,7 +427,7 @@ def test_memory_bound_names_the_dominant_flag() -> None:
 def test_impossible_shape_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     code, err = run_cli(["calibrate", "--layers", "2", "--hidden", "64", "--heads", "3", "--seq", "8", "--vocab", "16",
                          "--out", str(tmp_path)], capsys)
-    assert code == 2 and err == ["pipescope: error: --heads: 3, expected a divisor of --hidden 64"]
+    assert code == 2 and err == ["pipescope: error: --heads: got 3, expected a divisor of --hidden 64"]
 
 
 @pytest.fixture
@@ -437,19 +437,19 @@ def torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (["--min-bytes", "1e400"], "--min-bytes: '1e400', expected a size from 4 to 1099511627776 bytes"),
-    (["--max-bytes", "1e999999999"], "--max-bytes: '1e999999999', expected a size from 4 to"),
-    (["--min-bytes", "1e-999999999"], "--min-bytes: '1e-999999999', expected a size from 4 to"),
-    (["--min-bytes", "1" * 100], "--min-bytes: '" + "1" * 39 + "..., expected a size from 4"),
-    (["--max-bytes", "2TiB"], "--max-bytes: '2TiB', expected a size from 4 to"),
-    (["--min-bytes", "2"], "--min-bytes: '2', expected a size from 4"),
-    (["--min-bytes", "1MiB", "--max-bytes", "1KiB"], "--min-bytes: '1MiB', expected at least 4 bytes and at most"),
-    (["--min-bytes", "nan"], "--min-bytes: 'nan', expected a size"),
-    (["--range-edges", ","], "--range-edges: ',', expected 1 to 16 positive sizes"),
-    (["--range-edges", "0"], "--range-edges: '0', expected a size from 1"),
-    (["--rel-tol", "nan"], "--rel-tol: 'nan', expected a number"),
-    (["--budget-s", "inf"], "--budget-s: 'inf', expected a number"),
-    (["--min-reps", "0x4"], "--min-reps: '0x4', expected an integer"),
+    (["--min-bytes", "1e400"], "--min-bytes: got '1e400', expected a size from 4 to 1099511627776 bytes"),
+    (["--max-bytes", "1e999999999"], "--max-bytes: got '1e999999999', expected a size from 4 to"),
+    (["--min-bytes", "1e-999999999"], "--min-bytes: got '1e-999999999', expected a size from 4 to"),
+    (["--min-bytes", "1" * 100], "--min-bytes: got '" + "1" * 39 + "..., expected a size from 4"),
+    (["--max-bytes", "2TiB"], "--max-bytes: got '2TiB', expected a size from 4 to"),
+    (["--min-bytes", "2"], "--min-bytes: got '2', expected a size from 4"),
+    (["--min-bytes", "1MiB", "--max-bytes", "1KiB"], "--min-bytes: got '1MiB', expected at least 4 bytes and at most"),
+    (["--min-bytes", "nan"], "--min-bytes: got 'nan', expected a size"),
+    (["--range-edges", ","], "--range-edges: got ',', expected 1 to 16 positive sizes"),
+    (["--range-edges", "0"], "--range-edges: got '0', expected a size from 1"),
+    (["--rel-tol", "nan"], "--rel-tol: got 'nan', expected a number"),
+    (["--budget-s", "inf"], "--budget-s: got 'inf', expected a number"),
+    (["--min-reps", "0x4"], "--min-reps: got '0x4', expected an integer"),
 ])
 def test_bad_calibrate_comms_flag_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, torchrun_env: None,
                                               flags: list[str], expected: str) -> None:
@@ -461,7 +461,7 @@ def test_bad_torchrun_environment_is_one_line(tmp_path: Path, capsys: pytest.Cap
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "2")
     code, err = run_cli(["calibrate-comms", "--out", str(tmp_path)], capsys)
-    assert code == 2 and err == ["pipescope: error: RANK: 2, expected an integer from 0 to 1"]
+    assert code == 2 and err == ["pipescope: error: RANK: got 2, expected an integer from 0 to 1"]
 
 
 # ---------------------------------------------------------------- no torch

@@ -111,10 +111,10 @@ def test_spread_and_thread_flags_are_checked(tmp_path: Path) -> None:
     assert (config.timing.max_spread, config.timing.retries, config.threads) == (1.25, 0, 0)
     defaults = config_of([], tmp_path)
     assert (defaults.timing.max_spread, defaults.timing.retries, defaults.threads) == (2.0, 2, None)
-    for flags, message in ((["--max-spread", "1"], "--max-spread: 1.0, expected a number above 1"),
-                           (["--max-spread", "nan"], "--max-spread: 'nan'"),
-                           (["--retries", "-1"], "--retries: -1, expected an integer from 0"),
-                           (["--threads", "0"], "--threads: 0, expected an integer from 1 to .*, or auto")):
+    for flags, message in ((["--max-spread", "1"], "--max-spread: got 1.0, expected a number above 1"),
+                           (["--max-spread", "nan"], "--max-spread: got 'nan'"),
+                           (["--retries", "-1"], "--retries: got -1, expected an integer from 0"),
+                           (["--threads", "0"], "--threads: got 0, expected an integer from 1 to .*, or auto")):
         with pytest.raises(UsageError, match=message):
             config_of(flags, tmp_path)
     comms = argparse.Namespace(warmup="1", min_reps="3", max_reps="5", rel_tol="0.02", budget_s="1")

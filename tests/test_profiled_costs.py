@@ -182,7 +182,7 @@ def test_missing_profile_and_bad_microbatch_are_refused(tmp_path: Path) -> None:
     """An empty folder has no profile.json; microbatch size 0 names the key."""
     with pytest.raises(ProfileError, match="has no profile.json"):
         ProfiledCosts.load(tmp_path, 2)
-    with pytest.raises(ValueError, match="model.microbatch_size: 0"):
+    with pytest.raises(ValueError, match="model.microbatch_size: got 0"):
         ProfiledCosts.load(make_profile(tmp_path / "p"), 0)
 
 

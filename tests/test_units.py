@@ -42,14 +42,14 @@ def test_calibration_flags_use_the_same_parser() -> None:
     """size_arg is parse_size with the flag in front of the message."""
     for text in ("1gib", "1TiB", "1e3", "512MB", "32KiB"):
         assert size_arg("--min-bytes", text) == parse_size(text)
-    with pytest.raises(UsageError, match=r"^--max-bytes: '1XB': unknown unit 'XB', expected one of B, KB"):
+    with pytest.raises(UsageError, match=r"^--max-bytes: got '1XB': unknown unit 'XB', expected one of B, KB"):
         size_arg("--max-bytes", "1XB")
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [
-    ("--min-bytes", "1.5B", "--min-bytes: '1.5B', expected a whole number of bytes"),
-    ("--max-bytes", "-1GiB", "--max-bytes: '-1GiB', expected a non-negative size"),
-    ("--range-edges", "1MiB,2furlongs", "--range-edges: '2furlongs': unknown unit 'furlongs', expected one of B, KB"),
+    ("--min-bytes", "1.5B", "--min-bytes: got '1.5B', expected a whole number of bytes"),
+    ("--max-bytes", "-1GiB", "--max-bytes: got '-1GiB', expected a non-negative size"),
+    ("--range-edges", "1MiB,2furlongs", "--range-edges: got '2furlongs': unknown unit 'furlongs', expected one of B"),
 ])
 def test_calibrate_comms_size_flags_report_the_flag(flag: str, value: str, message: str, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch,
