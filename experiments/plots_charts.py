@@ -12,7 +12,7 @@ from matplotlib.ticker import PercentFormatter
 
 from pipescope.experiments.plots_data import RunData, run_data
 from pipescope.experiments.plots_gantt import draw_memory
-from pipescope.experiments.plots_style import COLORS, LABELS, UNKNOWN_COLOR, plain, time_unit
+from pipescope.experiments.plots_style import COLORS, LABELS, UNKNOWN_COLOR, byte_unit, plain, time_unit
 from pipescope.simulator.result import SimResult
 
 SCHEDULE, MICROBATCHES, STAGES, REPLICAS = ("schedule.name", "schedule.microbatches", "schedule.stages",
@@ -133,7 +133,9 @@ def validate_figure(report: dict, title: str | None = None) -> Figure:
     axes[0].set_ylabel("iteration time (ms)")
     _paired_bars(axes[1], devices, "busy_s", 1e3, "busy time per iteration (ms)")
     if memory:
-        _paired_bars(axes[2], devices, "peak_memory_bytes", 2**-20, "peak memory (MiB)")
+        unit, unit_bytes = byte_unit(max(d[f"{side}_peak_memory_bytes"] for d in devices
+                                         for side in ("predicted", "measured")))
+        _paired_bars(axes[2], devices, "peak_memory_bytes", 1 / unit_bytes, f"peak memory ({unit})")
     fig.suptitle(plain(title or f"{report['schedule']}: p={report['stages']} m={report['microbatches']}, predicted "
                  f"vs measured (iteration time error {report['iteration_time_error']:+.1%})"))
     fig.tight_layout()

@@ -16,9 +16,10 @@ from matplotlib.patches import Patch
 
 from pipescope.experiments.plots_data import LANES, RunData, iteration_ends, run_data, unit_steps
 from pipescope.experiments.plots_style import (COLLECTIVE_COLOR, COLORS, COMM_COLORS, COMM_LABELS, LABELS, LINK_COLOR,
-                                               ODD_CHUNK_COLORS, UNKNOWN_COLOR, plain, time_unit)
+                                               ODD_CHUNK_COLORS, UNKNOWN_COLOR, byte_unit, plain, time_unit)
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.result import SimResult
+from pipescope.simulator.units import format_bytes
 
 MAX_LABELLED_OPS = 600  # beyond this, microbatch numbers turn into noise
 MAX_ROWS = 32  # beyond this many devices, rows are too thin to read: draw replica 0 only
@@ -176,23 +177,25 @@ def _draw_links(ax: Axes, links: dict[str, list[tuple[int, int]]], axis: Axis) -
 
 
 def draw_memory(ax: Axes, data: RunData, origin: float, scale: float) -> None:
-    """Each device's bytes in use (GiB) as a step line, held to the end of the run; the capacity as a dashed line
-    when a peak comes within half of it (farther off, it would flatten every line: the title says it instead)."""
+    """Each device's bytes in use as a step line, held to the end of the run, in the unit its peak reads best in;
+    the capacity as a dashed line when a peak comes within half of it (farther off, it would flatten every line: the
+    title says it instead)."""
     end = int(data.ops["end_ns"].max()) if len(data.ops) else 0
-    peak = 0.0
+    peak = max((float(used.max()) for _, used in data.memory if len(used)), default=0.0)
+    unit, unit_bytes = byte_unit(peak)
     for device, (times, used) in enumerate(data.memory):
         if not len(times):
             continue
         x = np.append(times, max(end, int(times[-1])))
-        y = np.append(used, used[-1]) / 2**30
+        y = np.append(used, used[-1]) / unit_bytes
         ax.step((x - origin) / scale, y, where="post", linewidth=1.0, label=f"device {device}")
-        peak = max(peak, float(y.max()))
-    cap = data.capacity_bytes / 2**30 if data.capacity_bytes else None
+    cap = data.capacity_bytes or None
     if cap is not None and peak >= cap / 2:
-        ax.axhline(cap, color="black", linestyle=":", linewidth=1.0, label="capacity")
-    ax.set_ylabel("memory (GiB)")
+        ax.axhline(cap / unit_bytes, color="black", linestyle=":", linewidth=1.0, label="capacity")
+    ax.set_ylabel(f"memory ({unit})")
     ax.set_ylim(bottom=0)
-    text = "bytes in use per device" + (f" (capacity {cap:g} GiB)" if cap is not None and peak < cap / 2 else "")
+    text = "bytes in use per device" + (f" (capacity {format_bytes(cap)})" if cap is not None and peak < cap / 2
+                                        else "")
     ax.set_title(text, fontsize=9, loc="left")
     if len(data.memory) <= 16:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)

@@ -45,6 +45,14 @@ def time_unit(span_ns: float) -> tuple[str, float]:
     return "us", 1e3
 
 
+def byte_unit(peak_bytes: float) -> tuple[str, int]:
+    """The axis unit (GiB, MiB or KiB) in which ``peak_bytes`` reads as at least 1: a 2.6 MiB run is not 0.0025 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if peak_bytes >= scale:
+            return unit, scale
+    return "KiB", 2**10
+
+
 def figure_bytes(fig: Figure, fmt: str) -> bytes:
     """The figure rendered as PNG, SVG or PDF. The figure stays open."""
     buffer = io.BytesIO()

@@ -20,6 +20,7 @@ from pipescope.experiments import plots_inputs
 from pipescope.experiments.plots import (COLORS, ODD_CHUNK_COLORS, bubble_figure, gantt_figure, memory_figure,
                                          run_data, throughput_figure, validate_figure)
 from pipescope.experiments.plots_inputs import read_sweep, run_from_trace
+from pipescope.experiments.plots_style import byte_unit
 from pipescope.experiments.tables import write_timeline
 from pipescope.simulator.check import unit_steps
 from pipescope.simulator.ir import ActionKind
@@ -200,14 +201,16 @@ def test_cli_gantt_from_a_config(cli, tmp_path: Path) -> None:
 
 
 def test_memory_figure_and_cli(twobw: pipescope.SimResult, cli, files: dict[str, Path], tmp_path: Path) -> None:
-    """One line per device, in GiB, peaking at the run's peak; PNG and SVG from the trace."""
+    """One line per device, in the unit the peak reads best in, peaking at the run's peak; PNG and SVG from the
+    trace."""
     fig = memory_figure(twobw)
     try:
         ax = fig.axes[0]
         assert [line.get_label() for line in ax.lines] == [f"device {d}" for d in range(4)]
         peak = max(line.get_ydata().max() for line in ax.lines)
-        assert peak == pytest.approx(twobw.peak_memory_bytes / 2**30)
-        assert ax.get_ylabel() == "memory (GiB)"
+        unit, unit_bytes = byte_unit(twobw.peak_memory_bytes)
+        assert peak == pytest.approx(twobw.peak_memory_bytes / unit_bytes) and 1 <= peak < 1024
+        assert ax.get_ylabel() == f"memory ({unit})"
     finally:
         plt.close(fig)
     for name in ("m.png", "m.svg"):
@@ -393,3 +396,8 @@ def test_a_title_with_tex_is_drawn_as_text(cli, files: dict[str, Path], tmp_path
     code, _, _ = cli(["plot", "memory", str(files["t.json.gz"]), "--title", "cost $\\frac{", "-o",
                       str(tmp_path / "t.png")])
     assert code == 0 and png_size(tmp_path / "t.png")[0] > 1000
+
+
+def test_byte_unit_reads_the_peak_as_at_least_one() -> None:
+    assert byte_unit(2.6 * 2**20) == ("MiB", 2**20)  # a small CPU run: 2.6 MiB, not 0.0025 GiB
+    assert byte_unit(80 * 2**30) == ("GiB", 2**30) and byte_unit(512) == ("KiB", 2**10)
