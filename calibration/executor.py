@@ -7,7 +7,9 @@ last microbatch whose gradient it applies (the simulator's names). Flush schedul
 gradient norm clipped over the whole pipeline; PipeDream's weight stashing and 2BW's two buffers with the delayed
 update step inside it (``executor_weights``). With ``data_parallel`` w > 1 there are w replicas of the pipeline
 (replica r's device d is rank r*D + d, the simulator's numbering), each on its own microbatches, and each stage's
-gradients are averaged over its replicas after its last backward (rows ``{stage}ALL_REDUCE{k}``). Each rank's memory
+gradients are averaged over its replicas after its last backward (rows ``{stage}ALL_REDUCE{k}``); the clipping norm's
+all-reduce over the pipeline is ``-1ALL_REDUCE{k}``. A receive's row spans its post to its wait's return (the latest
+the data can have arrived). Each rank's memory
 is tracked exactly in the first run of the program (``executor_memory``; the CUDA allocator's peak on GPUs).
 
 Module map: ``executor`` (this: RunSpec, RunResult, the worker and the launcher), ``executor_state`` (one rank's
@@ -42,10 +44,13 @@ from pipescope.calibration.executor_memory import RankMemory, cuda_peak, cuda_re
 from pipescope.calibration.executor_reference import Reference, reference_step
 from pipescope.calibration.executor_spec import RunSpec, p2p_order_mismatch
 from pipescope.calibration.executor_state import Rank, Row
+from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.lowering import lower, step_points
 
 __all__ = ["Reference", "RunError", "RunResult", "RunSpec", "execute", "execute_all", "execute_timed", "free_port",
            "launch", "reference_step"]
+
+RECEIVES = (ActionKind.RECV_F, ActionKind.RECV_B)  # timed by their wait, not their post
 
 
 @dataclass
@@ -146,10 +151,11 @@ def _run_spec(rank: int, spec: RunSpec, path: str, progress, groups: dict[str, o
         for step, action in enumerate(actions):
             progress[2 * rank + 1] = step
             _maybe_fail(spec, rank, step)
-            state.wait_inputs(action)
+            rows += state.wait_inputs(action)
             start = clock.stamp()
             state.run(action)
-            rows.append((str(action), action.kind.value, action.stage, action.microbatch, start, clock.stamp()))
+            if action.kind not in RECEIVES:  # a receive's row is its wait's (``wait_inputs``)
+                rows.append((str(action), action.kind.value, action.stage, action.microbatch, start, clock.stamp()))
             rows += state.after(step, points)
         progress[2 * rank + 1] = len(actions)
         rows += state.finish()

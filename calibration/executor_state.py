@@ -112,7 +112,7 @@ class Rank:
         self.last_run = last_run
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.received: dict[Action, tuple[torch.Tensor, object]] = {}
+        self.received: dict[Action, tuple[torch.Tensor, object, object]] = {}  # buffer, work, when posted
         self.arrived: dict[Action, torch.Tensor] = {}
         self.sends: list[object] = []
         self.sent: list[Action] = []
@@ -127,15 +127,19 @@ class Rank:
     def run(self, action: Action) -> None:
         getattr(self, f"_{action.kind.value.lower()}", _nothing)(action)
 
-    def wait_inputs(self, action: Action) -> None:
+    def wait_inputs(self, action: Action) -> list[Row]:
         """Wait for the transfer ``action`` consumes, before its timer starts: an op's time is its compute, and
-        the wait shows as the gap before it, as in the simulator's timeline."""
+        the wait shows as the gap before it, as in the simulator's timeline. The receive's row spans its post to the
+        wait's return: gloo's receives complete only in ``wait``, so that is the latest the data can have arrived
+        (the moment it did when the rank had to wait for it)."""
         kind = {K.F: K.RECV_F, K.I: K.RECV_B, K.B: K.RECV_B}.get(action.kind)
         recv = Action(action.stage, kind, action.microbatch) if kind is not None else None
-        if recv in self.received:
-            buffer, work = self.received.pop(recv)
-            work.wait()
-            self.arrived[recv] = buffer
+        if recv not in self.received:
+            return []
+        buffer, work, posted = self.received.pop(recv)
+        work.wait()
+        self.arrived[recv] = buffer
+        return [(str(recv), recv.kind.value, recv.stage, recv.microbatch, posted, self.clock.stamp())]
 
     # Compute --------------------------------------------------------------------------------------------------------
 
@@ -262,7 +266,8 @@ class Rank:
     def _post(self, a: Action, send: Action, peer: int) -> None:
         shape = (self.spec.microbatch_size, self.spec.shape.seq, self.spec.shape.hidden)
         buffer = torch.empty(shape, device=self.device)
-        self.received[a] = (buffer, dist.irecv(buffer, self.offset + peer, tag=_tag(send)))
+        posted = self.clock.stamp()
+        self.received[a] = (buffer, dist.irecv(buffer, self.offset + peer, tag=_tag(send)), posted)
         self.tracker.hold(buffer, "p2p", ("recv", a))
 
     # Gradient sync and the optimizer --------------------------------------------------------------------------------
@@ -330,7 +335,10 @@ class Rank:
         rows = [row for stage in sorted(self.stages) for row in self._reduced(stage)]
         squared = torch.tensor([squared_norm([s.grad for s in self.stages.values()])], dtype=torch.float64,
                                device=self.device)
+        start = self.clock.stamp()
         dist.all_reduce(squared, group=self.groups["pipeline"])
+        k = self.rule.last_microbatch(0)  # stage -1: the pipeline's, named as the simulator names its collective
+        rows.append((str(Action(-1, K.ALL_REDUCE, k)), K.ALL_REDUCE.value, -1, k, start, self.clock.stamp()))
         coefficient = clip_coefficient(float(squared), self.spec.clip_norm)
         return rows + [self._step(stage, 0, coefficient) for stage in sorted(self.stages)]
 

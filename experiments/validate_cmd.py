@@ -33,7 +33,8 @@ from pipescope.experiments.validate_stages import (
     relative_error as _relative,
     time_stages,
 )
-from pipescope.simulator.ir import COMPUTE_KINDS, ActionKind
+from pipescope.simulator.ir import COMPUTE_KINDS, Action, ActionKind
+from pipescope.simulator.lowering import comm_pair
 from pipescope.simulator.models import PRESETS
 
 
@@ -129,9 +130,9 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         result = run_prepared(built)
         backend = "gloo" if mode == CPU else "nccl"
         _phase(f"run ({result.schedule.num_devices} {backend} ranks, {warmup} warm-up + {iterations} iterations)")
-        measured, memory = _measure(result, result.config, iterations, warmup, timeout, args.device)
-    _write_measured(result, measured, args)
-    predicted = _compute_rows(result.timeline)
+        rows, memory = _measure(result, result.config, iterations, warmup, timeout, args.device)
+    _write_measured(result, rows, args)
+    predicted, measured = _compute_rows(result.timeline), _compute_rows(rows)
     report = {**_report(result, predicted, measured, memory), "op_times": op_times,
               "warnings": warnings + result.warnings}  # the simulation's too: unmeasured sizes, noisy rows
     if table is not None:
@@ -305,17 +306,16 @@ def _spec(schedule, config, iterations: int, warmup: int, timeout: int, device: 
 
 
 def _measure(result, config, iterations: int, warmup: int, timeout: int, device: str) -> tuple[pd.DataFrame, list]:
-    """Measured compute rows of every iteration (columns as the timeline's, times from the iteration's start), and
-    each rank's measured memory (``executor_memory.RankMemory``)."""
+    """Every measured row of every iteration (columns as the timeline's and ``iteration``, times from the
+    iteration's first compute op), and each rank's measured memory (``executor_memory.RankMemory``)."""
     from pipescope.calibration.executor import execute_timed
 
     run = execute_timed(_spec(result.schedule, config, iterations, warmup, timeout, device))
     frames = []
     for index, ranks in enumerate(run.rows):
         rows = [(device, *row) for device, device_rows in enumerate(ranks) for row in device_rows]
-        frame = pd.DataFrame(rows, columns=["device", "action", "kind", "stage", "microbatch", "start_ns", "end_ns"])
-        frame = _compute_rows(frame)
-        origin = frame["start_ns"].min()
+        frame = pd.DataFrame(rows, columns=ROW_COLUMNS)
+        origin = _compute_rows(frame)["start_ns"].min()
         frames.append(frame.assign(start_ns=frame["start_ns"] - origin, end_ns=frame["end_ns"] - origin,
                                    iteration=index))
     return pd.concat(frames, ignore_index=True), run.memory
@@ -323,21 +323,28 @@ def _measure(result, config, iterations: int, warmup: int, timeout: int, device:
 
 def _write_measured(result, measured: pd.DataFrame, args: argparse.Namespace) -> None:
     """``--timeline`` and ``--trace``: the first measured iteration as a result of the simulator's kind
-    (``result.with_timeline``), written by the simulator's own writers."""
+    (``result.with_timeline``), written by the simulator's own writers: the predicted timeline's rows, each with
+    its measured times, from the run's first row."""
     if not (args.timeline or args.trace):
         return
     from pipescope.experiments.tables import write_timeline
-    from pipescope.simulator.ir import Action
+    from pipescope.simulator.program import KINDS
     from pipescope.simulator.result import with_timeline
-    from pipescope.simulator.timeline import Timeline
     from pipescope.simulator.trace import write_trace
-    rows = measured[measured["iteration"] == 0]
-    actions = [Action(int(s), ActionKind(k), int(mb)) for s, k, mb in zip(rows["stage"], rows["kind"],
-                                                                            rows["microbatch"])]
-    n = len(actions)
-    records = Timeline.of(actions, rows["device"].to_numpy(np.int64), rows["start_ns"].to_numpy(np.int64),
-                          rows["end_ns"].to_numpy(np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int64),
-                          result.records.num_devices)
+    spans = measured_spans(measured[measured["iteration"] == 0], result.schedule.stage_to_device)
+    template = result.records
+    keys = zip(template.device.tolist(), (KINDS[k].value for k in template.kind), template.stage.tolist(),
+               template.microbatch.tolist())
+    found = [spans.get(key) for key in keys]
+    start = np.array([span[0] if span else 0 for span in found], np.int64)
+    end = np.array([span[1] if span else 0 for span in found], np.int64)
+    kept = np.array([span is not None for span in found], bool)
+    if not kept.all():  # every built-in schedule's run has every row; say so if one ever does not
+        missing = template.actions[int(np.flatnonzero(~kept)[0])]
+        print(f"pipescope validate: warning: {int((~kept).sum())} predicted rows were not measured (the first: "
+              f"{missing}); the measured timeline leaves them out", file=sys.stderr, flush=True)
+    origin = start[kept].min()
+    records = dataclasses.replace(template, start=start - origin, end=end - origin).subset(kept, template.num_devices)
     real = with_timeline(result, records)
     if args.timeline:
         write_timeline(real, args.timeline)
@@ -345,11 +352,36 @@ def _write_measured(result, measured: pd.DataFrame, args: argparse.Namespace) ->
         write_trace(real, args.trace)
 
 
+def measured_spans(rows: pd.DataFrame, stage_to_device) -> dict[tuple[int, str, int, int], tuple[int, int]]:
+    """(device, kind, stage, microbatch) -> (start_ns, end_ns) of one measured iteration's rows. A transfer's SEND
+    and RECV rows both span from the later of its two posts (neither side can move bytes before) to the receiver's
+    wait returning (its row's end): when the data arrived, or the latest it can have (docs/validation.md)."""
+    spans = {(int(d), k, int(s), int(mb)): (int(a), int(b)) for d, k, s, mb, a, b in
+             zip(rows["device"], rows["kind"], rows["stage"], rows["microbatch"], rows["start_ns"], rows["end_ns"])}
+    for (device, kind, stage, microbatch), (posted, _) in list(spans.items()):
+        producer = SENT_BY.get(kind)
+        if producer is None:
+            continue
+        _, recv = comm_pair(Action(stage, producer, microbatch), stage_to_device)
+        key = (stage_to_device[recv.stage], recv.kind.value, recv.stage, microbatch)
+        if key in spans:
+            start = max(posted, spans[key][0])
+            spans[device, kind, stage, microbatch] = spans[key] = (start, max(start, spans[key][1]))
+    return spans
+
+
+SENT_BY = {ActionKind.SEND_F.value: ActionKind.F, ActionKind.SEND_B.value: ActionKind.B}  # B, or I: the same pair
+
+
+ROW_COLUMNS = ["device", "action", "kind", "stage", "microbatch", "start_ns", "end_ns"]  # the executor's rows
+
+
 def _compute_rows(frame: pd.DataFrame) -> pd.DataFrame:
-    """F, I, W, B and the optimizer steps (OPT): the ops that take a device's compute time on both sides."""
+    """F, I, W, B and the optimizer steps (OPT), with ``iteration`` if the frame has it: the ops that take a
+    device's compute time on both sides."""
     kinds = {k.value for k in COMPUTE_KINDS | {ActionKind.OPT}}
     rows = frame[frame["kind"].isin(kinds)]
-    return rows[["device", "action", "kind", "stage", "microbatch", "start_ns", "end_ns"]].reset_index(drop=True)
+    return rows[[c for c in [*ROW_COLUMNS, "iteration"] if c in rows]].reset_index(drop=True)
 
 
 def _report(result, predicted: pd.DataFrame, measured: pd.DataFrame, memory: list) -> dict:

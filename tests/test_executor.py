@@ -204,7 +204,7 @@ def test_data_parallel_replicas_average_their_gradients_as_one_process_over_all_
         for key, weight in result.weights[0].items():
             assert torch.equal(result.weights[1][key], weight)
         for rank, rows in enumerate(result.rows[-1]):
-            reduced = [r for r in rows if r[1] == "ALL_REDUCE"]
+            reduced = [r for r in rows if r[1] == "ALL_REDUCE" and r[2] >= 0]  # -1: the clipping norm's
             stage = rank % 2
             m = spec.schedule.num_microbatches
             assert [r[0] for r in reduced] == [f"{stage}ALL_REDUCE{(k + 1) * m - 1}"
@@ -442,19 +442,42 @@ def test_a_flush_steps_share_the_gradient_norm_before_them_by_their_durations():
 
 
 def _check_measured_files(timeline, trace, report: dict) -> None:
-    """The measured iteration in the simulator's timeline columns and trace format: every op of both devices
-    (F, B and the optimizer steps of 1F1B p=2 m=4), spans inside the measured iteration."""
+    """The measured iteration in the simulator's timeline columns and trace format: every row of both devices
+    (1F1B p=2 m=4: F, B, the optimizer steps, each transfer on both sides and the clipping norm's all-reduce),
+    spans inside the measured iteration; a transfer's two rows share a span that ends before its consumer starts."""
     import gzip
     import json
 
     import pandas as pd
     frame = pd.read_csv(timeline)
     assert list(frame.columns[:4]) == ["device", "stream", "action", "kind"]
-    assert sorted(frame["kind"].unique()) == ["B", "F", "OPT"]
-    assert len(frame) == 2 * (4 + 4 + 1) and (frame["stream"] == "compute").all()
+    assert sorted(frame["kind"].unique()) == ["ALL_REDUCE", "B", "F", "OPT", "RECV_B", "RECV_F", "SEND_B", "SEND_F"]
+    assert len(frame) == 2 * (4 + 4 + 1 + 4 + 4 + 1)
+    assert set(frame.loc[frame["device"] == 0, "stream"]) == {"compute", "send->1", "recv<-1", "collective"}
     assert (frame["start_ns"] <= frame["end_ns"]).all() and frame["start_ns"].min() == 0
+    span = {(d, a): (s, e) for d, a, s, e in zip(frame["device"], frame["action"], frame["start_ns"], frame["end_ns"])}
+    for k in range(4):
+        assert span[0, f"0SEND_F{k}"] == span[1, f"1RECV_F{k}"] and span[1, f"1RECV_F{k}"][1] <= span[1, f"1F{k}"][0]
+        assert span[1, f"1SEND_B{k}"] == span[0, f"0RECV_B{k}"] and span[0, f"0RECV_B{k}"][1] <= span[0, f"0B{k}"][0]
+        assert span[0, f"0F{k}"][1] <= span[0, f"0SEND_F{k}"][0]  # sent after the F that made it
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     ops = [e for e in events if e["ph"] == "X"]
     assert {e["args"]["action"] for e in ops} == set(frame["action"])
     assert any(e["ph"] == "C" and e["name"] == "memory" for e in events)
     assert max(e["ts"] + e["dur"] for e in ops) * 1e3 <= report["measured_iteration_time_s"] * 1e9 * 3
+
+
+def test_a_measured_transfer_spans_from_the_later_post_to_the_receivers_wait():
+    """Both rows of a transfer get one span: it cannot move before both sides posted, and it had arrived when the
+    receiver's wait returned."""
+    import pandas as pd
+
+    from pipescope.experiments.validate_cmd import measured_spans
+    rows = pd.DataFrame([(0, "0SEND_F0", "SEND_F", 0, 0, 10, 11), (1, "1RECV_F0", "RECV_F", 1, 0, 5, 30),
+                         (1, "1SEND_B0", "SEND_B", 1, 0, 40, 41), (0, "0RECV_B0", "RECV_B", 0, 0, 50, 60),
+                         (1, "1F0", "F", 1, 0, 30, 39)],
+                        columns=["device", "action", "kind", "stage", "microbatch", "start_ns", "end_ns"])
+    spans = measured_spans(rows, (0, 1))
+    assert spans[0, "SEND_F", 0, 0] == spans[1, "RECV_F", 1, 0] == (10, 30)  # sent after the receive was posted
+    assert spans[1, "SEND_B", 1, 0] == spans[0, "RECV_B", 0, 0] == (50, 60)  # the receive posted after the send
+    assert spans[1, "F", 1, 0] == (30, 39)
