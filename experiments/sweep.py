@@ -312,12 +312,18 @@ def run_sweep(plan: SweepPlan, out: str | os.PathLike, executor: Executor | None
         chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
         own = executor is None and bool(chunks)
         pool = process_pool(min(workers, len(chunks))) if own else executor
+        ids = [item.run_id for item in plan.runs]
         try:
             lost = drain(pool, chunks, log, 2 * workers, _bar(len(plan.runs), len(plan.runs) - len(todo), progress))
+        except KeyboardInterrupt:  # the tables of what is logged, to look at; the same command resumes the rest
+            partial = write_results(Path(out), ids)
+            print(f"pipescope: interrupted: wrote {Path(out) / 'results.parquet'} and results.csv with the "
+                  f"{len(partial)} of {len(ids)} runs logged; run the same command again to resume", file=sys.stderr)
+            raise
         finally:
             if own:
                 pool.shutdown(wait=True, cancel_futures=True)
-        frame = write_results(Path(out), [item.run_id for item in plan.runs])
+        frame = write_results(Path(out), ids)
     return SweepReport(frame, len(todo) - len(lost), len(plan.runs) - len(todo), lost, time.perf_counter() - started,
                        Path(out))
 

@@ -143,8 +143,8 @@ def test_killed_sweep_resumes_without_repeating_finished_runs(tmp_path) -> None:
 
 
 def test_sigterm_stops_a_sweep_as_ctrl_c_and_leaves_no_worker(tmp_path) -> None:
-    """`kill PID` (the sweep alone, not its group): the chunks running are logged, the pool is shut down, and no
-    worker is left behind parented to init, as the default SIGTERM left them."""
+    """`kill PID` (the sweep alone, not its group): the chunks running are logged, the tables hold what is logged,
+    the pool is shut down, and no worker is left behind parented to init, as the default SIGTERM left them."""
     import psutil
     path = experiment(tmp_path, schedule={"name": "1f1b", "stages": 8, "microbatches": 64},
                       sweep={"seed": list(range(40))})
@@ -159,7 +159,10 @@ def test_sigterm_stops_a_sweep_as_ctrl_c_and_leaves_no_worker(tmp_path) -> None:
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "pipescope: stopping: logging the" in err
-    assert 3 <= len(read_rows(out / "runs.jsonl")) < 40
+    logged = read_rows(out / "runs.jsonl")
+    assert 3 <= len(logged) < 40
+    assert f"wrote {out / 'results.parquet'} and results.csv with the {len(logged)} of 40 runs logged" in err
+    assert sorted(pd.read_csv(out / "results.csv")["run_id"]) == sorted(row["run_id"] for row in logged)
     time.sleep(1)
     left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline", "create_time"])
             if p.info["create_time"] >= started and "multiprocessing" in " ".join(p.info["cmdline"] or [])]
