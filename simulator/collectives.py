@@ -105,10 +105,12 @@ class Collectives:
     one server) falls back to the ring.
     """
 
-    def __init__(self, fabric: FlowFabric, algorithm: str = "auto"):
+    def __init__(self, fabric: FlowFabric, algorithm: str = "auto", lanes: Sequence[Sequence[int]] | None = None):
+        """``lanes``: per device, its GPUs' endpoints under tensor parallelism (``RoutedNetwork``); each runs its own
+        copy of the collective over the same GPU of every member, at once."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"got {algorithm!r}, expected one of {', '.join(ALGORITHMS)}")
-        self.fabric, self.algorithm = fabric, algorithm
+        self.fabric, self.algorithm, self.lanes = fabric, algorithm, lanes
         self.server_of = [fabric.graph.nodes[node].get("node", 0) for node in fabric.endpoints]
         self._chosen: dict[tuple, tuple[str, list[Phase]]] = {}
 
@@ -117,13 +119,23 @@ class Collectives:
         key = (kind, tuple(group), nbytes)
         known = self._chosen.get(key)
         if known is None:
-            options = plans(kind, group, nbytes, self.server_of)
+            options = self._plans(kind, group, nbytes)
             if self.algorithm != "auto":
                 name = self.algorithm if self.algorithm in options else "ring"
             else:
                 name = min(options, key=lambda a: (self.estimate_ns(options[a]), a))
             known = self._chosen[key] = (name, options[name])
         return known
+
+    def _plans(self, kind: ActionKind, group: Sequence[int], nbytes: int) -> dict[str, list[Phase]]:
+        """``plans`` of the group; with lanes, every GPU's copy, phase by phase merged into one (the copies run at
+        once, in lockstep: the same algorithm over GPUs of the same servers has the same phases)."""
+        if self.lanes is None:
+            return plans(kind, group, nbytes, self.server_of)
+        copies = [plans(kind, [self.lanes[d][i] for d in group], nbytes, self.server_of)
+                  for i in range(len(self.lanes[0]))]
+        return {name: [Phase(tuple(t for phase in same for t in phase.transfers), same[0].steps)
+                       for same in zip(*(copy[name] for copy in copies))] for name in copies[0]}
 
     def estimate_ns(self, phases: list[Phase], key: int = 0) -> float:
         """The phases' time on an otherwise idle network (each phase one lockstep flow, as ``run`` runs it)."""

@@ -250,7 +250,7 @@ class FlowFabric:
         if flow.version != version:
             return  # re-planned since: a later call stands for this flow
         flow.version += 1
-        for e in flow.edges:
+        for e in set(flow.edges):  # once per edge: a lockstep flow may cross one twice, which is one busy span
             users = self.on_edge[e]
             users.discard(flow)
             if not users:

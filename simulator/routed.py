@@ -27,11 +27,20 @@ class RoutedNetwork:
         endpoints: the graph node each device runs on.
         seed: picks among equal-cost paths (ECMP), per flow.
         algorithm: ``auto`` (the fastest on the idle network, as NCCL's tuner) or ``ring``/``tree``/``hierarchical``.
+        lanes: under tensor parallelism, per device the graph nodes of its other GPUs, in order. Each GPU moves its
+            own slice of a transfer to the same GPU of the peer device, and joins its own copy of a collective over
+            the same GPU of every member (a data-parallel all-reduce of its gradient shard), all at once: where the
+            GPUs share a link (one NIC for a server) they share its bandwidth (docs/network.md).
     """
 
-    def __init__(self, graph: nx.DiGraph, endpoints: Sequence[str], seed: int = 0, algorithm: str = "auto"):
-        self.fabric = FlowFabric(graph, endpoints, seed)
-        self.collectives = Collectives(self.fabric, algorithm)
+    def __init__(self, graph: nx.DiGraph, endpoints: Sequence[str], seed: int = 0, algorithm: str = "auto",
+                 lanes: Sequence[Sequence[str]] = ()):
+        devices, width = len(endpoints), 1 + (len(lanes[0]) if lanes else 0)
+        self.fabric = FlowFabric(graph, [*endpoints, *(gpu for more in lanes for gpu in more)], seed)
+        # device d's GPUs as fabric endpoints: d itself, then its lanes after every device's first GPU
+        self.lanes = [[d, *range(devices + d * (width - 1), devices + (d + 1) * (width - 1))]
+                      for d in range(devices)] if width > 1 else None
+        self.collectives = Collectives(self.fabric, algorithm, self.lanes)
         self._src: list[int] = []
         self._dst: list[int] = []
         self._bytes: list[int] = []
@@ -46,12 +55,17 @@ class RoutedNetwork:
         for flow, pair in enumerate(zip(self._src, self._dst)):
             if pair[0] >= 0 and pair not in checked:
                 checked.add(pair)
-                if not self.fabric.routes(*pair):
-                    raise NetworkError(self._no_route(*pair), flow)
+                for a, b in self._lane_pairs(*pair):
+                    if not self.fabric.routes(a, b):
+                        raise NetworkError(self._no_route(pair[0], pair[1], a, b), flow)
 
-    def _no_route(self, src: int, dst: int) -> str:
+    def _lane_pairs(self, src: int, dst: int) -> list[tuple[int, int]]:
+        """The endpoint pairs a transfer from device ``src`` to ``dst`` moves between: one per GPU of a device."""
+        return [(src, dst)] if self.lanes is None else list(zip(self.lanes[src], self.lanes[dst]))
+
+    def _no_route(self, src: int, dst: int, a: int, b: int) -> str:
         ends = self.fabric.endpoints
-        return f"no route from device {src} ({ends[src]}) to device {dst} ({ends[dst]})"
+        return f"no route from device {src} ({ends[a]}) to device {dst} ({ends[b]})"
 
     def link_stats(self, makespan_ns: int) -> list[dict]:
         """Per directed edge that carried bytes: its ends, kind, bandwidth, bytes, busy time and utilisation (bytes
@@ -77,7 +91,14 @@ class RoutedNetwork:
                 "collective_algorithms": dict(sorted(self.algorithms_used.items()))}
 
     def start_transfer(self, clock: Clock, now: int, flow: int) -> int:
-        path = self.fabric.route(self._src[flow], self._dst[flow], flow)
+        """Start a transfer; with lanes, its GPUs' slices move in lockstep as one flow over all their edges (an edge
+        two slices cross counts twice), as a collective's phase does."""
+        src, dst = self._src[flow], self._dst[flow]
+        if self.lanes is None:
+            path = self.fabric.route(src, dst, flow)
+        else:
+            paths = [self.fabric.route(a, b, flow) for a, b in self._lane_pairs(src, dst)]
+            path = tuple(e for edges, _ in paths for e in edges), max(latency for _, latency in paths)
         self.fabric.start(clock, now, path, self._bytes[flow], lambda time: clock.finish_at(flow, time))
         return now
 

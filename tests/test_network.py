@@ -201,6 +201,43 @@ def test_two_pipelines_sharing_a_nic_take_longer_than_one_but_not_on_a_non_block
     assert forward_sends("dgx-h100", 2) == forward_sends("dgx-h100", 1)  # a NIC per GPU, rail fabric
 
 
+def test_lanes_through_one_nic_share_it_and_count_one_busy_span():
+    """Device d's two GPUs (lanes) each send 1 MB to the same GPU of device 1 through their server's one 1 GB/s
+    NIC: 2 ms for both slices, the NIC busy once for those 2 ms (an edge a lockstep flow crosses twice is one span)."""
+    graph = nx.DiGraph()
+    for server in (0, 1):
+        for gpu in (0, 1):
+            link(graph, f"s{server}.g{gpu}", f"s{server}.nic", 100 * GB, 0)
+        link(graph, f"s{server}.nic", "fabric", 1 * GB, 0)
+    network = RoutedNetwork(graph, ["s0.g0", "s1.g0"], lanes=[["s0.g1"], ["s1.g1"]])
+    assert time_alone(network, [(0, 1, 10**6, 0)]) == {0: 2_000_000}
+    assert network.busy_spans()["s0.nic>fabric"] == [(0, 2_000_000)]
+    network = RoutedNetwork(graph, ["s0.g0", "s1.g0"])  # the first GPU alone: half the bytes through the NIC
+    assert time_alone(network, [(0, 1, 10**6, 0)]) == {0: 1_000_000}
+
+
+def test_tensor_parallel_gpus_each_move_their_own_slice_through_the_nics_they_share():
+    """With t GPUs per device, each GPU sends its 1/t slice of an activation and all-reduces its own gradient shard:
+    through the one NIC of a pcie-box server the t slices take as long as t = 1's whole activation, and the NIC
+    carries all t shards; on dgx-h100 each GPU has its own NIC. (The first GPU alone once stood for the device.)"""
+    def result(topology: str, tensor: int, width: int, stages: int):
+        return run(load_config(None, [f"cluster.topology={topology}", "cluster.nodes=2", f"schedule.stages={stages}",
+                                      f"cluster.data_parallel={width}", f"parallel.tensor={tensor}",
+                                      "cluster.placement=spread", "model.preset=gpt-355m", "schedule.microbatches=2"]))
+
+    def send_ns(topology: str, tensor: int) -> float:
+        frame = result(topology, tensor, 1, 2).timeline  # stage 0 on node 0, stage 1 on node 1
+        sends = frame[(frame["kind"] == "SEND_F") & (frame["device"] == 0)]
+        return float((sends["end_ns"] - sends["start_ns"]).mean())
+
+    assert send_ns("pcie-box", 2) == pytest.approx(send_ns("pcie-box", 1), rel=1e-3)
+    assert send_ns("dgx-h100", 2) < 0.6 * send_ns("dgx-h100", 1)
+    for topology, sharing in (("pcie-box", 2), ("dgx-h100", 1)):
+        run2 = result(topology, 2, 2, 1)  # two replicas of one stage, one per server: a 2-member ring per GPU
+        shard = run2.stage_costs[0].params * 2  # bf16 gradients of one GPU; the ring moves each once per link
+        assert max(link["bytes"] for link in run2.links if link["kind"] == "nic") == sharing * shard
+
+
 # Faults ------------------------------------------------------------------------------------------------------------
 
 BASE = ["cluster.nodes=2", "schedule.stages=16", "model.preset=gpt-355m"]

@@ -103,10 +103,13 @@ class Cluster:
         return int(self.graph.graph.get("memory_bytes") or self.device_spec.memory_bytes)
 
     def network(self, seed: int = 0, algorithm: str = "auto", faults: FaultsConfig | None = None) -> RoutedNetwork:
-        """Routed, fair-shared flows between the placed devices, with the link faults applied."""
+        """Routed, fair-shared flows between the placed devices, with the link faults applied; under tensor
+        parallelism every GPU of a device moves its own share (``RoutedNetwork``'s lanes)."""
         faults = faults or FaultsConfig()
         graph = apply_link_faults(self.graph, faults.degraded_links, faults.failed_links)
-        return RoutedNetwork(graph, [self.gpus[rank] for rank in self.rank_of], seed, algorithm)
+        lanes = [[self.gpus[rank + i] for i in range(1, self.tensor)] for rank in self.rank_of] if self.tensor > 1 \
+            else []
+        return RoutedNetwork(graph, [self.gpus[rank] for rank in self.rank_of], seed, algorithm, lanes)
 
     def tensor_network(self, devices: int, seed: int = 0, algorithm: str = "auto",
                        faults: FaultsConfig | None = None) -> RoutedNetwork:
