@@ -10,7 +10,7 @@ import re
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
-from pipescope.config import ConfigError, load_config
+from pipescope.config import RANGES, ConfigError, load_config
 
 if TYPE_CHECKING:
     from pipescope.simulator.result import SimResult
@@ -161,7 +161,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _oom_exit(result: SimResult, allow_oom: bool) -> int:
     """EXIT_OOM with one line naming the worst device, unless the user asked to go on."""
-    ooms = result.oom()
+    ooms = result.oom
     if allow_oom or not ooms:
         return 0
     worst = max(ooms, key=lambda o: o["peak_memory_bytes"])
@@ -204,7 +204,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.file):
         return usage_error(f"FILE: {args.file!r} does not exist or is not a file")
     try:
-        schedule = read_csv(args.file, args.microbatches)
+        microbatches = None if args.microbatches is None else \
+            integer_flag("--microbatches", args.microbatches, *RANGES["schedule.microbatches"])
+    except ValueError as err:
+        return usage_error(str(err))
+    try:
+        schedule = read_csv(args.file, microbatches)
     except ValueError as err:
         return usage_error(f"FILE: {args.file!r}: {err}")
     try:
@@ -271,7 +276,7 @@ def build_parser() -> Parser:
     p.set_defaults(func=cmd_schedules)
     p = sub.add_parser("check", help="check a schedule CSV (torch's format) for malformed actions and deadlocks")
     p.add_argument("file", metavar="FILE.csv")
-    p.add_argument("--microbatches", type=decimal, help="microbatches per iteration (default: inferred from the file)")
+    p.add_argument("--microbatches", help="microbatches per iteration (default: inferred from the file)")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("bench", help="time the engine against a heapq list-scheduler floor")
     p.add_argument("--repeat", type=decimal, default=5, help="runs per case; medians are reported (default 5)")

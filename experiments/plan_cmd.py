@@ -194,5 +194,6 @@ def _reason_class(reason: str) -> str:
 
 
 def _label(row: dict) -> str:
-    return (f"{row['schedule']} w={row['width']} d={row['depth']} t={row['tensor']}{' sp' if row['sequence'] else ''}"
+    sequence = "on" if row["sequence"] else "off"
+    return (f"{row['schedule']} w={row['width']} d={row['depth']} t={row['tensor']} sp={sequence}"
             f" mb={row['microbatch_size']} recompute={row['recompute']} vocab={row['vocab']}")

@@ -162,6 +162,9 @@ def check_request(request: PlanRequest) -> None:
     from pipescope.simulator.schedules import named_generator
 
     for name in request.schedules:  # a typo fails before any work, not once per candidate
+        if name.startswith(("csv:", "torch:")):
+            raise ConfigError(f"--schedules: got {name!r}, expected generator names (a csv: or torch: schedule has "
+                              "its size fixed, so the planner cannot vary its depth or microbatches)")
         try:
             named_generator(name)
         except ValueError as err:

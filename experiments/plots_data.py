@@ -84,16 +84,20 @@ def from_ops(ops: pd.DataFrame, memory: list[tuple[np.ndarray, np.ndarray]], tit
 
     Replica r runs the stages of replica 0 on devices r x D + d, so D is the device count over the number of devices
     that run stage 0. An OPT row ``3OPT7`` closes the iteration whose last microbatch is 7, which gives the iteration
-    size when ``microbatches`` is not given.
+    size; ``microbatches`` stands in where no row does (ValueError naming the flag when it contradicts them).
     """
     stage0 = ops.loc[(ops["lane"] == "compute") & (ops["stage"] == 0), "device"].nunique()
     devices = int(ops["device"].max()) + 1 if len(ops) else 1
     pipeline = max(1, devices // max(1, stage0))
     chunks = max(1, (int(ops["stage"].max()) + 1) // pipeline) if len(ops) else 1
-    if microbatches is None:
-        steps = ops.loc[ops["kind"] == OPT, "microbatch"]
-        microbatches = int(steps.min()) + 1 if len(steps) else 0
-    return RunData(ops, pipeline, chunks, microbatches, memory, None, links or {}, title)
+    steps = ops.loc[ops["kind"] == OPT, "microbatch"]
+    if len(steps):
+        found = int(steps.min()) + 1
+        if microbatches is not None and microbatches != found:
+            raise ValueError(f"--microbatches: got {microbatches}, but the file's OPT rows close an iteration every "
+                             f"{found} microbatches; expected {found}, or no --microbatches")
+        microbatches = found
+    return RunData(ops, pipeline, chunks, microbatches or 0, memory, None, links or {}, title)
 
 
 def iteration_ends(ops: pd.DataFrame, microbatches: int, end: str = "end_ns") -> list[float]:

@@ -20,6 +20,9 @@ from pipescope.simulator.trace import KIND_NAMES
 MAX_FILE_BYTES = 512 * 2**20  # read (after gunzip); a trace of the largest run pipescope simulates is about this
 MAX_UNPACKED_BYTES = 4 * MAX_FILE_BYTES  # a Parquet file's columns once decompressed
 MAX_ROWS = 5_000_000  # actions or sweep rows: the largest run has about 3.5 million
+# A trace's events, counted before parsing: each becomes Python dicts of about 400 bytes, so a trace costs far more
+# memory than a timeline of the same rows (plot a big run from its timeline).
+MAX_TRACE_EVENTS = 2_000_000
 MAX_INDEX = 10**9  # stages, microbatches (as ir.MAX_ACTION_INDEX)
 MAX_DEVICE = 99_999  # the config's limit on GPUs placed is 100,000
 MAX_NS = 1 << 53  # as timeline.MAX_RUN_NS: 104 days
@@ -57,8 +60,13 @@ def _refuse_constant(name: str) -> None:
 
 def read_json(path: str) -> Any:
     """A JSON document; NaN and Infinity (which JSON does not have) are refused."""
+    data = read_bytes(path)
+    events = data.count(b'"ph"')  # at least one per trace event: a cheap bound before any object is built
+    if events > MAX_TRACE_EVENTS:
+        raise ValueError(f"INPUT: {_name(path)} has about {events:,} trace events, expected at most "
+                         f"{MAX_TRACE_EVENTS:,} (a run that big plots from its --timeline)")
     try:
-        return json.loads(read_bytes(path), parse_constant=_refuse_constant)
+        return json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as err:
         if str(err).startswith("INPUT:"):
             raise
@@ -94,8 +102,8 @@ def run_from_trace(doc: dict, path: str, microbatches: int | None) -> RunData:
     """A Chrome trace (``simulate --trace``): op rows from its ``X`` events, memory from its counters, links from
     its ``network`` process."""
     events = doc["traceEvents"]
-    if len(events) > MAX_ROWS:
-        raise ValueError(f"INPUT: {_name(path)} has {len(events):,} events, expected at most {MAX_ROWS:,}")
+    if len(events) > MAX_TRACE_EVENTS:
+        raise ValueError(f"INPUT: {_name(path)} has {len(events):,} events, expected at most {MAX_TRACE_EVENTS:,}")
     try:
         threads, network = _trace_names(events)
         rows, memory, links = [], {}, {}

@@ -45,7 +45,7 @@ def _totals(result: SimResult) -> list[str]:
         return lines  # uniform costs without byte sizes: nothing to say about memory
     lines.append(f"peak memory {format_bytes(result.peak_memory_bytes)}"
                  + (f" of {format_bytes(cap)} per device" if cap else ""))
-    for oom in result.oom():
+    for oom in result.oom:
         lines.append(f"OOM: device {oom['device']} needs {format_bytes(oom['peak_memory_bytes'])} "
                      f"({oom['peak_memory_bytes']} bytes) of {format_bytes(oom['capacity_bytes'])}")
     return lines

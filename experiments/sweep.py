@@ -247,7 +247,7 @@ def resolved_columns(result: SimResult) -> dict[str, Any]:
 def _metrics(result: SimResult) -> dict[str, Any]:
     return {"iteration_time_s": result.iteration_time_s, "throughput_samples_per_s": result.throughput_samples_per_s,
             "bubble_rate": result.bubble_rate, "peak_memory_bytes": result.peak_memory_bytes,
-            "memory_capacity_bytes": result.memory_capacity_bytes, "oom": bool(result.oom()), "mfu": result.mfu,
+            "memory_capacity_bytes": result.memory_capacity_bytes, "oom": bool(result.oom), "mfu": result.mfu,
             "gpus": result.records.num_devices, "exposed_allreduce_s": result.exposed_allreduce_s}
 
 

@@ -100,8 +100,10 @@ class SimResult:
         """The most gradient all-reduce time any device spends not hidden behind its compute."""
         return max((d.exposed_allreduce_s for d in self.devices), default=0.0)
 
+    @property
     def oom(self) -> list[dict]:
-        """Devices whose peak exceeds the device memory: device, needed and available bytes."""
+        """Devices whose peak exceeds the device memory: device, needed and available bytes (empty, so false, when
+        every device fits)."""
         cap = self.memory_capacity_bytes
         if cap is None:
             return []
@@ -125,7 +127,7 @@ class SimResult:
             "microbatches": s.num_microbatches,
             "iterations": s.iterations,
             "weight_update": s.weight_update,
-            "recompute": s.recompute,
+            "recompute": _recompute(self.config, s),
             "layers_per_stage": _layer_split(self.config),
             "iteration_time_s": self.iteration_time_s,
             "fill_drain_s": self.fill_drain_ns / 1e9,
@@ -135,7 +137,7 @@ class SimResult:
             "mfu": self.mfu,
             "peak_memory_bytes": self.peak_memory_bytes,
             "memory_capacity_bytes": self.memory_capacity_bytes,
-            "oom": self.oom(),
+            "oom": self.oom,
             "sim_wall_s": self.sim_wall_s,
             "ops": int(self.records.mask(Role.COMPUTE).sum()),
             "transfers": int(self.records.mask(Role.SEND).sum()),
@@ -152,6 +154,12 @@ class SimResult:
             "links": self.links,
             "kernels": self.kernels,
         }
+
+
+def _recompute(config: Any, schedule: Schedule) -> str:
+    """``none``, ``selective`` or ``full``: the config's mode (the schedule knows only whether F's are rerun)."""
+    mode = getattr(getattr(config, "schedule", None), "recompute", None)
+    return mode if isinstance(mode, str) else ("full" if schedule.recompute else "none")
 
 
 def _layer_split(config: Any) -> list[int] | None:

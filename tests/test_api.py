@@ -197,3 +197,14 @@ def test_check_config_returns_what_load_config_builds() -> None:
     for name in _shipped_configs():
         loaded = load_config(raw={k: v for k, v in read_yaml(name).items() if k not in EXPERIMENT_KEYS})
         assert check_config(loaded) == loaded, name
+
+
+def test_the_result_says_which_recompute_ran_and_oom_is_false_when_everything_fits() -> None:
+    """``summary()['recompute']`` is the mode, not whether forwards rerun (selective read as false); ``oom`` is an
+    attribute like every other result field, so ``if result.oom:`` means what it says."""
+    fits = pipescope.run(pipescope.load_config("demo", ["schedule.recompute=selective"]))
+    assert fits.summary()["recompute"] == "selective" and fits.oom == [] and not fits.oom
+    tight = pipescope.run(pipescope.load_config("demo", ["cluster.memory=4GiB"]))
+    assert tight.oom and {row["device"] for row in tight.oom} == {d.device for d in tight.devices
+                                                                 if d.peak_memory_bytes > 4 * 2**30}
+    assert tight.summary()["oom"] == tight.oom and tight.summary()["recompute"] == "none"

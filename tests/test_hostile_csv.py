@@ -132,6 +132,10 @@ def test_microbatch_beyond_the_given_count_is_a_finding(tmp_path, cli) -> None:
     assert err.splitlines() == [f"{path}: invalid schedule", "  device 0 step 2: 0F999999 has microbatch outside 0..0"]
     code, _, err = cli(["simulate", "--schedule", f"csv:{path}", "--microbatches", "1", "--set", "costs.kind=uniform"])
     assert code == 1 and err.count("\n") == 1 and "0F999999 has microbatch outside 0..0" in err
+    for bad in ("0", "-1", "1_0"):  # the flag is at fault, not the file
+        code, _, err = cli(["check", str(path), "--microbatches", bad])
+        assert code == 2 and err.startswith(f"pipescope: error: --microbatches: got '{bad}', expected an integer "
+                                            "from 1 to 500000"), err
 
 
 def test_good_files_still_read(tmp_path) -> None:

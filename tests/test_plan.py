@@ -65,7 +65,7 @@ def _exhaustive(request: PlanRequest) -> list[tuple[float, int, tuple]]:
         if screened.run is None:
             continue
         result = pipescope.run(screened.run.config)
-        if not result.oom():
+        if not result.oom:
             out.append((result.throughput_samples_per_s, result.peak_memory_bytes,
                         tuple(candidate.as_dict().values())))
     return sorted(out, key=lambda row: (-row[0], row[1]))
@@ -165,7 +165,9 @@ def test_cli_json_and_errors(cli) -> None:
                        (["--global-batch", "8", "--set", "cluster.fabric=mesh"], "cluster.fabric"),
                        (["--global-batch", "8", "--set", "schedule.stages=4"],
                         "--set: schedule.stages is what the planner searches, expected --depths instead"),
-                       (["--global-batch", "8", "--set", "model.preset=gpt-355m"], "expected --model instead")]:
+                       (["--global-batch", "8", "--set", "model.preset=gpt-355m"], "expected --model instead"),
+                       (["--global-batch", "8", "--schedules", "1f1b,csv:x.csv"], "--schedules: got 'csv:x.csv', "
+                        "expected generator names (a csv: or torch: schedule has its size fixed")]:
         code, out, err = cli(["plan", "--no-progress", *flags])
         assert code == 2 and err.count("\n") == 1 and key in err
 
@@ -174,6 +176,8 @@ def test_nothing_fits_is_a_finding(cli) -> None:
     code, out, _ = cli(["plan", "--model", "gpt-3.8b", "--topology", "dgx-a100", "--global-batch", "8",
                         "--memory-cap", "1GiB", "--schedules", "1f1b", "--workers", "1", "--no-progress"])
     assert code == 1 and "nothing fits" in out and "OOM" in out
+    examples = [line for line in out.splitlines() if line.startswith("rejected ")]
+    assert examples and all(" sp=off " in line or " sp=on " in line for line in examples)  # never left to absence
 
 
 def test_bad_request_is_a_config_error() -> None:

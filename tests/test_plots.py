@@ -185,6 +185,9 @@ def test_cli_gantt_png_svg_pdf(cli, files: dict[str, Path], tmp_path: Path) -> N
                         str(tmp_path / "g.svg")])
     assert code == 0 and "no memory panel" in err
     assert_svg(tmp_path / "g.svg")
+    code, _, err = cli(["plot", "gantt", str(files["t.json.gz"]), "--microbatches", "3", "-o", str(tmp_path / "x.png")])
+    assert code == 2 and "--microbatches: got 3, but the file's OPT rows close an iteration every 4 microbatches" \
+        in err and not (tmp_path / "x.png").exists()  # iteration ends would be drawn in the wrong places
     code, _, _ = cli(["plot", "gantt", str(files["t.csv"]), "--mode", "steps", "--format", "pdf", "-o",
                       str(tmp_path / "g.pdf")])
     assert code == 0 and (tmp_path / "g.pdf").read_bytes()[:5] == b"%PDF-"
@@ -315,6 +318,7 @@ def hostile_files(folder: Path, files: dict[str, Path]) -> dict[str, Path]:
         "bigpid.json": json.dumps({"traceEvents": [{**op, "pid": 10**7}]}).encode(),
         "badlane.json": json.dumps({"traceEvents": [{**op, "pid": 0}]}).encode(),  # no thread_name for its tid
         "bomb.json.gz": gzip.compress(b" " * (2 << 20)),
+        "many.json.gz": gzip.compress(json.dumps({"traceEvents": [op] * 1001}).encode()),  # over a bound of 1,000
     }
     paths = {}
     for name, data in made.items():
@@ -345,6 +349,7 @@ BAD = [
     (["gantt", "{bigpid.json}"], "pid: got '10000000', expected an integer from 0 to 99999"),
     (["gantt", "{badlane.json}"], "thread name: stream: got '', expected compute"),
     (["gantt", "{bomb.json.gz}"], "is over 1 MiB"),
+    (["gantt", "{many.json.gz}"], "has about 1,001 trace events, expected at most 1,000 (a run that big plots from"),
     (["gantt", "{negative.csv}"], "start_ns: got '-"),
     (["gantt", "{summary.json}"], "is a 'simulate --json' summary, which holds no op timeline"),
     (["gantt", "{validate.json}"], "is a 'validate --json' report (plot it with overlay)"),
@@ -371,6 +376,7 @@ def test_bad_input_is_one_line_and_exit_2(cli, files: dict[str, Path], tmp_path:
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(plots_inputs, "MAX_FILE_BYTES", 1 << 20)  # the gzip bomb: 2 MiB unpacked, over a 1 MiB bound
     monkeypatch.setattr(plots_inputs, "MAX_UNPACKED_BYTES", 2 << 20)  # the Parquet bomb: 4 MiB, over a 2 MiB bound
+    monkeypatch.setattr(plots_inputs, "MAX_TRACE_EVENTS", 1000)  # counted before the JSON is parsed
     names = {**{k: str(v) for k, v in files.items()}, **{k: str(v) for k, v in hostile_files(tmp_path, files).items()},
              "missing": str(tmp_path / "missing.json")}
     def fill(text: str) -> str:  # "{t.csv}" is that file's path (str.format would read ".csv" as an attribute)
