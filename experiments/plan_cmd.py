@@ -166,11 +166,21 @@ def summary(report: PlanReport, top: int) -> str:
                      f"{'sequence-parallel, ' if b['sequence'] else ''}recompute {b['recompute']}, "
                      f"vocabulary {b['vocab']}: "
                      f"{b['throughput_samples_per_s']:.1f} samples/s")
+        if b["schedule"] in NO_FLUSH:
+            lines.append(f"note: {b['schedule']} {NO_FLUSH[b['schedule']]}; its samples/s are the steady state, fill "
+                         "and drain left out. For the flush schedules' training semantics, leave it out of --schedules")
     groups = Counter(_reason_class(r["reason"]) for r in report.rejected)
     for reason, count in groups.most_common(REASONS_SHOWN):
         example = next(r for r in report.rejected if _reason_class(r["reason"]) == reason)
         lines.append(f"rejected {count}: {reason} (e.g. {_label(example)}: {example['reason']})")
     return "\n".join(lines)
+
+
+# What a winner without a flush changes in training, said beside it (docs/schedules.md, the weight update rules)
+NO_FLUSH = {"pipedream": "trains asynchronously: no flush, each microbatch's backward uses the weights its forward "
+                         "stashed, which lag the newest by up to depth - 1 updates",
+            "2bw": "updates the weights with a one-step delay (W(t+1) = W(t) - lr * grad f(W(t-1))), two weight "
+                   "versions, no flush"}
 
 
 def _ranked_table(rows: list[dict]) -> str:

@@ -172,6 +172,14 @@ def test_cli_json_and_errors(cli) -> None:
         assert code == 2 and err.count("\n") == 1 and key in err
 
 
+def test_a_winner_without_a_flush_says_what_it_changes_in_training(cli) -> None:
+    code, out, _ = cli(["plan", "--model", "gpt-355m", "--topology", "dgx-a100", "--global-batch", "16",
+                        "--schedules", "2bw", "--microbatch-sizes", "2", "--tensor", "1", "--depths", "2",
+                        "--workers", "1", "--no-progress"])
+    assert code == 0 and "\nbest: 2bw," in out
+    assert "\nnote: 2bw updates the weights with a one-step delay" in out and "steady state" in out
+
+
 def test_nothing_fits_is_a_finding(cli) -> None:
     code, out, _ = cli(["plan", "--model", "gpt-3.8b", "--topology", "dgx-a100", "--global-batch", "8",
                         "--memory-cap", "1GiB", "--schedules", "1f1b", "--workers", "1", "--no-progress"])
