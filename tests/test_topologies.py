@@ -194,7 +194,10 @@ def _bad_server(tmp_path: Path, old: str, new: str) -> str:
     ("bandwidth: 300GB/s", "bandwidth: -1", "edges[0]: bandwidth: got -1, expected 1MB/s to 1PB/s"),
     ("latency: 750ns", "latency: 2s", "edges[0]: latency: got '2s', expected 0 to 1 s"),
     ("kind: nvswitch, bandwidth", "kind: infiniband, bandwidth", "edges[0]: kind: got 'infiniband'"),
-    ("- {a: gpu1, b: nvswitch0", "- {a: pcie0, b: gpu0", "edges[2]: the link 'gpu0'-'pcie0' is also edges[1]"),
+    ("kind: nvswitch, bandwidth", "kind: pcie, bandwidth", "edges[0]: kind 'pcie' joins a gpu and a nvswitch, "
+                                                           "expected a pcie link between cpu-cpu, cpu-gpu"),
+    ("- {a: gpu1, b: nvswitch0, kind: nvswitch", "- {a: pcie0, b: gpu0, kind: pcie",
+     "edges[2]: the link 'gpu0'-'pcie0' is also edges[1]"),
     ("device: a100", "device: tpu", "device: got 'tpu', expected one of v100"),
     ("- {a: gpu1, b: nvswitch0, kind: nvswitch, bandwidth: 300GB/s, latency: 750ns}\n", "",
      "GPUs 'n0.gpu0' (rank 0) and 'n0.gpu1' (rank 1) are not connected"),
@@ -218,6 +221,12 @@ def test_bad_full_graphs_name_the_node_or_edge(tmp_path: Path) -> None:
     graph = load_topology("dgx-h100")
     graph.edges["n0.gpu1", "n0.nvswitch0"]["bandwidth"] = float("nan")
     with pytest.raises(ValueError, match=r"edge 'n0\.gpu1' -> 'n0\.nvswitch0': bandwidth: got nan"):
+        validate(graph, "t")
+    graph = load_topology("dgx-h100")
+    for a, b in (("n0.gpu1", "n0.nvswitch0"), ("n0.nvswitch0", "n0.gpu1")):
+        graph.edges[a, b]["kind"] = "nvlink"  # an NVLink is between two GPUs
+    with pytest.raises(ValueError, match=r"edge 'n0\.gpu1' -> 'n0\.nvswitch0': kind 'nvlink' joins a gpu and a "
+                                         r"nvswitch, expected a nvlink link between gpu-gpu"):
         validate(graph, "t")
     graph = load_topology("dgx-h100")
     graph.nodes["n0.cpu1"]["kind"] = "dpu"

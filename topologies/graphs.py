@@ -20,6 +20,16 @@ EDGE_KINDS = ("nvlink", "nvswitch", "pcie", "nic", "fabric")
 SWITCH_KINDS = ("nvswitch", "pcie", "leaf", "spine")
 SERVER_PART_KINDS = ("nvswitch", "pcie", "cpu", "nic")  # what a server may declare besides its GPUs
 SERVER_LINK_KINDS = ("nvlink", "nvswitch", "pcie")  # "nic" and "fabric" links are built by the fabric
+_PCIE_DEVICES = ("cpu", "gpu", "nic", "pcie")
+# The node kinds each edge kind joins (docs/topologies.md), as sorted pairs: a mislabelled link is refused
+EDGE_ENDS: dict[str, frozenset[tuple[str, str]]] = {
+    "nvlink": frozenset({("gpu", "gpu")}),
+    "nvswitch": frozenset({("gpu", "nvswitch"), ("nvswitch", "nvswitch")}),
+    "pcie": frozenset((a, b) for a in _PCIE_DEVICES for b in _PCIE_DEVICES if a <= b)
+    - {("gpu", "gpu"), ("nic", "nic")},
+    "nic": frozenset({("leaf", "nic")}),
+    "fabric": frozenset({("leaf", "spine")}),
+}
 FABRICS = ("rail", "fat-tree")
 
 MAX_NODES = 4096  # servers in one graph

@@ -22,9 +22,9 @@ from pipescope.simulator.safe_yaml import MAX_YAML_BYTES, YamlError, read_yaml_f
 from pipescope.simulator.units import parse_bandwidth, parse_size, parse_time, short_repr
 from pipescope.topologies.devices import DEVICES
 from pipescope.topologies.graphs import (
-    BANDWIDTH_RANGE, EDGE_KINDS, FABRICS, MAX_GPUS_PER_NODE, MAX_GRAPH_EDGES, MAX_GRAPH_VERTICES, MAX_LATENCY_NS,
-    BUILTINS, MAX_NODES, MAX_OVERSUBSCRIPTION, NODE_KINDS, SERVER_LINK_KINDS, SERVER_PART_KINDS, Link, Server,
-    build_cluster, builtin, fabric_size, topology_names,
+    BANDWIDTH_RANGE, EDGE_ENDS, EDGE_KINDS, FABRICS, MAX_GPUS_PER_NODE, MAX_GRAPH_EDGES, MAX_GRAPH_VERTICES,
+    MAX_LATENCY_NS, BUILTINS, MAX_NODES, MAX_OVERSUBSCRIPTION, NODE_KINDS, SERVER_LINK_KINDS, SERVER_PART_KINDS,
+    Link, Server, build_cluster, builtin, fabric_size, topology_names,
 )
 
 KEY = "cluster.topology"
@@ -243,6 +243,8 @@ def _link(entry: object, what: str, declared: dict[str, str], kinds: tuple[str, 
     if entry["a"] == entry["b"]:
         raise ValueError(f"{what}: a and b are both {entry['a']!r}, expected a link between two nodes")
     role = _choice(entry["kind"], f"{what}: kind", kinds)
+    if declared[entry["a"]] and declared[entry["b"]]:  # a server's parts; a full graph's are checked by validate
+        _check_ends(role, declared[entry["a"]], declared[entry["b"]], what)
     bandwidth, latency = _bandwidth(entry["bandwidth"], f"{what}: bandwidth"), _latency_ns(entry, what)
     reverse_bw = reverse_ns = None
     if "reverse" in entry:
@@ -472,13 +474,16 @@ def _check_node(vertex: object, data: dict, what: str, nodes: int, per_node: int
 def _check_edges(graph: nx.DiGraph, where: str) -> None:
     """Each edge's kind, bandwidth, latency and reverse edge: a fast test per edge, the detailed one on a miss."""
     low, high = BANDWIDTH_RANGE
-    adjacency = graph.adj
+    adjacency, kind = graph.adj, graph.nodes.data("kind")
     for a, b, data in graph.edges(data=True):
         bandwidth, latency, back = data.get("bandwidth"), data.get("latency_ns"), adjacency[b].get(a)
+        role, ends = data.get("kind"), tuple(sorted((kind[a], kind[b])))
         if not (a != b and type(bandwidth) in (float, int) and low <= bandwidth <= high
                 and type(latency) in (float, int) and 0 <= latency <= MAX_LATENCY_NS
-                and back is not None and data.get("kind") in EDGE_KINDS and back.get("kind") == data.get("kind")):
-            _check_edge(a, b, data, back, f"{where}: edge {short_repr(a)} -> {short_repr(b)}")
+                and back is not None and role in EDGE_KINDS and back.get("kind") == role and ends in EDGE_ENDS[role]):
+            what = f"{where}: edge {short_repr(a)} -> {short_repr(b)}"
+            _check_edge(a, b, data, back, what)
+            _check_ends(role, kind[a], kind[b], what)
 
 
 def _check_edge(a: str, b: str, data: dict, back: dict | None, what: str) -> None:
@@ -497,6 +502,13 @@ def _check_edge(a: str, b: str, data: dict, back: dict | None, what: str) -> Non
     if back.get("kind") != role:
         raise ValueError(f"{what}: kind {role!r} but the reverse edge's is {short_repr(back.get('kind'))}, "
                          f"expected one kind per link")
+
+
+def _check_ends(role: str, a: str, b: str, what: str) -> None:
+    """A link of kind ``role`` joins nodes of kinds ``a`` and ``b`` only where the contract says it may."""
+    if tuple(sorted((a, b))) not in EDGE_ENDS[role]:
+        allowed = ", ".join(f"{x}-{y}" for x, y in sorted(EDGE_ENDS[role]))
+        raise ValueError(f"{what}: kind {role!r} joins a {a} and a {b}, expected a {role} link between {allowed}")
 
 
 def _check_connected(graph: nx.DiGraph, where: str, gpus: list[str]) -> None:
