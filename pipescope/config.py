@@ -26,7 +26,7 @@ from pipescope.simulator.parallel import ParallelConfig, parse_recompute
 from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.safe_yaml import YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig
-from pipescope.simulator.units import parse_size, parse_time, short_repr
+from pipescope.simulator.units import parse_bandwidth, parse_flops, parse_size, parse_time, short_repr
 from pipescope.simulator.vocab import VocabMethod, vocab_method
 from pipescope.simulator.faults import FaultsConfig
 from pipescope.simulator.memory_runtime import RUNTIMES, MemoryConfig
@@ -95,7 +95,8 @@ CHOICES = {
 LIST_RANGES: dict[str, tuple[int, int]] = {"model.layers_per_stage": (1, 100_000)}
 MAX_LIST_ENTRIES = 100_000  # one entry per stage, and stages x chunks <= model.layers <= 100,000
 # Inclusive (low, high) of every float key that is not a time.
-FLOAT_RANGES = {"cluster.oversubscription": (1.0, MAX_OVERSUBSCRIPTION), "faults.jitter": (0.0, 1.0)}
+FLOAT_RANGES = {"cluster.oversubscription": (1.0, MAX_OVERSUBSCRIPTION), "faults.jitter": (0.0, 1.0),
+                "cluster.peak_flops": (1e9, 1e18), "cluster.memory_bandwidth": (1e6, 1e15)}
 # Fractions of a datasheet number a kernel reaches: in (0, 1].
 FRACTION_KEYS = {"costs.efficiency", "costs.memory_efficiency"}
 
@@ -107,6 +108,10 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
         return parse_time(value)
     if unit == "size":
         return parse_size(value)
+    if unit == "flops":
+        return parse_flops(value)
+    if unit == "bandwidth":
+        return parse_bandwidth(value)
     if unit == "recompute":
         return parse_recompute(value)
     if isinstance(kind, type) and issubclass(kind, enum.Enum):

@@ -183,7 +183,7 @@ def _with_precision(config: Config) -> Config:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     precision = m.precision or device.default_precision
-    if precision not in device.peak_flops:
+    if precision not in device.peak_flops and config.cluster.peak_flops is None:
         gpu = device.name.split("-")[0]  # the family: a machine may carry another memory size than the datasheet's
         raise ConfigError(f"model.precision: got {precision!r}, expected one of {', '.join(device.peak_flops)} on "
                           f"{config.cluster.topology} ({gpu} GPUs have no {precision} tensor cores)")
@@ -277,7 +277,8 @@ def _cluster(config: Config, devices: int) -> Cluster:
 
 
 def _peak(config: Config, cluster: Cluster) -> float:
-    return cluster.device_spec.peak_flops[config.model.precision]
+    """The device's dense peak at the run's precision: ``cluster.peak_flops``, else the datasheet's."""
+    return config.cluster.peak_flops or cluster.device_spec.peak_flops[config.model.precision]
 
 
 def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | None) -> None:
@@ -316,8 +317,9 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
     if isinstance(c, UniformCostsConfig):
         return c.costs(m.precision)
     if isinstance(c, AnalyticCostsConfig):
+        bandwidth = config.cluster.memory_bandwidth or cluster.device_spec.memory_bandwidth
         return AnalyticCosts(model, _peak(config, cluster), m.microbatch_size, m.precision, c.efficiency,
-                             layers_per_stage=m.layers_per_stage, memory_bandwidth=cluster.device_spec.memory_bandwidth,
+                             layers_per_stage=m.layers_per_stage, memory_bandwidth=bandwidth,
                              memory_efficiency=c.memory_efficiency, attention=m.attention,
                              split=_tensor_split(config, cluster, model, schedule))
     if not c.profile:

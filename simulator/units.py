@@ -23,6 +23,8 @@ _SIZE_UNITS_FOLDED = {unit.lower(): scale for unit, scale in SIZE_UNITS.items()}
 BANDWIDTH_UNITS = {"": 1.0, "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
                    "Kbit/s": 1e3 / 8, "Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8, "Tbit/s": 1e12 / 8,
                    "Gbps": 1e9 / 8, "GiB/s": 2.0**30}
+FLOPS_UNITS = {"": 1.0, "FLOP/s": 1.0, "GFLOP/s": 1e9, "TFLOP/s": 1e12, "PFLOP/s": 1e15,
+               "GFLOPS": 1e9, "TFLOPS": 1e12, "PFLOPS": 1e15}
 
 
 def short_repr(value: object, limit: int = 60) -> str:
@@ -95,6 +97,11 @@ def parse_size(value: object) -> int:
     if size.denominator != 1:
         raise ValueError(f"got {short_repr(value)}, expected a whole number of bytes")
     return int(size)
+
+
+def parse_flops(value: object) -> float:
+    """FLOP/s from ``'989TFLOP/s'``, ``'2.25PFLOPS'`` or a plain number."""
+    return _parse(value, FLOPS_UNITS, "compute rate", "'989TFLOP/s' or '2.25PFLOPS'")
 
 
 def parse_bandwidth(value: object) -> float:

@@ -5,12 +5,14 @@ per-kernel breakdown in ``simulate --json``."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from pipescope import load_config, run
+from pipescope.config import ConfigError
 from pipescope.calibration.profile_io import write_table
 from pipescope.simulator.costs import AnalyticCosts, Roofline, UniformCostsConfig, seconds_to_ns
 from pipescope.simulator.models import (
@@ -236,3 +238,24 @@ def test_roofline_without_memory_rate_times_flops_only() -> None:
     kernel = Kernel("x", "F", 2e12, 1e15)
     assert roofline.seconds(kernel) == 2.0 and roofline.bound(kernel) == "compute"
     assert roofline.seconds(Kernel("add", "F", 0, 1e9)) == 0.0
+
+
+def test_a_gpu_without_a_datasheet_is_its_peak_and_bandwidth_on_a_known_machine() -> None:
+    """``cluster.peak_flops`` and ``cluster.memory_bandwidth`` replace the datasheet's numbers in every kernel: at
+    twice the H100's both, every kernel (compute- or memory-bound) takes half; MFU is against the given peak."""
+    base = ["model.preset=gpt-355m", "schedule.stages=2", "schedule.microbatches=2"]
+    h100 = run(load_config(None, base))
+    spec = DEVICES["h100"]
+    double = run(load_config(None, [*base, f"cluster.peak_flops={2 * spec.peak_flops['bf16']:g}",
+                                    f"cluster.memory_bandwidth={2 * spec.memory_bandwidth / 1e12:g}TB/s"]))
+    for mine, theirs in zip(double.kernels, h100.kernels):
+        for k, (a, b) in enumerate(zip(mine["kernels"], theirs["kernels"])):
+            assert a["time_s"] == pytest.approx(b["time_s"] / 2, rel=1e-6), (k, a["kernel"])
+    assert double.mfu == pytest.approx(h100.mfu * h100.iteration_time_s / double.iteration_time_s / 2, rel=1e-9)
+    v100_bf16 = ["cluster.topology=p3.16xlarge", "model.precision=bf16", *base]  # V100 has no bf16 tensor cores
+    with pytest.raises(ConfigError, match="V100 GPUs have no bf16 tensor cores"):
+        run(load_config(None, v100_bf16))
+    assert run(load_config(None, [*v100_bf16, "cluster.peak_flops=100TFLOP/s"])).iteration_time_s > 0  # as told
+    for value, expected in (("5", "expected a number from 1e+09 to 1e+18"), ("9EFLOP/s", "unknown unit 'EFLOP/s'")):
+        with pytest.raises(ConfigError, match=f"cluster.peak_flops: got .*{re.escape(expected)}"):
+            load_config(None, [f"cluster.peak_flops={value}"])

@@ -26,7 +26,9 @@ class ClusterConfig:
 
     ``topology`` is a built-in name or a YAML/GraphML file; ``placement`` is ``linear`` (device d on GPU d),
     ``spread`` (round-robin over the nodes) or an explicit comma-separated list of GPU ranks, one per device
-    (replica r's device d is r * stages + d). ``memory`` overrides the device memory (YAML accepts ``40GiB``).
+    (replica r's device d is r * stages + d). ``memory`` overrides the device memory (YAML accepts ``40GiB``),
+    ``peak_flops`` its dense peak at the run's precision (``2250TFLOP/s``) and ``memory_bandwidth`` its HBM bandwidth
+    (``8TB/s``): with them a topology of a known GPU stands for one pipescope has no datasheet of.
     ``collective`` forces an all-reduce algorithm (``auto``: the fastest, as NCCL's tuner picks);
     ``bucket_size`` and ``overlap_grad_sync`` shape the data-parallel gradient all-reduce. ``host_cores``: the
     devices are CPU ranks on one host sharing this many cores (``simulator.host_cores``; unset: each computes on
@@ -40,6 +42,8 @@ class ClusterConfig:
     data_parallel: int = 1
     placement: str = "linear"
     memory: int | None = field(default=None, metadata={"unit": "size"})
+    peak_flops: float | None = field(default=None, metadata={"unit": "flops"})
+    memory_bandwidth: float | None = field(default=None, metadata={"unit": "bandwidth"})
     collective: str = "auto"
     bucket_size: int = field(default=DDP_BUCKET_BYTES, metadata={"unit": "size"})
     overlap_grad_sync: bool = True
