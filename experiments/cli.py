@@ -312,7 +312,11 @@ def _register_calibration(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would point at the top-level help; the subcommand's lists the flags meant
+        parser.exit(2, f"pipescope: error: unrecognized arguments: {' '.join(extra)} (see 'pipescope "
+                       f"{args.command} --help')\n")
     try:
         return args.func(args)
     except (ConfigError, ScheduleError) as err:

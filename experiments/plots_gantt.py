@@ -170,7 +170,8 @@ def _draw_links(ax: Axes, links: dict[str, list[tuple[int, int]]], axis: Axis) -
     """One row per link, busiest first (the order ``link_spans`` keeps), a bar wherever it carried a flow."""
     for row, spans in enumerate(links.values()):
         bars = [((start - axis.origin) / axis.scale, (end - start) / axis.scale) for start, end in spans]
-        ax.broken_barh(bars, (row - 0.35, 0.7), facecolors=LINK_COLOR, linewidth=0)
+        # a hairline edge, as the transfer lanes have: a 19 us span on a 250 ms axis is under a pixel and vanished
+        ax.broken_barh(bars, (row - 0.35, 0.7), facecolors=LINK_COLOR, edgecolor=LINK_COLOR, linewidth=0.5)
     ax.set_yticks(range(len(links)), [plain(name) for name in links], fontsize=7)
     ax.set_ylim(len(links) - 0.5, -0.5)  # busiest link at the top, like device 0 above
     ax.set_title("busiest links (busy while carrying a flow)", fontsize=9, loc="left")

@@ -334,6 +334,9 @@ def read_yaml(name: str) -> dict:
 
 def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None = None) -> Config:
     """Defaults, then the YAML file (or ``raw``), then each ``--set`` in order."""
+    if isinstance(sets, (str, bytes)):  # each character would be read as an override
+        raise ConfigError(f"sets: got {short_repr(sets)}, expected a list of dotted.key=value texts, e.g. "
+                          f"['schedule.stages=8']")
     return _check_combinations(_build(Config, config_tree(path, sets, raw), ""))
 
 

@@ -62,6 +62,8 @@ def test_library_errors_name_the_key_without_cli_terms() -> None:
     with pytest.raises(pipescope.ConfigError, match=r"^schedule\.name: got 'nope', expected one of") as err:
         pipescope.run(pipescope.Config(schedule=pipescope.ScheduleConfig("nope")))
     assert err.value.key == "schedule.name" and "--" not in str(err.value)
+    with pytest.raises(pipescope.ConfigError, match=r"^sets: got 'schedule.stages=8', expected a list of dotted"):
+        pipescope.load_config(None, "schedule.stages=8")  # a string, not a list: not read character by character
 
 
 def test_wheel_installs_only_the_pipescope_package(tmp_path: Path) -> None:

@@ -137,6 +137,14 @@ def test_schedules_lists_generators(cli) -> None:
     assert "1f1b" in out and "aliases: flush" in out and "torch:<Name>" in out
 
 
+def test_an_unknown_flag_points_at_the_subcommands_help(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--bogus"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err == ("pipescope: error: unrecognized arguments: --bogus (see 'pipescope "
+                                                 "simulate --help')\n")
+
+
 def test_console_script_argparse_error_is_one_line() -> None:
     """An unknown command through the real entry point: exit 2, one line."""
     proc = subprocess.run([sys.executable, "-m", "pipescope.experiments.cli", "frobnicate"], capture_output=True,

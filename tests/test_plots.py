@@ -126,6 +126,8 @@ def test_gantt_time_lanes_links_memory_and_iterations(twobw: pipescope.SimResult
         assert {"forward", "backward (I+W)", "optimizer step", "activation transfer", "gradient transfer",
                 "iteration ends"} <= set(legend(devices))
         assert legend(memory) == [f"device {d}" for d in range(4)]
+        spans = [c for c in links.collections if c.get_paths()]  # a bar per busy span, with a hairline edge
+        assert spans and all(c.get_linewidth()[0] > 0 for c in spans)  # (a span under a pixel would vanish)
         assert memory.get_ylabel() == "memory (GiB)" and devices.get_xlabel() == "" and "time (ms)" in \
             memory.get_xlabel()
     finally:
