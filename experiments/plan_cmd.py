@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from pipescope.config import ConfigError
 from pipescope.experiments.cli import choice_flag, integer_flag, usage_error
+from pipescope.experiments.processes import sigterm_as_ctrl_c
 from pipescope.experiments.sweep_cmd import DASK_ADDRESS, MAX_WORKERS
 from pipescope.simulator.units import parse_size, short_repr
 
@@ -77,6 +78,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         request, workers = _request(args)
+        sigterm_as_ctrl_c()  # a killed plan shuts its pool down, as Ctrl-C does
         if args.dask is None:
             report = plan(request, workers=workers, progress=not args.no_progress)
         else:

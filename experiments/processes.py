@@ -1,4 +1,5 @@
-"""Commands that start processes of their own (calibrate, torchrun), run so that stopping one stops them all.
+"""Commands that start processes of their own (calibrate, torchrun, a pool's workers), run so that stopping one
+stops them all.
 
 A command runs in a session of its own, so that its whole process group can be signalled (torchrun, in turn, starts
 each worker in a session of its own and stops them when it gets SIGTERM). Stops nest: gpu_session stops a validate
@@ -18,6 +19,17 @@ from typing import Any
 
 STOP_GRACE_S = 15  # how long a command past its timeout may take to stop its own children
 INTERRUPTED_GRACE_S = 5  # the same when this process itself is being stopped: its stopper waits STOP_GRACE_S
+
+
+def sigterm_as_ctrl_c() -> None:
+    """From now on SIGTERM (`kill PID`) stops this process as Ctrl-C does, so a sweep or a plan shuts its pool down
+    (the sweep logging its running chunks first). By default the process would die at once and leave the pool's
+    workers running, parented to init."""
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+
+def _raise_keyboard_interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def run_in_group(command: list[str], timeout_s: float, **popen: Any) -> subprocess.CompletedProcess | None:

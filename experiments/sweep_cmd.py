@@ -6,13 +6,13 @@ import argparse
 import importlib.util
 import os
 import re
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipescope.config import ConfigError
 from pipescope.experiments.cli import integer_flag, usage_error
+from pipescope.experiments.processes import sigterm_as_ctrl_c
 
 if TYPE_CHECKING:  # the simulator loads when a sweep runs, not for every 'pipescope --help'
     from pipescope.experiments.sweep import SweepPlan, SweepReport
@@ -66,7 +66,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         plan = expand(args.file)
     except (ConfigError, ValueError) as err:
         return usage_error(str(err))
-    signal.signal(signal.SIGTERM, _stop_as_ctrl_c)
+    sigterm_as_ctrl_c()
     try:
         report = _sweep(plan, options)
     except OSError as err:
@@ -75,12 +75,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(summary(plan, report))
     failed = int((report.frame["status"] != "ok").sum()) if len(report.frame) else 0
     return EXIT_FAILED_RUNS if failed or report.lost else 0
-
-
-def _stop_as_ctrl_c(_signum: int, _frame: object) -> None:
-    """SIGTERM (`kill PID`) stops a sweep as Ctrl-C does: the running chunks are logged and the pool shut down. By
-    default the process would die at once and leave its pool's workers running, parented to init."""
-    raise KeyboardInterrupt
 
 
 def _options(args: argparse.Namespace) -> SweepOptions:

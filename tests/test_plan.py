@@ -215,3 +215,30 @@ def test_a_space_with_no_candidate_names_the_flag(cli, flags: list[str], expecte
     nothing that says nothing fits and gives no reason."""
     code, out, err = cli(["plan", "--global-batch", "64", "--no-progress", *flags])
     assert (code, out) == (2, "") and err.startswith(f"pipescope: error: {expected}") and err.count("\n") == 1
+
+
+def test_sigterm_stops_a_plan_as_ctrl_c_and_leaves_no_worker() -> None:
+    """`kill PID` on a plan: exit 130 and its pool's workers stopped (they were left running, parented to init)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "pipescope.experiments.cli", "plan", "--model", "gpt-1.3b",
+                             "--topology", "dgx-a100", "--nodes", "4", "--global-batch", "512", "--workers", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(psutil.Process(proc.pid).children(recursive=True)) < 3:
+            time.sleep(0.05)  # the forkserver and its two workers: the pool is working
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    time.sleep(1)
+    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline", "create_time"])
+            if p.info["create_time"] >= started and "multiprocessing" in " ".join(p.info["cmdline"] or [])]
+    assert left == []
