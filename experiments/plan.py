@@ -118,9 +118,8 @@ _RATES: dict[tuple, float] = {}  # per worker process: (cluster, GPU ranks) -> t
 
 def _allreduce_floor(built, costs: list) -> int:
     """``bounds.allreduce_floor_ns`` over the run's routed network (analytic costs; otherwise 0, which leaves the
-    compute bound alone). With tensor parallelism the simulator runs a device's all-reduce from the first of its
-    GPUs, as ``Cluster.rank_of`` places it, so the floor is taken there too. Each group's rate is measured once
-    per process."""
+    compute bound alone). With tensor parallelism each of a device's GPUs all-reduces its own shard (the network's
+    lanes), so the rate is measured with them all. Each group's rate is measured once per process."""
     from pipescope.simulator.bounds import allreduce_floor_ns
     from pipescope.simulator.ir import ActionKind
     from pipescope.simulator.routed import RoutedNetwork, time_alone

@@ -17,13 +17,19 @@ SPACES = {
 }
 
 
+# Seconds on 2 workers. The default space simulates 248 candidates since every tensor-parallel GPU's gradient shard
+# crosses p3.16xlarge's shared NIC (45 before, when only the first GPU's did): its plans are slower, so fewer
+# compute-only bounds fall below the top 5 (docs/planner.md, "Speed").
+BUDGET_S = {"2bw-space": 60.0, "default-space": 150.0}
+
+
 @pytest.mark.benchmark
 @pytest.mark.parametrize("space", SPACES)
-def test_plan_64_gpus_under_a_minute(space: str) -> None:
-    """GPT 2.2B on 8 p3.16xlarge (64 V100-16GB), global batch 512: the whole search on 2 workers in at most 60 s
+def test_plan_64_gpus_in_its_budget(space: str) -> None:
+    """GPT 2.2B on 8 p3.16xlarge (64 V100-16GB), global batch 512: the whole search on 2 workers within its budget
     (docs/planner.md, "Speed", has the measured times)."""
     started = time.perf_counter()
     report = plan(SPACES[space], workers=2, progress=False)
     wall = time.perf_counter() - started
     assert report.gpus == 64 and report.best is not None
-    assert wall <= 60.0, f"{wall:.1f} s"
+    assert wall <= BUDGET_S[space], f"{wall:.1f} s"
