@@ -116,9 +116,8 @@ def size_arg(key: str, text: str, low: int = 1, high: int = MAX_MESSAGE_BYTES) -
         raise UsageError(f"{key}: got {short_repr(text, 40)}, {expected}")
     try:
         size = parse_size(text)
-    except ValueError as exc:
-        # parse_size says "got <value>, expected ..."; calibration's messages read "<key>: <value>, expected ...".
-        raise UsageError(f"{key}: got {str(exc).removeprefix('got ')}") from None
+    except ValueError as exc:  # parse_size says "got <value>, expected ...": the flag goes in front
+        raise UsageError(f"{key}: {exc}") from None
     if not low <= size <= high:
         raise UsageError(f"{key}: got {short_repr(text, 40)}, {expected}")
     return size

@@ -33,7 +33,7 @@ def resolve(preset: str | None, **overrides: int | None) -> Shape:
         shape = Shape("custom", **given)
     for name in fields:
         if getattr(shape, name) <= 0:
-            raise ValueError(f"--{name}: {getattr(shape, name)}, expected a positive integer")
+            raise ValueError(f"--{name}: got {getattr(shape, name)}, expected a positive integer")
     if shape.hidden % shape.heads:
         raise ValueError(f"--heads: got {shape.heads}, expected a divisor of --hidden {shape.hidden}")
     return shape
