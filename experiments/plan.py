@@ -118,8 +118,9 @@ _RATES: dict[tuple, float] = {}  # per worker process: (cluster, GPU ranks) -> t
 
 def _allreduce_floor(built, costs: list) -> int:
     """``bounds.allreduce_floor_ns`` over the run's routed network (analytic costs; otherwise 0, which leaves the
-    compute bound alone). With tensor parallelism each of a device's GPUs all-reduces its own shard (the network's
-    lanes), so the rate is measured with them all. Each group's rate is measured once per process."""
+    compute bound alone), and for a flush schedule ``_server_floor``: the larger. With tensor parallelism each of a
+    device's GPUs all-reduces its own shard (the network's lanes), so the rate is measured with them all. Each
+    group's rate is measured once per process."""
     from pipescope.simulator.bounds import allreduce_floor_ns
     from pipescope.simulator.ir import ActionKind
     from pipescope.simulator.routed import RoutedNetwork, time_alone
@@ -127,22 +128,69 @@ def _allreduce_floor(built, costs: list) -> int:
     config = built.config
     if built.model is None or config.cluster.data_parallel <= 1:
         return 0
-    network = None
+    network = built.network()
+    if not isinstance(network, RoutedNetwork):
+        return 0
 
     def ns_per_byte(group: list[int]) -> float:
-        nonlocal network
         key = (config.cluster, config.faults, config.seed, tuple(built.cluster.rank_of[d] for d in group))
         if key not in _RATES:
-            network = network or built.network()
-            if not isinstance(network, RoutedNetwork):
-                return 0.0
             one, two = (time_alone(network, collective=(ActionKind.ALL_REDUCE, group, n))[0]
                         for n in (RATE_PROBE_BYTES, 2 * RATE_PROBE_BYTES))
             _RATES[key] = max(0, two - one) / RATE_PROBE_BYTES
         return _RATES[key]
 
-    return allreduce_floor_ns(built.schedule, costs, config.model.precision, config.cluster.data_parallel,
-                              ns_per_byte)
+    groups = allreduce_floor_ns(built.schedule, costs, config.model.precision, config.cluster.data_parallel,
+                                ns_per_byte)
+    # A flush schedule's iteration holds all its all-reduces; a run of several (2BW, PipeDream) may end before a
+    # shared NIC's backlog binds (docs/planner.md, "Steady state"), so the server floor bounds flush schedules only
+    servers = _server_floor(built, costs, network) if built.schedule.iterations == 1 else 0
+    return max(groups, servers)
+
+
+def _server_floor(built, costs: list, network) -> int:
+    """Per iteration, the time every data-parallel group's all-reduce bytes take to enter the busiest server: each
+    group's bytes into each server under the algorithm that moves the fewest there (ring, tree or hierarchical,
+    whichever the run picks), summed over the groups, over the server's ingress bandwidth (every link into it from
+    outside). Groups that share a server's NIC (p3.16xlarge: one for 8 GPUs) share that bandwidth, which the
+    per-group floor leaves out."""
+    from pipescope.simulator.bounds import gradient_bytes_per_iteration
+    from pipescope.simulator.ir import ActionKind
+
+    collectives, fabric = network.collectives, network.fabric
+    server = collectives.server_of
+    devices, width = built.schedule.num_devices, built.config.cluster.data_parallel
+    entering: dict[int, float] = {}
+    for d, nbytes in enumerate(gradient_bytes_per_iteration(built.schedule, costs, built.config.model.precision)):
+        group = [r * devices + d for r in range(width)]
+        per_byte = [_ingress(phases, server) for phases in
+                    collectives.plans_of(ActionKind.ALL_REDUCE, group, RATE_PROBE_BYTES).values()]
+        for node in set().union(*per_byte):
+            least = min(moved.get(node, 0) for moved in per_byte) / RATE_PROBE_BYTES
+            entering[node] = entering.get(node, 0.0) + nbytes * least
+    capacity = _ingress_capacity(fabric)
+    return max((int(b / capacity[node]) for node, b in entering.items() if capacity.get(node)), default=0)
+
+
+def _ingress(phases: list, server: list[int]) -> dict[int, int]:
+    """Bytes a collective's phases move into each server from another."""
+    moved: dict[int, int] = {}
+    for phase in phases:
+        for src, dst, nbytes in phase.transfers:
+            if server[src] != server[dst]:
+                moved[server[dst]] = moved.get(server[dst], 0) + nbytes
+    return moved
+
+
+def _ingress_capacity(fabric) -> dict[int, float]:
+    """Per server, the bytes per ns all links into it from outside carry at most (fabric nodes are server -1)."""
+    nodes = fabric.graph.nodes
+    capacity: dict[int, float] = {}
+    for (a, b), rate in zip(fabric.names, fabric.capacity):
+        inside, outside = nodes[b].get("node", -1), nodes[a].get("node", -1)
+        if inside >= 0 and inside != outside:
+            capacity[inside] = capacity.get(inside, 0.0) + rate
+    return capacity
 
 
 RATE_PROBE_BYTES = 256 << 20  # large enough that every algorithm's latency is the same in both probes

@@ -92,11 +92,18 @@ def allreduce_floor_ns(schedule: Schedule, stage_costs: Sequence[StageCost], pre
     """
     if width <= 1:
         return 0
+    devices = schedule.num_devices
+    return max(int(nbytes * ns_per_byte([r * devices + d for r in range(width)]))
+               for d, nbytes in enumerate(gradient_bytes_per_iteration(schedule, stage_costs, precision)))
+
+
+def gradient_bytes_per_iteration(schedule: Schedule, stage_costs: Sequence[StageCost], precision: str) -> list[int]:
+    """Per device, the gradient bytes its data-parallel all-reduces move per iteration: its stages' gradients, once
+    per optimizer step (once an iteration; once a microbatch under PipeDream)."""
     grad_bytes = PRECISIONS[precision].grad_bytes
     per_device = [0] * schedule.num_devices
     for stage, device in enumerate(schedule.stage_to_device):
         per_device[device] += stage_costs[stage].params * grad_bytes
-    m, devices = schedule.num_microbatches, schedule.num_devices
+    m = schedule.num_microbatches
     steps = len({step_group(schedule.weight_update, m, microbatch) for microbatch in range(m)})
-    return max(int(steps * nbytes * ns_per_byte([r * devices + d for r in range(width)]))
-               for d, nbytes in enumerate(per_device))
+    return [steps * nbytes for nbytes in per_device]

@@ -119,7 +119,7 @@ class Collectives:
         key = (kind, tuple(group), nbytes)
         known = self._chosen.get(key)
         if known is None:
-            options = self._plans(kind, group, nbytes)
+            options = self.plans_of(kind, group, nbytes)
             if self.algorithm != "auto":
                 name = self.algorithm if self.algorithm in options else "ring"
             else:
@@ -127,7 +127,7 @@ class Collectives:
             known = self._chosen[key] = (name, options[name])
         return known
 
-    def _plans(self, kind: ActionKind, group: Sequence[int], nbytes: int) -> dict[str, list[Phase]]:
+    def plans_of(self, kind: ActionKind, group: Sequence[int], nbytes: int) -> dict[str, list[Phase]]:
         """``plans`` of the group; with lanes, every GPU's copy, phase by phase merged into one (the copies run at
         once, in lockstep: the same algorithm over GPUs of the same servers has the same phases)."""
         if self.lanes is None:

@@ -57,6 +57,29 @@ def test_allreduce_floor_binds_on_a_slow_network() -> None:
     assert pipescope.run(config).iteration_time_s * 1e9 >= floor
 
 
+def test_a_flush_schedules_floor_counts_every_group_through_a_shared_nic() -> None:
+    """8 replicas of a 2-stage, t = 4 GPT 2.2B on 8 p3.16xlarge: each server's one NIC takes both stages' gradient
+    shards, 4 lanes each. For a flush schedule the floor counts them together (twice the busiest group's alone) and
+    the simulation respects it; 2BW keeps the per-group floor, since its 3-iteration run ends before that backlog
+    binds (its simulated iteration is below the server floor)."""
+    from pipescope.experiments.plan import _server_floor
+
+    def floors(name: str) -> tuple[int, int, float]:
+        config = pipescope.load_config(raw={
+            "schedule": {"name": name, "stages": 2, "microbatches": 8},
+            "model": {"preset": "gpt-2.2b", "microbatch_size": 1, "precision": "fp16"},
+            "cluster": {"topology": "p3.16xlarge", "nodes": 8, "data_parallel": 8}, "parallel": {"tensor": 4}})
+        built = prepare(config)
+        costs = built.stage_costs()
+        return (_allreduce_floor(built, costs), _server_floor(built, costs, built.network()),
+                pipescope.run(config).iteration_time_s * 1e9)
+
+    floor, server, simulated = floors("1f1b")
+    assert floor == server <= simulated
+    group, server, simulated = floors("2bw")
+    assert server == pytest.approx(2 * group, rel=0.01) and group <= simulated < server
+
+
 def _exhaustive(request: PlanRequest) -> list[tuple[float, int, tuple]]:
     """Every candidate that runs and fits, simulated one by one in this process: (throughput, peak, key)."""
     out = []
