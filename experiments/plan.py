@@ -133,7 +133,9 @@ def _allreduce_floor(built, costs: list) -> int:
         return 0
 
     def ns_per_byte(group: list[int]) -> float:
-        key = (config.cluster, config.faults, config.seed, tuple(built.cluster.rank_of[d] for d in group))
+        # the tensor width too: the same first GPUs with other lanes are another network
+        key = (config.cluster, config.faults, config.seed, config.parallel.tensor,
+               tuple(built.cluster.rank_of[d] for d in group))
         if key not in _RATES:
             one, two = (time_alone(network, collective=(ActionKind.ALL_REDUCE, group, n))[0]
                         for n in (RATE_PROBE_BYTES, 2 * RATE_PROBE_BYTES))

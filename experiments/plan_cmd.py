@@ -74,24 +74,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Check the flags, plan, print the table or JSON; exit 2 on bad input."""
-    from pipescope.experiments.plan import plan
-
     try:
         request, workers = _request(args)
-        sigterm_as_ctrl_c()  # a killed plan shuts its pool down, as Ctrl-C does
-        if args.dask is None:
-            report = plan(request, workers=workers, progress=not args.no_progress)
-        else:
-            from pipescope.experiments.sweep import dask_executor
-
-            with dask_executor(args.dask, workers) as (executor, threads):
-                report = plan(request, executor, threads, progress=not args.no_progress)
+        with sigterm_as_ctrl_c():  # a killed plan shuts its pool down, as Ctrl-C does
+            report = _plan(request, workers, args)
     except (ConfigError, ValueError) as err:
         return usage_error(str(err))
     except OSError as err:
         return usage_error(f"--dask: {args.dask!r}: {err}, expected a running Dask scheduler")
     print(json.dumps(as_json(report)) if args.json else summary(report, request.top))
     return 0 if report.best is not None else EXIT_NOTHING_FITS
+
+
+def _plan(request: PlanRequest, workers: int, args: argparse.Namespace) -> PlanReport:
+    from pipescope.experiments.plan import plan
+
+    if args.dask is None:
+        return plan(request, workers=workers, progress=not args.no_progress)
+    from pipescope.experiments.sweep import dask_executor
+
+    with dask_executor(args.dask, workers) as (executor, threads):
+        return plan(request, executor, threads, progress=not args.no_progress)
 
 
 # The keys each candidate sets (plan_space.Candidate.overrides) or the flags set, and the flags that choose them

@@ -84,14 +84,15 @@ def from_ops(ops: pd.DataFrame, memory: list[tuple[np.ndarray, np.ndarray]], tit
 
     Replica r runs the stages of replica 0 on devices r x D + d, so D is the device count over the number of devices
     that run stage 0. An OPT row ``3OPT7`` closes the iteration whose last microbatch is 7, which gives the iteration
-    size; ``microbatches`` stands in where no row does (ValueError naming the flag when it contradicts them).
+    size (not PipeDream's, which step after every microbatch); ``microbatches`` stands in where no row tells
+    (ValueError naming the flag when the rows contradict it).
     """
     stage0 = ops.loc[(ops["lane"] == "compute") & (ops["stage"] == 0), "device"].nunique()
     devices = int(ops["device"].max()) + 1 if len(ops) else 1
     pipeline = max(1, devices // max(1, stage0))
     chunks = max(1, (int(ops["stage"].max()) + 1) // pipeline) if len(ops) else 1
     steps = ops.loc[ops["kind"] == OPT, "microbatch"]
-    if len(steps):
+    if len(steps) and not (steps.min() == 0 and steps.nunique() > 1):  # PipeDream steps after every microbatch
         found = int(steps.min()) + 1
         if microbatches is not None and microbatches != found:
             raise ValueError(f"--microbatches: got {microbatches}, but the file's OPT rows close an iteration every "

@@ -21,11 +21,20 @@ STOP_GRACE_S = 15  # how long a command past its timeout may take to stop its ow
 INTERRUPTED_GRACE_S = 5  # the same when this process itself is being stopped: its stopper waits STOP_GRACE_S
 
 
-def sigterm_as_ctrl_c() -> None:
-    """From now on SIGTERM (`kill PID`) stops this process as Ctrl-C does, so a sweep or a plan shuts its pool down
+@contextlib.contextmanager
+def sigterm_as_ctrl_c() -> Iterator[None]:
+    """Meanwhile SIGTERM (`kill PID`) stops this process as Ctrl-C does, so a sweep or a plan shuts its pool down
     (the sweep logging its running chunks first). By default the process would die at once and leave the pool's
-    workers running, parented to init."""
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    workers running, parented to init. Only the main thread may set a handler; elsewhere (a caller's thread) this
+    does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _raise_keyboard_interrupt(_signum: int, _frame: object) -> None:

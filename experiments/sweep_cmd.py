@@ -66,9 +66,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         plan = expand(args.file)
     except (ConfigError, ValueError) as err:
         return usage_error(str(err))
-    sigterm_as_ctrl_c()
     try:
-        report = _sweep(plan, options)
+        with sigterm_as_ctrl_c():
+            report = _sweep(plan, options)
     except OSError as err:
         return usage_error(f"--out: cannot write {err.filename!r}: {err.strerror}" if err.filename
                            else f"--dask: {options.dask!r}: {err}, expected a running Dask scheduler")

@@ -111,6 +111,7 @@ class Collectives:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"got {algorithm!r}, expected one of {', '.join(ALGORITHMS)}")
         self.fabric, self.algorithm, self.lanes = fabric, algorithm, lanes
+        self.device_of = {end: d for d, ends in enumerate(lanes or ()) for end in ends}  # a lane's GPU -> its device
         self.server_of = [fabric.graph.nodes[node].get("node", 0) for node in fabric.endpoints]
         self._chosen: dict[tuple, tuple[str, list[Phase]]] = {}
 
@@ -149,8 +150,9 @@ class Collectives:
     def _path(self, src: int, dst: int, key: int, index: int) -> tuple[tuple[int, ...], int]:
         path = self.fabric.route(src, dst, key * 1_000_003 + index)
         if path is None:
-            raise NetworkError(f"no route from device {src} ({self.fabric.endpoints[src]}) to device {dst} "
-                               f"({self.fabric.endpoints[dst]}) for a collective", key)
+            ends, device = self.fabric.endpoints, self.device_of
+            raise NetworkError(f"no route from device {device.get(src, src)} ({ends[src]}) to device "
+                               f"{device.get(dst, dst)} ({ends[dst]}) for a collective", key)
         return path
 
     def run(self, clock: Clock, now: int, key: int, phases: list[Phase], done: Callable[[int], None]) -> None:

@@ -216,6 +216,21 @@ def test_lanes_through_one_nic_share_it_and_count_one_busy_span():
     assert time_alone(network, [(0, 1, 10**6, 0)]) == {0: 1_000_000}
 
 
+def test_each_lane_of_a_transfer_picks_its_own_equal_cost_path():
+    """Two servers of 2 GPUs, their leaves joined by two 1 GB/s spines: a device's two slices of 1 MB hash to their
+    own spine, so for some seeds they take both (1 ms) where one shared spine takes 2 ms. With one key for both
+    slices every seed gave 2 ms."""
+    graph = nx.DiGraph()
+    for server in (0, 1):
+        for gpu in (0, 1):
+            link(graph, f"s{server}.g{gpu}", f"leaf{server}", 100 * GB, 0)
+        for spine in (0, 1):
+            link(graph, f"leaf{server}", f"spine{spine}", 1 * GB, 0)
+    times = {time_alone(RoutedNetwork(graph, ["s0.g0", "s1.g0"], seed=seed, lanes=[["s0.g1"], ["s1.g1"]]),
+                        [(0, 1, 10**6, 0)])[0] for seed in range(8)}
+    assert times == {1_000_000, 2_000_000}
+
+
 def test_tensor_parallel_gpus_each_move_their_own_slice_through_the_nics_they_share():
     """With t GPUs per device, each GPU sends its 1/t slice of an activation and all-reduces its own gradient shard:
     through the one NIC of a pcie-box server the t slices take as long as t = 1's whole activation, and the NIC

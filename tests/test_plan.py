@@ -74,6 +74,16 @@ def test_a_flush_schedules_floor_counts_every_group_through_a_shared_nic() -> No
         return (_allreduce_floor(built, costs), _server_floor(built, costs, built.network()),
                 pipescope.run(config).iteration_time_s * 1e9)
 
+    from pipescope.experiments import plan as plan_module
+    plan_module._RATES.clear()  # rates are cached per worker: t = 1 must not reuse t = 4's
+    t1 = pipescope.load_config(raw={"schedule": {"name": "2bw", "stages": 8, "microbatches": 8},
+                                    "model": {"preset": "gpt-2.2b", "microbatch_size": 1, "precision": "fp16"},
+                                    "cluster": {"topology": "p3.16xlarge", "nodes": 8, "data_parallel": 8}})
+    alone = _allreduce_floor(prepare(t1), prepare(t1).stage_costs())
+    floors("2bw")  # t = 4 measured after t = 1 ...
+    plan_module._RATES.clear()
+    floors("2bw")  # ... and before it
+    assert _allreduce_floor(prepare(t1), prepare(t1).stage_costs()) == alone
     floor, server, simulated = floors("1f1b")
     assert floor == server <= simulated
     group, server, simulated = floors("2bw")

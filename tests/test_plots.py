@@ -19,7 +19,7 @@ import pipescope
 from pipescope.experiments import plots_inputs
 from pipescope.experiments.plots import (COLORS, ODD_CHUNK_COLORS, bubble_figure, gantt_figure, memory_figure,
                                          run_data, throughput_figure, validate_figure)
-from pipescope.experiments.plots_inputs import read_sweep, run_from_trace
+from pipescope.experiments.plots_inputs import read_sweep, run_from_timeline, run_from_trace
 from pipescope.experiments.plots_style import byte_unit
 from pipescope.experiments.tables import write_timeline
 from pipescope.simulator.check import unit_steps
@@ -409,3 +409,14 @@ def test_a_title_with_tex_is_drawn_as_text(cli, files: dict[str, Path], tmp_path
 def test_byte_unit_reads_the_peak_as_at_least_one() -> None:
     assert byte_unit(2.6 * 2**20) == ("MiB", 2**20)  # a small CPU run: 2.6 MiB, not 0.0025 GiB
     assert byte_unit(80 * 2**30) == ("GiB", 2**30) and byte_unit(512) == ("KiB", 2**10)
+
+
+def test_pipedream_iterations_come_from_the_flag_its_opt_rows_do_not_tell(cli, tmp_path: Path) -> None:
+    """PipeDream steps after every microbatch (OPT rows 0, 1, 2, ...), so its rows give no iteration size:
+    --microbatches is taken, and iteration ends are drawn every m microbatches."""
+    path = tmp_path / "pd.csv"
+    write_timeline(uniform("pipedream", 2, 4), str(path))
+    data = run_from_timeline(str(path), 4)
+    assert data.microbatches == 4
+    assert run_from_timeline(str(path), None).microbatches == 0  # unknown without it: no iteration marks
+    assert cli(["plot", "gantt", str(path), "--microbatches", "4", "-o", str(tmp_path / "pd.png")])[0] == 0
