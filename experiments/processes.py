@@ -21,20 +21,11 @@ STOP_GRACE_S = 15  # how long a command past its timeout may take to stop its ow
 INTERRUPTED_GRACE_S = 5  # the same when this process itself is being stopped: its stopper waits STOP_GRACE_S
 
 
-@contextlib.contextmanager
-def sigterm_as_ctrl_c() -> Iterator[None]:
+def sigterm_as_ctrl_c() -> contextlib.AbstractContextManager:
     """Meanwhile SIGTERM (`kill PID`) stops this process as Ctrl-C does, so a sweep or a plan shuts its pool down
     (the sweep logging its running chunks first). By default the process would die at once and leave the pool's
-    workers running, parented to init. Only the main thread may set a handler; elsewhere (a caller's thread) this
-    does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    workers running, parented to init."""
+    return _on_sigterm(_raise_keyboard_interrupt)
 
 
 def _raise_keyboard_interrupt(_signum: int, _frame: object) -> None:
@@ -45,7 +36,7 @@ def run_in_group(command: list[str], timeout_s: float, **popen: Any) -> subproce
     """Run ``command`` in a process group of its own (``popen``: ``subprocess.Popen``'s arguments); None when it
     was still running after ``timeout_s`` and was stopped, with everything it started. A Ctrl-C or a SIGTERM here
     (its own group keeps a terminal's Ctrl-C from it) stops it too, then goes on as SystemExit or KeyboardInterrupt."""
-    with _terminate_raises():
+    with _on_sigterm(_exit):  # a stop of this process reaches the group it started in a session of its own
         process = subprocess.Popen(command, start_new_session=True, **popen)
         try:
             out, err = process.communicate(timeout=timeout_s)
@@ -73,13 +64,13 @@ def stop_group(process: subprocess.Popen, grace_s: float) -> None:
 
 
 @contextlib.contextmanager
-def _terminate_raises() -> Iterator[None]:
-    """SIGTERM raises SystemExit meanwhile, so that a stop of this process (``stop_group`` of a group it is in)
-    reaches the group it started in a session of its own; only the main thread may set a handler."""
+def _on_sigterm(handler: Any) -> Iterator[None]:
+    """``handler`` takes SIGTERM meanwhile, then the previous one again; only the main thread may set a handler,
+    so elsewhere (a caller's thread) this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _exit)
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
