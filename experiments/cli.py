@@ -8,7 +8,9 @@ import json
 import os
 import re
 import sys
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from pipescope.config import RANGES, ConfigError, load_config
 
@@ -142,7 +144,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.csv and config.schedule.vocab in SHARDED:
         raise ConfigError(f"--csv: schedule.vocab {config.schedule.vocab} adds S/T passes and collectives, which "
                           f"torch's CSV cannot hold; expected schedule.vocab naive or redistribute with --csv")
-    result = run(config)
+    with progress_bar("simulate", "op") as progress:
+        result = run(config, progress)
     try:
         _write_outputs(result, args)
     except OSError as err:
@@ -157,6 +160,30 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             if path:
                 print(f"wrote {label}: {path}")
     return _oom_exit(result, args.allow_oom)
+
+
+@contextmanager
+def progress_bar(desc: str, unit: str, delay_s: float = 2.0, min_interval_s: float = 0.5,
+                 file: TextIO | None = None) -> Iterator[Callable[[int, int], None] | None]:
+    """A callback (done, total) that draws a tqdm bar on stderr, shown only once the work has run ``delay_s``
+    and only on a terminal (or on ``file``): a large routed run takes minutes, a small one stays quiet. None off a
+    terminal, so the run goes at full speed."""
+    if file is None and not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(unit=unit, desc=desc, delay=delay_s, mininterval=min_interval_s, leave=False, file=file or sys.stderr,
+               smoothing=0.1)
+
+    def report(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        yield report
+    finally:
+        bar.close()
 
 
 def _oom_exit(result: SimResult, allow_oom: bool) -> int:

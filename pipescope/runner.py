@@ -26,6 +26,7 @@ from pipescope.simulator.models import (
     output_layer_flops,
     stage_layers,
 )
+from pipescope.simulator.engine import Progress
 from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
@@ -117,17 +118,19 @@ def prepare_checked(config: Config) -> Prepared:
     return Prepared(config, schedule, cluster, costs, model)
 
 
-def run(config: Config) -> SimResult:
+def run(config: Config, progress: Progress | None = None) -> SimResult:
     """Build everything ``config`` names, simulate it, and return the result (which keeps ``config``).
+
+    ``progress``, if given, is called with (entries ended, entries) as the replay goes: ``simulate``'s bar.
 
     Raises:
         ConfigError: a bad section, value or combination, naming the key (``prepare`` checks it).
         ScheduleError: the schedule is malformed or deadlocks, naming the actions.
     """
-    return run_prepared(prepare(config))
+    return run_prepared(prepare(config), progress)
 
 
-def run_prepared(built: Prepared) -> SimResult:
+def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult:
     """``run`` on what ``prepare`` built (a caller may swap a part first: validate's measured op times)."""
     config, schedule, cluster, costs, model = built.config, built.schedule, built.cluster, built.costs, built.model
     analytic = model is not None
@@ -142,7 +145,7 @@ def run_prepared(built: Prepared) -> SimResult:
                           model_flops_per_iteration=model_flops(model, config, schedule) if analytic else None,
                           peak_flops_per_device=_peak(config, cluster) * config.parallel.tensor if analytic else None,
                           config=config, memory_runtime=config.memory.runtime,
-                          host_cores=config.cluster.host_cores)
+                          host_cores=config.cluster.host_cores, progress=progress)
     except CostError as err:
         raise ConfigError(f"costs: {err}") from None
     except SyncError as err:

@@ -54,11 +54,18 @@ class RunTimes:
     flow_end: list[int]
 
 
+Progress = Callable[[int, int], None]  # (entries ended, entries): told every PROGRESS_EVERY events and at the end
+PROGRESS_EVERY = 1_000  # SimPy events between reports: a few ms, but seconds late in a large routed run
+
+
 class Engine:
     """Replays a compiled program in SimPy over a network and reports entry and flow times."""
 
-    def __init__(self, program: Program, network: Network, cores: SharedCores | None = None):
+    def __init__(self, program: Program, network: Network, cores: SharedCores | None = None,
+                 progress: Progress | None = None):
         self.p, self.network, self.cores = program, network, cores  # cores: CPU ranks sharing a host's cores
+        self.progress = progress
+        self.ended = 0  # compute and collective entries that ended
         self.n = n = program.num_entries
         signals = n + program.num_flows
         self.env = simpy.Environment()
@@ -75,11 +82,25 @@ class Engine:
             if steps:
                 self.env.process(self._stream(d, steps))
         with gc_paused():
-            self.env.run()
+            if self.progress is None:
+                self.env.run()
+            else:
+                self._run_reporting(self.progress)
         stuck = self._stuck()
         if stuck:
             raise ScheduleError(["deadlock: " + line for line in stuck])
         return self.times
+
+    def _run_reporting(self, progress: Progress) -> None:
+        """``env.run()``, telling ``progress`` how far it got every PROGRESS_EVERY events."""
+        total, step = sum(map(len, self.p.device_steps)), self.env.step
+        try:
+            while True:
+                for _ in range(PROGRESS_EVERY):
+                    step()
+                progress(self.ended, total)
+        except simpy.core.EmptySchedule:
+            progress(self.ended, total)
 
     def finish_at(self, flow: int, time: int) -> None:
         """The network's answer: ``flow`` ends at ``time`` (a later answer replaces an earlier one)."""
@@ -143,6 +164,7 @@ class Engine:
                 times.entry_start[i] = env.now
                 yield from self._collective(flow_of[i])
             now = times.entry_end[i] = env.now
+            self.ended += 1
             for f in launches[i]:  # the SENDs after it: torch's isend, the stream goes on
                 times.flow_start[f] = start_transfer(self, now, f)
 

@@ -14,17 +14,19 @@ pairs in numpy (``max_min_rates``); docs/network.md says what keeps a run sub-qu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, count
+from itertools import count
 
 import networkx as nx
 import numpy as np
 
 from pipescope.simulator.network import Clock
+from pipescope.simulator.routing import EqualCostRouter
 
 MAX_ECMP_PATHS = 16  # equal-cost paths considered per pair; fabrics with more spines reuse the first 16
 HOP_WEIGHT = 1 << 20  # more hops than any real path has: latency decides first, hop count breaks ties
+WIDE = 64  # edges from which a flow's checks run in numpy: a collective's phase, not a p2p path of a few hops
 MIN_RATE = 1e-12  # bytes/ns: a guard against a rate rounding to 0 when shares are subtracted
 
 
@@ -57,23 +59,33 @@ def max_min_rates(paths: Sequence[Sequence[int]], capacity: Sequence[float]) -> 
     if not lengths.any():
         return rate.tolist()
     flow = np.repeat(np.arange(len(paths)), lengths)
-    edges, local = np.unique(np.fromiter(chain.from_iterable(paths), dtype=np.int64, count=int(lengths.sum())),
-                             return_inverse=True)
+    edges, local = _distinct(np.concatenate(paths, dtype=np.int64, casting="unsafe"), len(capacity))
     residual = np.asarray(capacity, dtype=np.float64)[edges]
     weight = np.bincount(local, minlength=len(edges)).astype(np.float64)
-    live = np.ones(len(flow), dtype=bool)  # (flow, edge) pairs of flows not frozen yet
-    while live.any():
+    while len(flow):  # the (flow, edge) pairs of flows not frozen yet
         share = np.divide(residual, weight, out=np.full(len(edges), np.inf), where=weight > 0)
         level = max(float(share.min()), MIN_RATE)
         bottleneck = share <= level * (1 + 1e-12)  # equal levels up to rounding freeze together
         frozen = np.zeros(len(paths), dtype=bool)
-        frozen[flow[live & bottleneck[local]]] = True
+        frozen[flow[bottleneck[local]]] = True
         rate[frozen] = level
-        pairs = live & frozen[flow]
+        pairs = frozen[flow]
         np.subtract.at(residual, local[pairs], level)
         np.subtract.at(weight, local[pairs], 1.0)
-        live &= ~pairs
+        flow, local = flow[~pairs], local[~pairs]
     return rate.tolist()
+
+
+def _distinct(pairs: np.ndarray, ids: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the ids in ``pairs`` once each, per pair the position of its id among them), as ``np.unique`` with
+    ``return_inverse`` but without sorting: O(pairs) with a scratch array of ``ids`` slots. The order of the ids is
+    arbitrary, which progressive filling does not depend on."""
+    slot = np.empty(ids, dtype=np.int64)
+    at = np.arange(len(pairs))
+    slot[pairs] = at  # one occurrence per id wins; which one does not matter
+    chosen = slot[pairs]
+    first = chosen == at
+    return pairs[first], (np.cumsum(first) - 1)[chosen]
 
 
 @dataclass(eq=False)
@@ -82,6 +94,8 @@ class Flow:
 
     seq: int
     edges: tuple[int, ...]
+    distinct: tuple[int, ...]  # each edge once
+    wide: np.ndarray | None  # a flow of WIDE edges or more (a collective's phase): ``edges`` in numpy
     nbytes: int
     latency_ns: int
     arrived: Callable[[int], None]  # called with the arrival time once the last byte drained
@@ -120,13 +134,12 @@ class FlowFabric:
         self.names = list(self.graph.edges)
         self.edge_ids = {edge: i for i, edge in enumerate(self.names)}
         self.capacity = [self.graph.edges[e]["bandwidth"] / 1e9 for e in self.names]
+        self._capacity = np.asarray(self.capacity, dtype=np.float64)
         self.latency = [float(self.graph.edges[e]["latency_ns"]) for e in self.names]
         # Routing weight: latency in whole ns, then hop count, as one exact integer. Ties stay exact (ECMP needs
         # equal sums), fewer hops win among equal latencies, and a 0 ns edge cannot close a cycle of equal paths.
-        self._routing = nx.DiGraph()
-        self._routing.add_nodes_from(self.graph)  # a GPU whose links all failed is still a node, just unreachable
-        self._routing.add_weighted_edges_from((a, b, round(lat) * HOP_WEIGHT + 1)
-                                              for (a, b), lat in zip(self.names, self.latency))
+        # Every node is routable, a GPU whose links all failed too: it is just unreachable.
+        self._router = EqualCostRouter(self.graph, self.names, [round(lat) * HOP_WEIGHT + 1 for lat in self.latency])
         self._routes: dict[tuple[int, int], list[tuple[tuple[int, ...], int]]] = {}
         self.reset()
 
@@ -135,7 +148,8 @@ class FlowFabric:
         self.on_edge: list[set[Flow]] = [set() for _ in self.names]
         self.stats = EdgeStats([0] * len(self.names), [0] * len(self.names), [[] for _ in self.names])
         self._busy_since = [0] * len(self.names)
-        self._dirty: set[int] = set()
+        self._users = np.zeros(len(self.names), dtype=np.int64)  # flows in flight per edge
+        self._dirty: set[Flow] = set()
         self._solve_due = False
         self._seq = count()
         self.rate_updates = 0
@@ -149,40 +163,9 @@ class FlowFabric:
         key = (src, dst)
         known = self._routes.get(key)
         if known is None:
-            known = self._routes[key] = self._find_routes(self.endpoints[src], self.endpoints[dst])
+            paths = self._router.paths(self.endpoints[src], self.endpoints[dst], MAX_ECMP_PATHS)
+            known = self._routes[key] = [(p, round(sum(self.latency[e] for e in p))) for p in paths]
         return known
-
-    def _find_routes(self, source: str, target: str) -> list[tuple[tuple[int, ...], int]]:
-        """Up to MAX_ECMP_PATHS shortest paths, found between two half-radius balls.
-
-        A Dijkstra ball of the whole distance d around every GPU would cover most of a fat-tree (the spines, every
-        leaf) and dominate a 1,024-GPU run; any node on a shortest path is within d/2 of one end, so a ball of
-        radius d/2 around each end holds every such node with its exact distance to that end. A walk from the
-        source along edges that keep (length so far + distance left) = d then yields exactly the shortest paths.
-        """
-        if source == target:
-            return [((), 0)]
-        try:
-            distance = nx.bidirectional_dijkstra(self._routing, source, target)[0]
-        except nx.NetworkXNoPath:
-            return []
-        half = distance // 2
-        near_source = nx.single_source_dijkstra_path_length(self._routing, source, cutoff=half)
-        near_target = nx.single_source_dijkstra_path_length(self._routing.reverse(copy=False), target,
-                                                            cutoff=distance - half)
-        succ, paths = self._routing.succ, []
-        stack: list[tuple[str, int, tuple[int, ...]]] = [(source, 0, ())]
-        while stack and len(paths) < MAX_ECMP_PATHS:
-            node, length, edges = stack.pop()
-            if node == target:
-                paths.append(edges)
-                continue
-            for nxt, data in reversed(list(succ[node].items())):
-                far = length + data["weight"]
-                left = near_target.get(nxt)
-                if (far + left == distance) if left is not None else near_source.get(nxt) == far:
-                    stack.append((nxt, far, edges + (self.edge_ids[node, nxt],)))
-        return [(p, round(sum(self.latency[e] for e in p))) for p in paths]
 
     def route(self, src: int, dst: int, key: int) -> tuple[tuple[int, ...], int] | None:
         """The path flow ``key`` takes: one of the equal paths by a seeded hash of the flow (None: no route)."""
@@ -201,18 +184,23 @@ class FlowFabric:
         if nbytes <= 0 or not edges:
             arrived(now + (latency if nbytes > 0 else 0))
             return
-        flow = Flow(next(self._seq), edges, nbytes, latency, arrived, remaining=float(nbytes), since=now)
+        distinct = tuple(dict.fromkeys(edges))
+        wide = np.asarray(edges, dtype=np.int64) if len(edges) >= WIDE else None
+        flow = Flow(next(self._seq), edges, distinct, wide, nbytes, latency, arrived, remaining=float(nbytes),
+                    since=now)
         for e in edges:
             users = self.on_edge[e]
             if not users:
                 self._busy_since[e] = now
             users.add(flow)
             self.stats.nbytes[e] += nbytes
-        self._replan(clock, now, edges)
+        self._users[distinct, ] += 1
+        self._replan(clock, now, {flow})
 
-    def _replan(self, clock: Clock, now: int, edges: tuple[int, ...]) -> None:
-        """Mark the edges' flows for a new rate; one solve per instant, whatever starts or ends at it."""
-        self._dirty.update(edges)
+    def _replan(self, clock: Clock, now: int, flows: Iterable[Flow]) -> None:
+        """Mark the flows (and so their components) for a new rate; one solve per instant, whatever starts or ends
+        at it."""
+        self._dirty.update(flows)
         if not self._solve_due:
             self._solve_due = True
             clock.call_at(now, lambda: self._solve(clock, now))
@@ -221,7 +209,7 @@ class FlowFabric:
         self._solve_due = False
         flows = self._component(self._dirty)
         self._dirty = set()
-        rates = max_min_rates([f.edges for f in flows], self.capacity)
+        rates = max_min_rates([f.edges if f.wide is None else f.wide for f in flows], self._capacity)
         for flow, rate in zip(flows, rates):
             if rate == flow.rate:
                 continue
@@ -233,30 +221,42 @@ class FlowFabric:
             drained = now + max(0, math.ceil(flow.remaining / rate - 1e-9))
             clock.call_at(drained, lambda f=flow, v=version, t=drained: self._drained(clock, f, v, t))
 
-    def _component(self, seeds: set[int]) -> list[Flow]:
-        """The flows on ``seeds`` and every flow that shares an edge with them, transitively, in start order."""
-        flows: set[Flow] = set()
-        seen, stack = set(seeds), list(seeds)
+    def _component(self, seeds: set[Flow]) -> list[Flow]:
+        """The ``seeds`` still in flight and every flow that shares an edge with them, transitively, in start
+        order."""
+        flows = {flow for flow in seeds if flow in self.on_edge[flow.edges[0]]}  # one may have drained since
+        seen: set[int] = set()
+        stack = list(flows)
         while stack:
-            for flow in self.on_edge[stack.pop()]:
-                if flow not in flows:
-                    flows.add(flow)
-                    fresh = [e for e in flow.edges if e not in seen]
-                    seen.update(fresh)
+            flow = stack.pop()
+            for e in self._shared(flow):
+                if e not in seen:
+                    seen.add(e)
+                    fresh = self.on_edge[e] - flows
+                    flows |= fresh
                     stack.extend(fresh)
         return sorted(flows, key=lambda f: f.seq)  # a fixed order: the same floats, the same bytes of output
+
+    def _shared(self, flow: Flow, others: int = 1) -> list[int]:
+        """The flow's edges that more than ``others`` flows in flight cross (1: other flows than itself; 0, once it
+        has left: any)."""
+        if flow.wide is None:
+            return [e for e in flow.distinct if len(self.on_edge[e]) > others]
+        return flow.wide[self._users[flow.wide] > others].tolist()
 
     def _drained(self, clock: Clock, flow: Flow, version: int, now: int) -> None:
         if flow.version != version:
             return  # re-planned since: a later call stands for this flow
         flow.version += 1
-        for e in set(flow.edges):  # once per edge: a lockstep flow may cross one twice, which is one busy span
+        for e in flow.distinct:  # once per edge: a lockstep flow may cross one twice, which is one busy span
             users = self.on_edge[e]
             users.discard(flow)
             if not users:
                 self.stats.busy_ns[e] += now - self._busy_since[e]
                 self.stats.busy_spans[e].append((self._busy_since[e], now))
-        self._replan(clock, now, flow.edges)
+        self._users[flow.distinct, ] -= 1
+        # the flows left on its edges are what its leaving re-plans (an empty set still takes its turn)
+        self._replan(clock, now, set().union(*(self.on_edge[e] for e in self._shared(flow, others=0))))
         flow.arrived(now + flow.latency_ns)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from pipescope.simulator import replicas
 from pipescope.simulator.check import structure_problems
 from pipescope.simulator.costs import CostModel, StageCost, check_stage_costs, stage_costs as costs_of
-from pipescope.simulator.engine import Engine, gc_paused
+from pipescope.simulator.engine import Engine, Progress, gc_paused
 from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.host_cores import SharedCores
 from pipescope.simulator.flows import NetworkError
@@ -26,7 +26,7 @@ from pipescope.simulator.vocab_placement import is_overlapped, overlap_collectiv
 
 def simulate(schedule: Schedule, costs: CostModel, network: Network | None = None, *, samples_per_microbatch: int = 1,
              data_parallel: int = 1, grad_sync: GradSync | None = None, faults: ComputeFaults | None = None,
-             host_cores: int | None = None, **extra: Any) -> SimResult:
+             host_cores: int | None = None, progress: Progress | None = None, **extra: Any) -> SimResult:
     """Check, lower, compile and replay ``schedule``.
 
     Args:
@@ -41,6 +41,7 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         faults: stragglers and per-op jitter (``simulator.faults``).
         host_cores: the devices are CPU ranks sharing this many cores of one host (``simulator.host_cores``);
             None: every device computes on its own.
+        progress: called with (entries ended, entries) as the replay goes (``engine.Progress``): the CLI's bar.
         **extra: further ``SimResult`` fields: ``memory_capacity_bytes`` (to report OOM),
             ``model_flops_per_iteration`` and ``peak_flops_per_device`` (MFU), ``config`` (what it came from),
             ``memory_runtime`` (whose buffers the ledger counts: ``simulator.memory_runtime``).
@@ -67,7 +68,7 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         network = network or FifoLinks.fixed_delay(0)
         try:
             shared = SharedCores(len(program.device_steps), host_cores) if host_cores else None
-            times = Engine(program, network, shared).run()
+            times = Engine(program, network, shared, progress).run()
         except NetworkError as err:
             raise NetworkError(f"{err} for {program.actions[program.flow_of.index(err.flow)]}", err.flow) from None
         samples = schedule.num_microbatches * samples_per_microbatch * data_parallel

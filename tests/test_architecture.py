@@ -75,11 +75,11 @@ def test_no_module_compares_action_kinds_as_strings() -> None:
 
 def test_the_replay_loops_are_the_engine_and_the_oracle() -> None:
     """Only simulator/engine.py (SimPy) and simulator/oracle.py (heapq) run an event loop over a program; routed.py's
-    IdleClock runs the network alone (one collective, no program)."""
+    IdleClock runs the network alone (one collective, no program). routing.py's heap is Dijkstra's, of distances."""
     loops = set()
     for folder in FOLDERS:
         for path in sources(folder):
             text = path.read_text()
             if "heapq.heappop" in text or "env.run(" in text or ".env.run()" in text:
                 loops.add(str(path.relative_to(ROOT)))
-    assert loops == {"simulator/engine.py", "simulator/oracle.py", "simulator/routed.py"}
+    assert loops == {"simulator/engine.py", "simulator/oracle.py", "simulator/routed.py", "simulator/routing.py"}

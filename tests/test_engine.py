@@ -46,3 +46,33 @@ def test_uniform_p2p_longer_than_ops_is_a_pure_delay() -> None:
     result = simulate(schedule, UniformCosts(forward=1.0, backward_input=0.5, backward_weight=0.5),
                       FifoLinks.fixed_delay(2 * 10**9))
     assert result.iteration_ns == (11 * 2 + 2 * 3 * 2) * 10**9
+
+
+def test_progress_is_reported_as_the_replay_goes_and_changes_nothing(monkeypatch) -> None:
+    """Every PROGRESS_EVERY events the callback hears (entries ended, entries), last with all of them; the result
+    is the same as without it."""
+    from pipescope.simulator import engine
+
+    monkeypatch.setattr(engine, "PROGRESS_EVERY", 25)
+    costs = UniformCosts(forward=1.0, backward_input=1.0, backward_weight=1.0)
+    calls: list[tuple[int, int]] = []
+    watched = simulate(build("zb-h1", 4, 8), costs, progress=lambda done, total: calls.append((done, total)))
+    plain = simulate(build("zb-h1", 4, 8), costs)
+    assert calls[-1] == (4 * 8 * 3, 4 * 8 * 3)  # F, B and W of 8 microbatches on 4 devices
+    assert len(calls) > 3 and [done for done, _ in calls] == sorted(done for done, _ in calls)
+    assert 0 < calls[0][0] < calls[-1][0]
+    assert watched.timeline.equals(plain.timeline)
+
+
+def test_the_cli_progress_bar_draws_on_its_file_and_stays_away_from_a_pipe(capsys) -> None:
+    import io
+
+    from pipescope.experiments.cli import progress_bar
+
+    out = io.StringIO()
+    with progress_bar("simulate", "op", delay_s=0, min_interval_s=0, file=out) as report:
+        report(30, 120)
+        report(120, 120)
+    assert "simulate" in out.getvalue() and "120/120" in out.getvalue()
+    with progress_bar("simulate", "op") as report:  # stderr is captured here, not a terminal
+        assert report is None

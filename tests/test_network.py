@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import networkx as nx
+import numpy as np
 import pytest
 
 from pipescope import load_config, run
 from pipescope.config import ConfigError
 from pipescope.simulator.costs import AnalyticCosts
 from pipescope.simulator.engine import Engine
-from pipescope.simulator.flows import max_min_rates
+from pipescope.simulator.flows import HOP_WEIGHT, MAX_ECMP_PATHS, max_min_rates
 from pipescope.simulator.ir import ActionKind, Role
 from pipescope.simulator.models import PRESETS
 from pipescope.simulator.oracle import Oracle
 from pipescope.simulator.replicas import GradSync, data_parallel
 from pipescope.simulator.routed import RoutedNetwork, time_alone
+from pipescope.simulator.routing import EqualCostRouter
 from pipescope.simulator.schedules import build
 from pipescope.simulator.simulate import prepare, simulate
 from pipescope.topologies.cluster import gpu_nodes
@@ -103,6 +106,35 @@ def test_three_flows_on_two_edges_get_the_max_min_rates():
     assert ends == {0: 2_000_000, 1: 2_000_000, 2: 2_000_000}
 
 
+def progressive_filling(paths: list[list[int]], capacity: list[float]) -> list[float]:
+    """Max-min rates the textbook way, one (flow, edge) pair at a time, in plain Python."""
+    residual, rate = list(capacity), [math.inf if not p else None for p in paths]
+    while any(r is None for r in rate):
+        weight = [0] * len(capacity)
+        for f, path in enumerate(paths):
+            for e in path if rate[f] is None else ():
+                weight[e] += 1
+        share = [residual[e] / weight[e] if weight[e] else math.inf for e in range(len(capacity))]
+        level = max(min(share), 1e-12)
+        frozen = [f for f, path in enumerate(paths) if rate[f] is None
+                  and any(share[e] <= level * (1 + 1e-12) for e in path)]
+        for f in frozen:
+            rate[f] = level
+            for e in paths[f]:
+                residual[e] -= level
+    return rate
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_max_min_rates_are_progressive_filling_to_the_bit(seed):
+    # Repeated edges (lockstep links), shared and private edges, an empty path; capacities with ties.
+    rng = random.Random(seed)
+    capacity = [rng.choice([1.0, 2.5, 3.0, 10.0]) for _ in range(12)]
+    paths = [[rng.randrange(12) for _ in range(rng.randrange(0, 6))] for _ in range(rng.randrange(1, 9))]
+    assert max_min_rates(paths, capacity) == progressive_filling(paths, capacity)
+    assert max_min_rates(paths, np.asarray(capacity)) == progressive_filling(paths, capacity)
+
+
 def test_equal_cost_paths_are_spread_by_the_seed():
     graph = leaf_spine(4)
     network = RoutedNetwork(graph, ["a", "b"], seed=7)
@@ -111,6 +143,45 @@ def test_equal_cost_paths_are_spread_by_the_seed():
     assert len(chosen) == 4  # ECMP: the flows use every spine
     again = RoutedNetwork(graph, ["a", "b"], seed=7)
     assert [again.fabric.route(0, 1, f) for f in range(64)] == [network.fabric.route(0, 1, f) for f in range(64)]
+
+
+def brute_force_paths(graph: nx.DiGraph, names: list, weights: list, a: str, b: str) -> list[tuple[int, ...]]:
+    """Every shortest path by networkx (a full Dijkstra), as edge-id tuples in lexicographic order."""
+    ids = {edge: i for i, edge in enumerate(names)}
+    weighted = nx.DiGraph()
+    weighted.add_nodes_from(graph)
+    weighted.add_weighted_edges_from((u, v, w) for (u, v), w in zip(names, weights))
+    try:
+        found = nx.all_shortest_paths(weighted, a, b, weight="weight")
+        return sorted(tuple(ids[u, v] for u, v in zip(p, p[1:])) for p in found)
+    except nx.NetworkXNoPath:
+        return []
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_router_lists_every_equal_cost_path_as_a_full_dijkstra_does(seed):
+    # Latencies from a few values (0 ns included) make many ties; sparse graphs leave some pairs without a path.
+    rng = random.Random(seed)
+    graph = nx.relabel_nodes(nx.gnm_random_graph(30, rng.choice([45, 90]), seed=seed, directed=True), str)
+    names = list(graph.edges)
+    weights = [rng.choice([0, 100, 300]) * HOP_WEIGHT + 1 for _ in names]
+    router = EqualCostRouter(graph, names, weights)
+    for a in graph:
+        for b in graph:
+            assert router.paths(a, b, 10**6) == brute_force_paths(graph, names, weights, a, b), (a, b)
+            assert router.paths(a, b, 3) == brute_force_paths(graph, names, weights, a, b)[:3]
+
+
+@pytest.mark.parametrize("name, nodes, fabric", [("dgx-h100", 40, "fat-tree"), ("dgx-h100", 12, "rail"),
+                                                 ("p3.16xlarge", 3, None), ("pcie-box", 2, None)])
+def test_the_router_on_built_in_clusters_matches_a_full_dijkstra(name, nodes, fabric):
+    graph = load_topology(name, nodes, fabric)
+    fabric_ = RoutedNetwork(graph, gpu_nodes(graph)).fabric
+    weights = [round(latency) * HOP_WEIGHT + 1 for latency in fabric_.latency]
+    gpus = gpu_nodes(graph)
+    for a, b in random.Random(0).sample([(a, b) for a in range(len(gpus)) for b in range(len(gpus))], 60):
+        expected = brute_force_paths(graph, fabric_.names, weights, gpus[a], gpus[b])[:MAX_ECMP_PATHS]
+        assert [path for path, _ in fabric_.routes(a, b)] == expected
 
 
 # Collectives -------------------------------------------------------------------------------------------------------
