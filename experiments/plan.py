@@ -290,13 +290,19 @@ def _simulate_in_bound_order(pool: Executor, request: PlanRequest, screened: lis
 
 def _map(pool: Executor, task, items: list, workers: int, bar, chunks_per_worker: int = 2) -> list:
     """``task`` over ``items`` in chunks (at most 64 items, about ``chunks_per_worker`` per worker) on the pool (the
-    sweep's ``drain``), results in no particular order; RuntimeError if a worker died with some."""
+    sweep's ``drain``), results in the items' order (so the report does not depend on which worker finished
+    first); RuntimeError if a worker died with some."""
     size = max(1, min(64, -(-len(items) // (chunks_per_worker * workers))))
     rows = _Rows()
     lost = drain(pool, [items[i:i + size] for i in range(0, len(items), size)], rows, 2 * workers, bar, task=task)
     if lost:
         raise RuntimeError(f"plan: {len(lost)} candidates were lost with a worker: {lost[0][1]}")
-    return list(rows)
+    order = {_candidate_id(item): i for i, item in enumerate(items)}
+    return sorted(rows, key=lambda row: order[_candidate_id(row)])
+
+
+def _candidate_id(item: Candidate | Screened) -> str:
+    return getattr(item, "candidate", item).run_id
 
 
 def refine(screened: Screened) -> Screened:

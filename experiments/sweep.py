@@ -261,7 +261,16 @@ def process_pool(workers: int) -> ProcessPoolExecutor:
     threads (tqdm's monitor, a Dask client) where a plain fork is not."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    return ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint)
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint)
+    # Start every worker now. The pool starts them one per submit otherwise, and a shutdown that lands (Ctrl-C,
+    # SIGTERM) while one is still starting can leave it without the sentinel it waits for: shutdown then hangs.
+    try:
+        for started in [pool.submit(os.getpid) for _ in range(workers)]:
+            started.result()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    return pool
 
 
 @contextmanager

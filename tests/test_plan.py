@@ -177,10 +177,13 @@ def test_rejections_name_their_reason() -> None:
 
 
 def test_dask_and_the_process_pool_agree() -> None:
-    """The same plan on a Dask LocalCluster (the sweep's executor path) as on the process pool."""
+    """The same plan on a Dask LocalCluster (the sweep's executor path) as on the process pool, rejections in the
+    same order (the candidates', not the workers' finishing order)."""
     with dask_executor("local", workers=2) as (executor, threads):
         on_dask = plan(SMALL, executor, threads, progress=False)
-    assert on_dask.ranked == plan(SMALL, workers=2, progress=False).ranked
+    on_pool = plan(SMALL, workers=2, progress=False)
+    assert on_dask.ranked == on_pool.ranked
+    assert on_dask.rejected == on_pool.rejected
 
 
 def test_cli_json_and_errors(cli) -> None:
