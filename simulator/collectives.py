@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipescope.simulator.flows import FlowFabric, NetworkError, max_min_rates
+from pipescope.simulator.flows import FlowFabric, NetworkError, max_min_rates, part_key
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.network import Clock
 
@@ -148,7 +148,7 @@ class Collectives:
         return total
 
     def _path(self, src: int, dst: int, key: int, index: int) -> tuple[tuple[int, ...], int]:
-        path = self.fabric.route(src, dst, key * 1_000_003 + index)
+        path = self.fabric.route(src, dst, part_key(key, index))
         if path is None:
             ends, device = self.fabric.endpoints, self.device_of
             raise NetworkError(f"no route from device {device.get(src, src)} ({ends[src]}) to device "

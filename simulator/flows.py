@@ -26,6 +26,7 @@ from pipescope.simulator.routing import EqualCostRouter
 
 MAX_ECMP_PATHS = 16  # equal-cost paths considered per pair; fabrics with more spines reuse the first 16
 HOP_WEIGHT = 1 << 20  # more hops than any real path has: latency decides first, hop count breaks ties
+PART_KEYS = 1_000_003  # a flow's parts (a collective's transfers, a sliced transfer's lanes) hash as part_key
 WIDE = 64  # edges from which a flow's checks run in numpy: a collective's phase, not a p2p path of a few hops
 MIN_RATE = 1e-12  # bytes/ns: a guard against a rate rounding to 0 when shares are subtracted
 
@@ -136,10 +137,8 @@ class FlowFabric:
         self.capacity = [self.graph.edges[e]["bandwidth"] / 1e9 for e in self.names]
         self._capacity = np.asarray(self.capacity, dtype=np.float64)
         self.latency = [float(self.graph.edges[e]["latency_ns"]) for e in self.names]
-        # Routing weight: latency in whole ns, then hop count, as one exact integer. Ties stay exact (ECMP needs
-        # equal sums), fewer hops win among equal latencies, and a 0 ns edge cannot close a cycle of equal paths.
         # Every node is routable, a GPU whose links all failed too: it is just unreachable.
-        self._router = EqualCostRouter(self.graph, self.names, [round(lat) * HOP_WEIGHT + 1 for lat in self.latency])
+        self._router = EqualCostRouter(self.graph, self.names, [routing_weight(lat) for lat in self.latency])
         self._routes: dict[tuple[int, int], list[tuple[tuple[int, ...], int]]] = {}
         self.reset()
 
@@ -258,6 +257,17 @@ class FlowFabric:
         # the flows left on its edges are what its leaving re-plans (an empty set still takes its turn)
         self._replan(clock, now, set().union(*(self.on_edge[e] for e in self._shared(flow, others=0))))
         flow.arrived(now + flow.latency_ns)
+
+
+def routing_weight(latency_ns: float) -> int:
+    """An edge's routing weight: latency in whole ns, then hop count, as one exact integer. Ties stay exact (ECMP
+    needs equal sums), fewer hops win among equal latencies, and a 0 ns edge cannot close a cycle of equal paths."""
+    return round(latency_ns) * HOP_WEIGHT + 1
+
+
+def part_key(key: int, part: int) -> int:
+    """The ECMP key of part ``part`` of flow ``key``: each part picks its own equal-cost path."""
+    return key * PART_KEYS + part
 
 
 def _mix(seed: int, key: int) -> int:

@@ -10,13 +10,12 @@ from itertools import count
 import networkx as nx
 
 from pipescope.simulator.collectives import Collectives
-from pipescope.simulator.flows import FlowFabric, NetworkError
+from pipescope.simulator.flows import FlowFabric, NetworkError, part_key
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.network import Clock
 
 
 MAX_LINK_LANES = 16  # busiest links a result keeps spans of (for the trace's and Gantt's link lanes)
-LANE_KEYS = 1_000_003  # a transfer's slices hash as flow * LANE_KEYS + i (collectives key their transfers alike)
 
 
 class RoutedNetwork:
@@ -100,7 +99,7 @@ class RoutedNetwork:
         else:
             # a key per slice, as a collective's transfers have: each GPU's slice picks its own equal-cost path
             pairs = enumerate(self._lane_pairs(src, dst))
-            paths = [self.fabric.route(a, b, flow * LANE_KEYS + i) for i, (a, b) in pairs]
+            paths = [self.fabric.route(a, b, part_key(flow, i)) for i, (a, b) in pairs]
             path = tuple(e for edges, _ in paths for e in edges), max(latency for _, latency in paths)
         self.fabric.start(clock, now, path, self._bytes[flow], lambda time: clock.finish_at(flow, time))
         return now

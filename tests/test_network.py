@@ -15,7 +15,7 @@ from pipescope import load_config, run
 from pipescope.config import ConfigError
 from pipescope.simulator.costs import AnalyticCosts
 from pipescope.simulator.engine import Engine
-from pipescope.simulator.flows import HOP_WEIGHT, MAX_ECMP_PATHS, max_min_rates
+from pipescope.simulator.flows import HOP_WEIGHT, MAX_ECMP_PATHS, max_min_rates, routing_weight
 from pipescope.simulator.ir import ActionKind, Role
 from pipescope.simulator.models import PRESETS
 from pipescope.simulator.oracle import Oracle
@@ -177,7 +177,7 @@ def test_the_router_lists_every_equal_cost_path_as_a_full_dijkstra_does(seed):
 def test_the_router_on_built_in_clusters_matches_a_full_dijkstra(name, nodes, fabric):
     graph = load_topology(name, nodes, fabric)
     fabric_ = RoutedNetwork(graph, gpu_nodes(graph)).fabric
-    weights = [round(latency) * HOP_WEIGHT + 1 for latency in fabric_.latency]
+    weights = [routing_weight(latency) for latency in fabric_.latency]
     gpus = gpu_nodes(graph)
     for a, b in random.Random(0).sample([(a, b) for a in range(len(gpus)) for b in range(len(gpus))], 60):
         expected = brute_force_paths(graph, fabric_.names, weights, gpus[a], gpus[b])[:MAX_ECMP_PATHS]
