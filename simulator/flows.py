@@ -153,6 +153,7 @@ class FlowFabric:
         self._seq = count()
         self.rate_updates = 0
         self.flows_started = 0
+        self._flying = 0  # flows in flight
 
     # Routing -----------------------------------------------------------------------------------------------------
 
@@ -187,6 +188,7 @@ class FlowFabric:
         wide = np.asarray(edges, dtype=np.int64) if len(edges) >= WIDE else None
         flow = Flow(next(self._seq), edges, distinct, wide, nbytes, latency, arrived, remaining=float(nbytes),
                     since=now)
+        self._flying += 1
         for e in edges:
             users = self.on_edge[e]
             if not users:
@@ -226,7 +228,7 @@ class FlowFabric:
         flows = {flow for flow in seeds if flow in self.on_edge[flow.edges[0]]}  # one may have drained since
         seen: set[int] = set()
         stack = list(flows)
-        while stack:
+        while stack and len(flows) < self._flying:  # once every flow in flight is in, there is nothing to find
             flow = stack.pop()
             for e in self._shared(flow):
                 if e not in seen:
@@ -234,6 +236,8 @@ class FlowFabric:
                     fresh = self.on_edge[e] - flows
                     flows |= fresh
                     stack.extend(fresh)
+                    if len(flows) == self._flying:
+                        break
         return sorted(flows, key=lambda f: f.seq)  # a fixed order: the same floats, the same bytes of output
 
     def _shared(self, flow: Flow, others: int = 1) -> list[int]:
@@ -247,6 +251,7 @@ class FlowFabric:
         if flow.version != version:
             return  # re-planned since: a later call stands for this flow
         flow.version += 1
+        self._flying -= 1
         for e in flow.distinct:  # once per edge: a lockstep flow may cross one twice, which is one busy span
             users = self.on_edge[e]
             users.discard(flow)

@@ -106,6 +106,19 @@ def test_three_flows_on_two_edges_get_the_max_min_rates():
     assert ends == {0: 2_000_000, 1: 2_000_000, 2: 2_000_000}
 
 
+def test_flows_on_separate_links_do_not_slow_each_other_and_all_leave():
+    """Two pairs of flows on two links, the second pair starting later: each pair halves its own link only. Every
+    flow in flight is counted and uncounted once (the component walk stops once it holds them all)."""
+    graph = nx.DiGraph()
+    link(graph, "a", "b", 1 * GB, 0)
+    link(graph, "c", "d", 1 * GB, 0)
+    network = RoutedNetwork(graph, ["a", "b", "c", "d"])
+    starts = [(0, 1, 10**6, 0), (0, 1, 10**6, 0), (2, 3, 10**6, 500_000), (2, 3, 10**6, 500_000),
+              (1, 0, 10**6, 1_000_000)]
+    assert time_alone(network, starts) == {0: 2_000_000, 1: 2_000_000, 2: 2_500_000, 3: 2_500_000, 4: 2_000_000}
+    assert network.fabric._flying == 0 and not any(network.fabric.on_edge)
+
+
 def progressive_filling(paths: list[list[int]], capacity: list[float]) -> list[float]:
     """Max-min rates the textbook way, one (flow, edge) pair at a time, in plain Python."""
     residual, rate = list(capacity), [math.inf if not p else None for p in paths]
