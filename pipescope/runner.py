@@ -37,6 +37,7 @@ from pipescope.simulator.result import SimResult
 from pipescope.simulator.schedules import ALIASES, GENERATORS, build_schedule, generator
 from pipescope.simulator.schedules.pipedream import DEFAULT_ITERATIONS
 from pipescope.simulator.simulate import simulate
+from pipescope.simulator.units import short_repr
 
 from pipescope.topologies.cluster import Cluster
 from pipescope.vocab_setup import apply_vocab
@@ -340,13 +341,26 @@ def _network(config: Config, cluster: Cluster, costs: CostModel) -> Network:
     between every pair (it was measured between two ranks of the machine); otherwise routed, fair-shared flows on
     the cluster's graph."""
     if isinstance(config.costs, UniformCostsConfig):
+        _check_no_link_faults(config, "costs.kind=uniform, a fixed p2p delay")
         return FifoLinks.fixed_delay(seconds_to_ns(config.costs.p2p))
     if isinstance(costs, ProfiledCosts) and costs.p2p_link(1) is not None:
+        _check_no_link_faults(config, "a comms profile, whose measured p2p fit joins every pair")
+
         def timing(src: int, dst: int, nbytes: int) -> tuple[int, int]:
             link: Link = costs.p2p_link(nbytes)
             return link_transfer_ns(nbytes, link), link_occupancy_ns(nbytes, link)
         return FifoLinks(timing)
     return cluster.network(config.seed, config.cluster.collective, config.faults)
+
+
+def _check_no_link_faults(config: Config, network: str) -> None:
+    """Link faults act on the cluster's graph; a network without one would ignore them without a word."""
+    for key in ("degraded_links", "failed_links"):
+        value = getattr(config.faults, key)
+        if value.strip():
+            raise ConfigError(f"faults.{key}: got {short_repr(value)} under {network}, which has no links to "
+                              f"fault; expected costs.kind=analytic, or a profile without comms (routed over "
+                              f"cluster.topology)")
 
 
 def model_flops(model: ModelSpec, config: Config, schedule: Schedule) -> float:

@@ -261,3 +261,22 @@ def test_measured_op_times_replace_the_profiles_but_not_its_bytes(tmp_path: Path
     assert first.activation_bytes == costs.stage_cost(0, 2, 1).activation_bytes and first.params == 3 * 700 + 50
     with pytest.raises(ProfileError, match=r"^op_times: got 2 stages' times, expected 3"):
         measured.stage_cost(0, 3, 1)  # times measured on another split
+
+
+def test_link_faults_without_links_are_refused(tmp_path: Path) -> None:
+    """A comms profile's p2p fit joins every pair and uniform costs have a fixed delay: neither has links, so a
+    degraded or failed link would be ignored without a word. Both are one-line errors naming the key."""
+    from pipescope.config import ConfigError, load_config
+    from pipescope.runner import run
+
+    folder = make_profile(tmp_path)
+    add_comms(folder)
+    profile = ["costs.kind=profile", f"costs.profile={json.dumps(str(folder))}", "model.microbatch_size=2",
+               "schedule.stages=2"]
+    assert run(load_config(None, profile)).iteration_ns > 0
+    faults = {"degraded_links": "n0.nic0-leaf0:0.5", "failed_links": "n0.gpu0-n0.nvswitch0"}
+    for key, value in faults.items():
+        for sets, network in ((profile, "a comms profile"), (["costs.kind=uniform"], "costs.kind=uniform")):
+            with pytest.raises(ConfigError, match=f"^faults.{key}: got '{value}' under {network}") as err:
+                run(load_config(None, [*sets, f"faults.{key}={value}"]))
+            assert "\n" not in str(err.value)
