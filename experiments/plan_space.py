@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipescope.config import ConfigError
 from pipescope.experiments.sweep import validated_config
+from pipescope.simulator.units import short_repr
 
 # The 2BW paper's planner space plus the zero-bubble and V families (issue 14); PipeDream's weight stashing rarely
 # fits, but the planner says so rather than leaving it out.
@@ -83,10 +85,13 @@ def gpu_count(base: dict[str, Any]) -> int:
 
 def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
     """Every point of the space that uses all ``gpus``, in a fixed order; ConfigError naming the flag that leaves
-    none (a plan of nothing would only say that nothing fits)."""
+    none (a plan of nothing would only say that nothing fits), or that leaves only data parallelism where the
+    space had pipelines: ``--vocab`` methods none of the schedules run."""
     out = _points(request, gpus)
-    if out:
+    if any(c.depth > 1 for c in out):
         return out
+    if out and not any(c.depth > 1 for c in _points(replace(request, vocab=("naive",)), gpus)):
+        return out  # only data parallelism was asked for, where the vocabulary method changes nothing
     tensors = [t for t in request.tensor if gpus % t == 0]
     if not tensors:
         raise ConfigError(f"--tensor: got {list(request.tensor)}, expected a width that divides the {gpus} GPUs")
@@ -95,7 +100,21 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
         raise ConfigError(f"--depths: got {list(request.depths)}, expected some of {depths} (the depths that use all "
                           f"{gpus} GPUs with --tensor {','.join(map(str, tensors))})")
     raise ConfigError(f"--vocab: got {list(request.vocab)}, expected a method these schedules and widths run "
-                      "(the sharded ones need 1F1B or V-Half without tensor parallelism)")
+                      f"({_why_no_vocab(request)})")
+
+
+def _why_no_vocab(request: PlanRequest) -> str:
+    """Why the asked vocabulary methods run nowhere: the first schedule one is not defined with, else tensor
+    parallelism (the sharded methods split the vocabulary over the pipeline's devices only)."""
+    from pipescope.simulator.vocab import vocab_method
+
+    for method in request.vocab:
+        for schedule in request.schedules:
+            try:
+                vocab_method(method, schedule)
+            except ValueError as err:
+                return str(err)
+    return "the sharded methods run without tensor parallelism only"
 
 
 def _points(request: PlanRequest, gpus: int) -> list[Candidate]:
@@ -120,8 +139,8 @@ def _vocab_methods(schedule: str, depth: int, tensor: int, methods: tuple[str, .
     with tensor parallelism) and change something (none without pipelining)."""
     from pipescope.simulator.vocab import SHARDED, VocabMethod, vocab_method
 
-    if depth == 1:
-        return [VocabMethod.NAIVE.value] if VocabMethod.NAIVE.value in methods else list(methods[:1])
+    if depth == 1:  # one stage holds the whole vocabulary, whichever method was asked for
+        return [VocabMethod.NAIVE.value]
     kept = []
     for method in methods:
         try:
@@ -144,7 +163,38 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# PlanRequest's fields built in Python: (type of each entry, what to call it); the CLI's flags arrive converted.
+FIELD_TYPES = {"schedules": (str, "schedule names"), "microbatch_sizes": (int, "positive integers"),
+               "recompute": (str, "recompute names"), "tensor": (int, "positive integers"),
+               "sequence": (bool, "booleans"), "depths": (int, "positive integers"), "vocab": (str, "method names")}
+
+
+def _check_types(request: PlanRequest) -> None:
+    """Each field of the type the planner reads, or a ConfigError naming it: a string where a tuple belongs would
+    be read letter by letter, and ``16.5`` as a global batch would leave nothing that divides it."""
+    if not isinstance(request.base, dict):
+        raise ConfigError(f"base: got {short_repr(request.base)}, expected a mapping of config sections")
+    for name in ("global_batch", "top"):
+        value = getattr(request, name)
+        if not _is_int(value):
+            raise ConfigError(f"{name}: got {short_repr(value)} ({type(value).__name__}), expected a positive integer")
+    for name, (kind, what) in FIELD_TYPES.items():
+        values = getattr(request, name)
+        if values is None and name == "depths":
+            continue
+        entries_ok = isinstance(values, (tuple, list)) and all(
+            _is_int(v) if kind is int else isinstance(v, kind) for v in values)
+        if not entries_ok:
+            raise ConfigError(f"{name}: got {short_repr(values)}, expected a tuple of {what}")
+
+
+def _is_int(value: object) -> bool:
+    """An integer, numpy's included, and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_request(request: PlanRequest) -> None:
+    _check_types(request)
     if request.global_batch < 1:
         raise ConfigError(f"--global-batch: got {request.global_batch}, expected a positive integer")
     for key, values in (("--microbatch-sizes", request.microbatch_sizes), ("--tensor", request.tensor),

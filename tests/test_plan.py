@@ -3,12 +3,14 @@
 import itertools
 import json
 
+import numpy as np
 import pytest
 
 import pipescope
 from pipescope.config import ConfigError
 from pipescope.experiments.plan import _allreduce_floor, plan, screen
-from pipescope.experiments.plan_space import PLAN_KEYS, RECOMPUTE, Candidate, PlanRequest, base_config, candidates
+from pipescope.experiments.plan_space import (PLAN_KEYS, RECOMPUTE, Candidate, PlanRequest, base_config, candidates,
+                                              check_request)
 from pipescope.experiments.sweep import dask_executor
 from pipescope.runner import prepare
 from pipescope.simulator.simulate import simulate
@@ -229,6 +231,25 @@ def test_bad_request_is_a_config_error() -> None:
         plan(PlanRequest(SMALL.base, 16, top=0), workers=1, progress=False)
 
 
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"global_batch": "16"}, "global_batch: got '16' (str), expected a positive integer"),
+    ({"global_batch": 16.5}, "global_batch: got 16.5 (float), expected a positive integer"),
+    ({"global_batch": True}, "global_batch: got True (bool), expected a positive integer"),
+    ({"schedules": "1f1b"}, "schedules: got '1f1b', expected a tuple of schedule names"),  # not '1', 'f', ...
+    ({"tensor": (1, 2.0)}, "tensor: got (1, 2.0), expected a tuple of positive integers"),
+    ({"sequence": (0,)}, "sequence: got (0,), expected a tuple of booleans"),
+    ({"base": ["model"]}, "base: got ['model'], expected a mapping of config sections"),
+])
+def test_a_request_built_in_python_with_a_wrong_type_names_the_field(fields: dict, expected: str) -> None:
+    """From Python nothing converted the values: a wrong type is a ConfigError naming the field, not a TypeError
+    deep in the planner or a plan of nothing."""
+    request = PlanRequest(**{"base": SMALL.base, "global_batch": 16, **fields})
+    with pytest.raises(ConfigError) as err:
+        plan(request, workers=1, progress=False)
+    assert str(err.value) == expected
+    check_request(PlanRequest(SMALL.base, np.int64(16), tensor=(np.int64(1),)))  # numpy's integers are integers
+
+
 def test_every_key_the_planner_sets_is_refused_with_set() -> None:
     """plan_cmd.SEARCHED_BY names a flag for each key a candidate sets or the flags write, no more and no fewer: a key
     added to either without a flag would be overridden silently again."""
@@ -245,6 +266,13 @@ def test_every_key_the_planner_sets_is_refused_with_set() -> None:
                                          "GPUs with --tensor 2)"),
     (["--depths", "2", "--vocab", "vocab-1", "--schedules", "zb-h1"], "--vocab: got ['vocab-1'], expected a method "
                                                                         "these schedules and widths run"),
+    # every depth: the pure data-parallel points alone are not the space that was asked for
+    (["--vocab", "vocab-2", "--schedules", "gpipe"], "--vocab: got ['vocab-2'], expected a method these schedules "
+                                                     "and widths run (schedule.vocab: vocab-2 is defined with "
+                                                     "schedule.name 1f1b or v-half, got schedule.name 'gpipe')"),
+    (["--vocab", "interlaced", "--schedules", "v-half"], "--vocab: got ['interlaced'], expected a method these "
+                                                         "schedules and widths run (schedule.vocab: interlaced is "
+                                                         "defined with schedule.name 1f1b"),
 ])
 def test_a_space_with_no_candidate_names_the_flag(cli, flags: list[str], expected: str) -> None:
     """A search space that leaves no candidate on the cluster is a usage error naming the flag, not a plan of
