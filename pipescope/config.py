@@ -24,7 +24,7 @@ from pipescope.simulator.costs import MAX_OP_SECONDS, AnalyticCostsConfig, CostK
 from pipescope.simulator.models import ATTENTIONS, PRECISIONS, PRESETS, ModelConfig
 from pipescope.simulator.parallel import ParallelConfig, parse_recompute
 from pipescope.simulator.profiled import ProfiledCostsConfig
-from pipescope.simulator.safe_yaml import YamlError, parse_yaml, read_yaml_file
+from pipescope.simulator.safe_yaml import MAX_INT_DIGITS, YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig
 from pipescope.simulator.units import parse_bandwidth, parse_flops, parse_size, parse_time, short_repr
 from pipescope.simulator.vocab import VocabMethod, vocab_method
@@ -126,8 +126,9 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
         raise ValueError(f"got {short_repr(value)}, expected true or false")
     if kind is int:  # numbers.Integral: numpy's integers too, from a Python-built config
         text = str(value) if isinstance(value, (numbers.Integral, str)) and not isinstance(value, bool) else ""
-        if not re.fullmatch(r"[-+]?[0-9]{1,18}", text.strip()):  # plain decimal; 18 digits stay inside int64
-            raise ValueError(f"got {short_repr(value)}, expected a plain decimal integer of at most 18 digits")
+        if not re.fullmatch(rf"[-+]?[0-9]{{1,{MAX_INT_DIGITS}}}", text.strip()):  # plain decimal; int64 has 19
+            raise ValueError(f"got {short_repr(value)}, expected a plain decimal integer of at most {MAX_INT_DIGITS} "
+                             f"digits")
         return int(text)
     if kind is float:
         try:

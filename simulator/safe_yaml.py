@@ -20,7 +20,7 @@ from pipescope.simulator.files import read_small_text
 MAX_YAML_BYTES = 1 << 20  # a config or machine file is a few hundred bytes; 1 MiB leaves room for comments
 MAX_YAML_DEPTH = 32  # the deepest config section is two levels; 32 is far below Python's recursion limit
 
-MAX_INT_DIGITS = 18  # below int64's 9.2e18
+MAX_INT_DIGITS = 19  # int64's largest, 9,223,372,036,854,775,807, has 19; each key's range refuses the rest
 
 _INT = re.compile(r"^[-+]?[0-9]+$")
 _FLOAT = re.compile(r"^(?:[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)"

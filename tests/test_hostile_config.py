@@ -184,13 +184,25 @@ def test_an_oversized_or_undecodable_config_file_is_refused_naming_it(tmp_path) 
       "--set", "model.attention=eager"],  # eager stashes the s x s scores (flash none): 10^15 bytes per layer
      "costs: stage 0: activation_bytes would be"),
     (["--set", "cluster.data_parallel=30000", "--microbatches", "1"], "= 120,000 GPUs, expected at most"),
-    (["--set", "model.hidden=" + "1" * 19], "model.hidden: got '1111111111111111111', expected a plain decimal"),
+    (["--set", "model.hidden=" + "1" * 19], "model.hidden: got 1111111111111111111, expected an integer from 1 to"),
+    (["--set", "model.hidden=" + "1" * 20], "model.hidden: got '11111111111111111111', expected a plain decimal"),
+    (["--set", f"seed={2 ** 63}"], "seed: got 9223372036854775808, expected an integer from 0 to "
+                                   "9,223,372,036,854,775,807"),
 ])
 def test_hostile_numbers_are_one_line_errors_at_once(args: list[str], expected: str, cli) -> None:
     start = time.perf_counter()
     code, out, err = cli(["simulate", *args])
     assert code == 2 and out == "" and err.count("\n") == 1 and expected in err, err
     assert time.perf_counter() - start < 2.0
+
+
+def test_the_largest_seed_the_docs_name_is_taken(cli, tmp_path) -> None:
+    """int64's largest has 19 digits: the documented top of ``seed`` is reachable from --set and from a file."""
+    config = tmp_path / "seed.yaml"
+    config.write_text(f"seed: {2 ** 63 - 1}\ncosts: {{kind: uniform}}\n")
+    for args in (["--set", f"seed={2 ** 63 - 1}", "--set", "costs.kind=uniform"], ["--config", str(config)]):
+        code, out, err = cli(["simulate", *args, "--json"])
+        assert code == 0 and err == "" and json.loads(out)["iteration_time_s"] > 0
 
 
 def test_leading_zeros_are_decimal_not_octal(cli) -> None:
