@@ -330,7 +330,40 @@ def read_yaml(name: str) -> dict:
         return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"--config: {str(path)!r} holds {type(raw).__name__}, expected a mapping of sections")
-    return raw
+    return _files_beside(raw, path.parent)
+
+
+# Keys whose value may name a file: a CSV schedule (``csv:FILE``), a profile folder, a topology file.
+FILE_KEYS = {"schedule.name": "csv:", "costs.profile": "", "cluster.topology": ""}
+TOPOLOGY_FILES = (".yaml", ".yml", ".graphml")  # any other cluster.topology is a built-in's name
+
+
+def _files_beside(tree: dict, folder: Path) -> dict:
+    """A config file's relative file names made relative to the file's folder, as a reader of the file expects
+    (a ``--set`` value stays relative to the working folder): in its sections and in its ``sweep``/``zip`` lists."""
+    for key in FILE_KEYS:
+        section, name = key.split(".")
+        part = tree.get(section)
+        if isinstance(part, dict) and name in part:
+            part[name] = _beside(key, part[name], folder)
+    for grid in EXPERIMENT_KEYS:
+        axes = tree.get(grid)
+        for key in FILE_KEYS:
+            if isinstance(axes, dict) and isinstance(axes.get(key), list):
+                axes[key] = [_beside(key, value, folder) for value in axes[key]]
+    return tree
+
+
+def _beside(key: str, value: object, folder: Path) -> object:
+    prefix = FILE_KEYS[key]
+    if not isinstance(value, str) or not value.startswith(prefix):
+        return value
+    name = value[len(prefix):]
+    if key == "cluster.topology" and not name.lower().endswith(TOPOLOGY_FILES):
+        return value
+    if not name or os.path.isabs(name) or str(folder) == ".":
+        return value
+    return prefix + os.path.join(folder, name)
 
 
 def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None = None) -> Config:

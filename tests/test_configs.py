@@ -34,3 +34,30 @@ def test_an_experiment_file_given_as_one_config_points_to_sweep() -> None:
     grid = next(path for path in CONFIGS if path.endswith("zero-bubble-paper.yaml"))
     with pytest.raises(ConfigError, match=r"^sweep: a key of experiment files .* run this file with pipescope sweep"):
         load_config(grid)
+
+
+def test_file_names_in_a_config_file_are_read_beside_it(tmp_path, monkeypatch) -> None:
+    """A CSV schedule, a topology file and a sweep's list of CSVs named relative to a config file are found next to
+    it, from any working folder; a --set value is still read from the working folder."""
+    from pipescope import ScheduleConfig, load_config
+    from pipescope.config import ConfigError
+    from pipescope.simulator.csvio import to_csv_text
+    from pipescope.simulator.schedules import build_schedule
+    from pipescope.topologies.topology_io import load_topology, save_topology
+
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "two.csv").write_text(to_csv_text(build_schedule(ScheduleConfig(name="1f1b", stages=2, microbatches=2))))
+    save_topology(load_topology("dgx-h100"), sub / "box.yaml")
+    (sub / "c.yaml").write_text("schedule: {name: 'csv:two.csv'}\ncluster: {topology: box.yaml}\n"
+                                "costs: {kind: uniform}\n")
+    (sub / "grid.yaml").write_text("costs: {kind: uniform}\nsweep:\n  schedule.name: ['csv:two.csv', 1f1b]\n")
+    monkeypatch.chdir(tmp_path)
+    config = load_config("sub/c.yaml")
+    assert config.schedule.name == f"csv:{os.path.join('sub', 'two.csv')}"
+    assert config.cluster.topology == os.path.join("sub", "box.yaml")
+    assert run(config).schedule.num_devices == 2
+    assert [r.config.schedule.name for r in expand("sub/grid.yaml").runs] == [f"csv:{os.path.join('sub', 'two.csv')}",
+                                                                               "1f1b"]
+    with pytest.raises(ConfigError, match="two.csv"):  # a --set is the working folder's: there is none here
+        run(load_config("sub/c.yaml", ["schedule.name=csv:two.csv"]))
