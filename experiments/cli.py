@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
+from pipescope import __version__
 from pipescope.config import RANGES, ConfigError, load_config
 
 if TYPE_CHECKING:
@@ -287,8 +288,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> Parser:
     parser = Parser(prog="pipescope", description="Predict iteration time, bubbles and memory of pipeline-parallel "
                     "training schedules on a cluster, before renting it.")
+    parser.add_argument("--version", action="version", version=f"pipescope {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    p = sub.add_parser("simulate", help="simulate one configuration and print a table (or --json)")
+    p = sub.add_parser("simulate", help="simulate one configuration and print a table (or --json)",
+                       description="Build the schedule, model, cluster and costs a config names (defaults: "
+                       "docs/cli.md), replay the schedule on the cluster in a discrete-event simulation, and print "
+                       "iteration time, throughput, bubbles and per-device memory; --json, --timeline, --trace and "
+                       "--gantt write the same run for machines, notebooks and Perfetto.")
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (.json or .json.gz; opens in Perfetto); "
@@ -299,13 +305,21 @@ def build_parser() -> Parser:
     p.add_argument("--allow-oom", action="store_true", help=f"exit 0 when a device runs out of memory (default: "
                    f"report it and exit {EXIT_OOM})")
     p.set_defaults(func=cmd_simulate)
-    p = sub.add_parser("schedules", help="list the schedules pipescope can simulate")
+    p = sub.add_parser("schedules", help="list the schedules pipescope can simulate",
+                       description="List every schedule name simulate --schedule takes: the generators with their "
+                       "aliases, options and bubble, and the csv: and torch: sources.")
     p.set_defaults(func=cmd_schedules)
-    p = sub.add_parser("check", help="check a schedule CSV (torch's format) for malformed actions and deadlocks")
+    p = sub.add_parser("check", help="check a schedule CSV (torch's format) for malformed actions and deadlocks",
+                       description="Parse FILE.csv as torch.distributed.pipelining writes schedules (one row per "
+                       "device, one action per cell), lower it with its transfers and report its size, or the "
+                       "first malformed cell, or the actions a deadlock leaves stuck (exit 2).")
     p.add_argument("file", metavar="FILE.csv")
     p.add_argument("--microbatches", help="microbatches per iteration (default: inferred from the file)")
     p.set_defaults(func=cmd_check)
-    p = sub.add_parser("bench", help="time the engine against a heapq list-scheduler floor")
+    p = sub.add_parser("bench", help="time the engine against a heapq list-scheduler floor",
+                       description="Time the simulator on fixed cases (medians of --repeat runs) against a plain "
+                       "heapq list scheduler of the same program, the floor any engine pays; --network also times "
+                       "whole runs over routed flows. Speed is measured here, not in tests.")
     p.add_argument("--repeat", type=decimal, default=5, help="runs per case; medians are reported (default 5)")
     p.add_argument("--quick", action="store_true", help="only the small case (p=8, m=64)")
     p.add_argument("--network", action="store_true", help="also time whole runs over routed flows with data "

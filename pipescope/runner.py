@@ -116,6 +116,8 @@ def prepare_checked(config: Config) -> Prepared:
     config, schedule, costs = apply_vocab(config, schedule, costs, model)  # schedule.vocab (docs/schedules.md 7)
     if not isinstance(config.costs, UniformCostsConfig):
         config = _with_layer_split(config, schedule.num_stages)
+    if config.schedule.chunks is None and _generated(config):  # the result's config says how many ran
+        config = dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, chunks=schedule.chunks))
     return Prepared(config, schedule, cluster, costs, model)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 import os
 import re
 import shutil
@@ -43,6 +44,9 @@ def test_public_api_is_declared_and_importable() -> None:
         assert getattr(pipescope, name) is not None, name
     assert pipescope.ScheduleConfig.__module__ == "pipescope.simulator.schedules"
     assert pipescope.ClusterConfig.__module__ == "pipescope.topologies.cluster"
+    hints = typing.get_type_hints(pipescope.Config)
+    sections = {t for hint in hints.values() for t in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(t)}
+    assert len(sections) >= 9 and all(getattr(pipescope, t.__name__) is t for t in sections)  # each section's class
     with pytest.raises(AttributeError, match="no attribute 'frobnicate'"):
         pipescope.frobnicate  # noqa: B018
 
@@ -54,7 +58,10 @@ def test_uniform_run_equals_the_closed_form_through_the_api() -> None:
     result = pipescope.run(config)
     assert result.iteration_time_s == 33.0
     assert result.bubble_rate == pytest.approx(3 / 11)
-    assert result.config == dataclasses.replace(config, model=dataclasses.replace(config.model, precision="bf16"))
+    assert result.config == dataclasses.replace(config, model=dataclasses.replace(config.model, precision="bf16"),
+                                                schedule=dataclasses.replace(config.schedule, chunks=1))
+    zbv = pipescope.run(pipescope.Config(schedule=pipescope.ScheduleConfig("zb-v", stages=2, microbatches=4)))
+    assert zbv.config.schedule.chunks == 2  # the chunks the schedule ran, where the config left them to it
 
 
 def test_library_errors_name_the_key_without_cli_terms() -> None:

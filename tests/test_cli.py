@@ -145,6 +145,21 @@ def test_an_unknown_flag_points_at_the_subcommands_help(capsys) -> None:
                                                  "simulate --help')\n")
 
 
+def test_version_and_every_commands_help_says_what_it_does(capsys) -> None:
+    """``--version`` prints the package's version; each command's --help opens with a paragraph of its own, not
+    just the flags."""
+    import pipescope
+    from pipescope.experiments.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"pipescope {pipescope.__version__}\n"
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert len(commands) >= 12
+    for name, parser in commands.items():
+        assert parser.description and len(parser.description) > 60, name
+
+
 def test_console_script_argparse_error_is_one_line() -> None:
     """An unknown command through the real entry point: exit 2, one line."""
     proc = subprocess.run([sys.executable, "-m", "pipescope.experiments.cli", "frobnicate"], capture_output=True,
