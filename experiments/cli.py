@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -147,10 +148,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           f"torch's CSV cannot hold; expected schedule.vocab naive or redistribute with --csv")
     with progress_bar("simulate", "op") as progress:
         result = run(config, progress)
-    try:
-        _write_outputs(result, args)
-    except OSError as err:
-        return usage_error(f"cannot write {err.filename!r}: {err.strerror}")
+    _write_outputs(result, args)
     if args.json:
         print(json.dumps(result.summary()))
     else:
@@ -199,19 +197,24 @@ def _oom_exit(result: SimResult, allow_oom: bool) -> int:
     return EXIT_OOM
 
 
+OUTPUT_WRITERS = {"csv": ("pipescope.simulator.csvio", "write_csv"),
+                  "trace": ("pipescope.simulator.trace", "write_trace"),
+                  "gantt": ("pipescope.experiments.plots", "write_gantt"),
+                  "timeline": ("pipescope.experiments.tables", "write_timeline")}  # flag -> (module, writer)
+
+
 def _write_outputs(result: SimResult, args: argparse.Namespace) -> None:
-    if args.csv:
-        from pipescope.simulator.csvio import write_csv
-        write_csv(result.schedule, args.csv)
-    if args.trace:
-        from pipescope.simulator.trace import write_trace
-        write_trace(result, args.trace)
-    if args.gantt:
-        from pipescope.experiments.plots import write_gantt
-        write_gantt(result, args.gantt)
-    if args.timeline:
-        from pipescope.experiments.tables import write_timeline
-        write_timeline(result, args.timeline)
+    """Each output asked for; ConfigError naming the flag of one that cannot be written after all (the checks
+    before the run cannot see everything, e.g. a folder under /proc)."""
+    for flag, (module, name) in OUTPUT_WRITERS.items():
+        path = getattr(args, flag)
+        if path:
+            write = getattr(importlib.import_module(module), name)  # on demand: matplotlib only for a Gantt
+            try:
+                write(result.schedule if flag == "csv" else result, path)
+            except OSError as err:
+                raise ConfigError(f"--{flag}: cannot write {path!r} ({err.strerror}), expected a writable file "
+                                  f"name") from None
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:

@@ -85,6 +85,7 @@ class SweepReport:
     lost: list[tuple[str, str]]  # (run_id, why) of runs no worker finished (re-run them by running the sweep again)
     wall_s: float
     out: Path
+    unreadable: int = 0  # lines of runs.jsonl that could not be read when the sweep started
 
 
 def expand(experiment: str | os.PathLike | Mapping[str, Any]) -> SweepPlan:
@@ -315,7 +316,7 @@ def run_sweep(plan: SweepPlan, out: str | os.PathLike, executor: Executor | None
     started = time.perf_counter()
     workers = workers or len(os.sched_getaffinity(0))
     with RunLog(Path(out) / "runs.jsonl") as log:
-        done = log.finished_ids()
+        done, unreadable = log.finished_ids()
         todo = [item for item in plan.runs if item.run_id not in done]
         size = chunk_size or default_chunk_size(len(todo), workers)
         chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
@@ -334,7 +335,7 @@ def run_sweep(plan: SweepPlan, out: str | os.PathLike, executor: Executor | None
                 pool.shutdown(wait=True, cancel_futures=True)
         frame = write_results(Path(out), ids)
     return SweepReport(frame, len(todo) - len(lost), len(plan.runs) - len(todo), lost, time.perf_counter() - started,
-                       Path(out))
+                       Path(out), unreadable)
 
 
 def _bar(total: int, initial: int, enabled: bool):
@@ -420,8 +421,11 @@ class RunLog:
             self._file.seek(0)
             self._file.truncate(self._file.read().rfind(b"\n") + 1)
 
-    def finished_ids(self) -> set[str]:
-        return {row["run_id"] for row in read_rows(self.path)}
+    def finished_ids(self) -> tuple[set[str], int]:
+        """The run ids logged, and how many lines could not be read (damaged by hand or by a disk: their runs run
+        again, and the summary says so)."""
+        rows, unreadable = scan_rows(self.path)
+        return {row["run_id"] for row in rows}, unreadable
 
     def append(self, rows: list[dict[str, Any]]) -> None:
         self._file.write(b"".join(json.dumps(row).encode() + b"\n" for row in rows))
@@ -431,16 +435,24 @@ class RunLog:
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """Every complete, readable line of a runs.jsonl (a torn or unreadable line is skipped: that run runs again)."""
-    rows = []
+    return scan_rows(path)[0]
+
+
+def scan_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """``read_rows``, and the number of non-blank lines it skipped."""
+    rows, unreadable = [], 0
     with open(path, "rb") as handle:
         for line in handle:
             try:
                 row = json.loads(line)
             except ValueError:
+                unreadable += bool(line.strip())
                 continue
             if isinstance(row, dict) and isinstance(row.get("run_id"), str):
                 rows.append(row)
-    return rows
+            else:
+                unreadable += 1
+    return rows, unreadable
 
 
 def write_results(out: Path, run_ids: Sequence[str] | None = None) -> pd.DataFrame:

@@ -112,6 +112,9 @@ def summary(plan: SweepPlan, report: SweepReport) -> str:
     lines = [f"sweep: {len(plan.runs)} runs ({plan.combinations} combinations): {report.ran} run now, "
              f"{report.skipped} already logged, {ok} ok, {len(frame) - ok} error, {len(report.lost)} lost; "
              f"{report.wall_s:.1f} s{rate}"]
+    if report.unreadable:
+        lines.append(f"warning: {report.unreadable} lines of {os.path.join(report.out, 'runs.jsonl')} could not be "
+                     f"read and were skipped; runs they held ran again")
     if len(frame):
         lines.append(_table(frame, plan.keys))
     errors = frame[frame["status"] != "ok"] if len(frame) else frame

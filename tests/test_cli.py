@@ -101,7 +101,8 @@ def test_table_of_a_data_parallel_2bw_run_counts_each_replicas_versions(cli) -> 
     (["--set", "cluster.memory=0"], "cluster.memory: got 0, expected an integer from 1 to"),
     (["--set", "schedule=5"], "schedule: got 5, expected a mapping of keys"),
     (["--gantt", "out.xyz"], "--gantt: got 'out.xyz', expected a file name ending in .png or .svg or .pdf"),
-    (["--trace", "/proc/x.json"], "cannot write '/proc/x.json'"),
+    (["--trace", "/proc/x.json"], "--trace: cannot write '/proc/x.json'"),
+    (["--timeline", "/proc/nope/t.csv"], "--timeline: cannot write '/proc/nope/t.csv'"),  # checked, or at writing
     (["--schedule", "csv:/nonexistent.csv"], "schedule.name: csv file '/nonexistent.csv' cannot be read"),
     (["--set", "cluster.nodes=0"], "cluster.nodes: got 0, expected an integer from 1 to 4,096"),
     (["--set", "model.precision=fp8"], "model.precision: got 'fp8', expected one of bf16, fp16, fp32"),

@@ -84,6 +84,21 @@ def test_a_line_torn_by_a_kill_is_dropped_and_its_run_runs_again(tmp_path) -> No
     assert len(lines) == 3 and all(json.loads(line)["status"] == "ok" for line in lines)
 
 
+def test_damaged_lines_are_counted_and_their_runs_run_again(tmp_path) -> None:
+    """Lines of runs.jsonl damaged after the fact (NUL bytes, a JSON value that is no run) are skipped, their runs
+    run again, and the summary says how many lines it could not read."""
+    from pipescope.experiments.sweep_cmd import summary
+
+    plan = expand(experiment(tmp_path, sweep={"schedule.stages": [2, 4, 8]}))
+    log = tmp_path / "out" / "runs.jsonl"
+    run_sweep(plan, tmp_path / "out", workers=1, progress=False)
+    lines = log.read_bytes().splitlines(keepends=True)
+    log.write_bytes(lines[0] + b"\x00\x00garbage\n" + b"[1, 2]\n\n" + lines[2])
+    again = run_sweep(plan, tmp_path / "out", workers=1, progress=False)
+    assert (again.ran, again.skipped, again.unreadable) == (1, 2, 2)
+    assert "warning: 2 lines of" in summary(plan, again) and len(again.frame) == 3
+
+
 def test_process_pool_and_dask_local_cluster_give_identical_rows(tmp_path) -> None:
     """The same plan over a process pool and over a Dask LocalCluster (2 worker processes of 1 thread, on
     127.0.0.1 only) gives the same rows, in grid order; only the wall times differ."""
