@@ -8,7 +8,7 @@ import re
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from pipescope.config import ConfigError
+from pipescope.config import RANGES, ConfigError
 from pipescope.experiments.cli import choice_flag, integer_flag, usage_error
 from pipescope.experiments.processes import sigterm_as_ctrl_c
 from pipescope.experiments.sweep_cmd import DASK_ADDRESS, MAX_WORKERS
@@ -119,6 +119,10 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
             cap = parse_size(args.memory_cap)
         except ValueError as err:
             raise ValueError(f"--memory-cap: {err}") from None
+        low, high = RANGES["cluster.memory"]
+        if not low <= cap <= high:
+            raise ValueError(f"--memory-cap: got {short_repr(args.memory_cap)}, expected a size from 1 byte to "
+                             f"{high / 2**50:g} PiB, e.g. 16GiB")
     for item in args.sets:  # a searched key set here would be overridden by every candidate, silently
         key = item.split("=", 1)[0].strip()
         if key in SEARCHED_BY:
@@ -143,11 +147,12 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
 
 
 def _names(flag: str, text: str) -> list[str]:
-    """The items of a comma-separated flag, each once, in order; ValueError naming the flag if none."""
-    items = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    if not items:
-        raise ValueError(f"{flag}: got {short_repr(text)}, expected a comma-separated list")
-    return items
+    """The items of a comma-separated flag, each once, in order; ValueError naming the flag if one is empty (a
+    stray comma may have eaten a value)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise ValueError(f"{flag}: got {short_repr(text)}, expected a comma-separated list without empty items")
+    return list(dict.fromkeys(parts))
 
 
 def as_json(report: PlanReport) -> dict:

@@ -10,6 +10,7 @@ from typing import Any
 
 from pipescope.config import ConfigError
 from pipescope.experiments.sweep import validated_config
+from pipescope.simulator.costs import CostKind
 from pipescope.simulator.units import short_repr
 
 # The 2BW paper's planner space plus the zero-bubble and V families (issue 14); PipeDream's weight stashing rarely
@@ -195,6 +196,9 @@ def _is_int(value: object) -> bool:
 
 def check_request(request: PlanRequest) -> None:
     _check_types(request)
+    if validated_config(request.base, {}).costs.kind is CostKind.UNIFORM:
+        raise ConfigError("costs.kind: got uniform, expected analytic or profile: the planner compares candidates "
+                          "by what their model, microbatch size and widths cost, which uniform costs leave out")
     if request.global_batch < 1:
         raise ConfigError(f"--global-batch: got {request.global_batch}, expected a positive integer")
     for key, values in (("--microbatch-sizes", request.microbatch_sizes), ("--tensor", request.tensor),

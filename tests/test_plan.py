@@ -205,7 +205,12 @@ def test_cli_json_and_errors(cli) -> None:
                         "--set: schedule.stages is what the planner searches, expected --depths instead"),
                        (["--global-batch", "8", "--set", "model.preset=gpt-355m"], "expected --model instead"),
                        (["--global-batch", "8", "--schedules", "1f1b,csv:x.csv"], "--schedules: got 'csv:x.csv', "
-                        "expected generator names (a csv: or torch: schedule has its size fixed")]:
+                        "expected generator names (a csv: or torch: schedule has its size fixed"),
+                       (["--global-batch", "8", "--memory-cap", "0"], "--memory-cap: got '0', expected a size"),
+                       (["--global-batch", "8", "--schedules", "1f1b,,gpipe"], "--schedules: got '1f1b,,gpipe', "
+                        "expected a comma-separated list without empty items"),
+                       (["--global-batch", "8", "--set", "costs.kind=uniform"], "costs.kind: got uniform, expected "
+                        "analytic or profile")]:
         code, out, err = cli(["plan", "--no-progress", *flags])
         assert code == 2 and err.count("\n") == 1 and key in err
 
