@@ -63,7 +63,7 @@ def integer(key: str, text: str, low: int = 1, high: int = MAX_INT) -> int:
     value = _plain_int(text)
     if value is None or not low <= value <= high:
         shown = short_repr(text, 40) if value is None else value
-        raise UsageError(f"{key}: got {shown}, expected an integer from {low} to {high}")
+        raise UsageError(f"{key}: got {shown}, expected an integer from {low:,} to {high:,}")
     return value
 
 

@@ -19,7 +19,7 @@ from pipescope.config import RANGES, ConfigError, load_config
 if TYPE_CHECKING:
     from pipescope.simulator.result import SimResult
 from pipescope.simulator.ir import ScheduleError
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.units import counted, short_repr
 from pipescope.simulator.vocab import SHARDED
 
 
@@ -40,19 +40,11 @@ def usage_error(message: str) -> int:
     return EXIT_USAGE
 
 
-def decimal(text: str) -> int:
-    """An argparse type: a plain decimal integer (Python's int() would also take ``1_6`` and spaces)."""
-    if not re.fullmatch(r"[0-9]{1,18}", text):
-        raise argparse.ArgumentTypeError(f"got {text!r}, expected a non-negative plain decimal integer of at most 18 "
-                                         "digits")
-    return int(text)
-
-
 def integer_flag(flag: str, text: str, low: int, high: int) -> int:
     """A plain decimal flag value from ``low`` to ``high``, for commands that check their own flags (``collective``,
     ``validate``); ValueError naming the flag."""
     if not re.fullmatch(r"[0-9]{1,19}", str(text)) or not low <= int(text) <= high:
-        raise ValueError(f"{flag}: got {short_repr(text)}, expected an integer from {low} to {high}")
+        raise ValueError(f"{flag}: got {short_repr(text)}, expected an integer from {low:,} to {high:,}")
     return int(text)
 
 
@@ -251,9 +243,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"  {line}", file=sys.stderr)
         return EXIT_INVALID_SCHEDULE
     torch_steps, stalled = _torch_dry_run(schedule, steps)
-    print(f"{args.file}: ok: {schedule.num_devices} devices, {schedule.num_stages} stages, "
-          f"{schedule.total_microbatches} microbatches, {schedule.num_compute_ops()} ops, {steps} unit-time steps "
-          f"({torch_steps})")
+    sizes = [counted(schedule.num_devices, "device"), counted(schedule.num_stages, "stage"),
+             counted(schedule.total_microbatches, "microbatch", "microbatches"),
+             counted(schedule.num_compute_ops(), "op")]
+    print(f"{args.file}: ok: {', '.join(sizes)}, {counted(steps, 'unit-time step')} ({torch_steps})")
     if stalled:
         print(f"{args.file}: torch's dry run refuses it: {stalled}", file=sys.stderr)
         return EXIT_INVALID_SCHEDULE
@@ -283,9 +276,11 @@ def _torch_dry_run(schedule, unit_steps: int) -> tuple[str, str]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from pipescope.experiments.bench import run_bench
-    if not 1 <= args.repeat <= 1000:
-        return usage_error(f"--repeat: got {args.repeat}, expected an integer from 1 to 1000")
-    return run_bench(args.repeat, args.quick, args.json, args.network, args.sweep)
+    try:
+        repeat = integer_flag("--repeat", args.repeat, 1, 1000)
+    except ValueError as err:
+        return usage_error(str(err))
+    return run_bench(repeat, args.quick, args.json, args.network, args.sweep)
 
 
 def build_parser() -> Parser:
@@ -323,7 +318,7 @@ def build_parser() -> Parser:
                        description="Time the simulator on fixed cases (medians of --repeat runs) against a plain "
                        "heapq list scheduler of the same program, the floor any engine pays; --network also times "
                        "whole runs over routed flows. Speed is measured here, not in tests.")
-    p.add_argument("--repeat", type=decimal, default=5, help="runs per case; medians are reported (default 5)")
+    p.add_argument("--repeat", default="5", help="runs per case; medians are reported (default 5)")
     p.add_argument("--quick", action="store_true", help="only the small case (p=8, m=64)")
     p.add_argument("--network", action="store_true", help="also time whole runs over routed flows with data "
                    "parallelism: 64, 256 and 1,024 GPUs (about a minute)")

@@ -117,9 +117,13 @@ def _run(args: argparse.Namespace):
     if lower.endswith((".yaml", ".yml")):
         if args.microbatches is not None:
             raise ValueError("--microbatches: only with a trace or timeline INPUT; a config knows its own")
-        from pipescope.config import load_config
+        from pipescope.config import ConfigError, load_config
         from pipescope.runner import run
-        return run_data(run(load_config(path, args.sets)))
+        try:
+            config = load_config(path, args.sets)
+        except ConfigError as err:  # the file is this command's INPUT, not a --config flag
+            raise ConfigError(str(err).replace("--config:", "INPUT:", 1)) from None
+        return run_data(run(config))
     m = integer_flag("--microbatches", args.microbatches, 1, MAX_MICROBATCHES) if args.microbatches else None
     if lower.endswith((".parquet", ".csv")):
         return inputs.run_from_timeline(path, m)

@@ -87,7 +87,7 @@ def json_kind(doc: Any) -> str:
 def _integer(value: Any, what: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or \
             value != int(value) or not low <= value <= high:
-        raise ValueError(f"{what}: got {str(value)[:60]!r}, expected an integer from {low} to {high}")
+        raise ValueError(f"{what}: got {str(value)[:60]!r}, expected an integer from {low:,} to {high:,}")
     return int(value)
 
 
@@ -219,7 +219,7 @@ def integers(frame: pd.DataFrame, columns: tuple[str, ...], path: str, low: int,
         bad = ~(values.between(low, high) & (values == values.round()))
         if bad.any():
             raise ValueError(f"INPUT: {_name(path)}: {column}: got {str(frame[column][bad].iloc[0])[:40]!r}, "
-                             f"expected an integer from {low} to {high}")
+                             f"expected an integer from {low:,} to {high:,}")
         out[column] = values.astype(np.int64)
     return frame.assign(**out)
 
@@ -271,7 +271,7 @@ def read_validate(doc: Any, path: str) -> dict:
                          f"report")
     devices = doc["per_device"]
     if not isinstance(devices, list) or not 1 <= len(devices) <= 4096:
-        raise ValueError(f"INPUT: {_name(path)}: per_device: expected a list of 1 to 4096 devices")
+        raise ValueError(f"INPUT: {_name(path)}: per_device: expected a list of 1 to 4,096 devices")
     for key in ("predicted_iteration_time_s", "measured_iteration_time_s"):
         if _number(doc[key], key, path) <= 0:
             raise ValueError(f"INPUT: {_name(path)}: {key}: got {doc[key]!r}, expected a time above 0")

@@ -125,7 +125,9 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
             return str(value).lower() in ("true", "yes", "1", "on")
         raise ValueError(f"got {short_repr(value)}, expected true or false")
     if kind is int:  # numbers.Integral: numpy's integers too, from a Python-built config
-        text = str(value) if isinstance(value, (numbers.Integral, str)) and not isinstance(value, bool) else ""
+        if not isinstance(value, (numbers.Integral, str)) or isinstance(value, bool):  # True, 4.0: not text
+            raise ValueError(f"got {short_repr(value)} ({type(value).__name__}), expected an integer")
+        text = str(value)
         if not re.fullmatch(rf"[-+]?[0-9]{{1,{MAX_INT_DIGITS}}}", text.strip()):  # plain decimal; int64 has 19
             raise ValueError(f"got {short_repr(value)}, expected a plain decimal integer of at most {MAX_INT_DIGITS} "
                              f"digits")

@@ -223,7 +223,7 @@ def _with_profile_model(config: Config, costs: ProfiledCosts) -> Config:
         low, high = RANGES[f"model.{key}"]
         if not low <= getattr(model, key) <= high:
             raise ConfigError(f"costs.profile: {config.costs.profile!r} measured model.{key}={getattr(model, key)}; "
-                              f"expected {low} to {high}")
+                              f"expected {low:,} to {high:,}")
     try:
         model.spec()  # heads must divide hidden
     except ValueError as err:

@@ -189,7 +189,8 @@ def check_metadata(meta: dict, where: str) -> None:
         section, _, field = key.rpartition(".")
         owner = model if section == "model" else meta
         if field in owner and not is_count(owner[field]):
-            raise ProfileError(f"{where}: {key}={short_repr(owner[field])}; expected an integer from 1 to {MAX_NUMBER}")
+            raise ProfileError(f"{where}: {key}={short_repr(owner[field])}; expected an integer from 1 to "
+                               f"{MAX_NUMBER:,}")
     for key in META_INTEGER_LISTS:
         values = meta.get(key, [1])
         if not isinstance(values, list) or not values or not all(is_count(v) for v in values):

@@ -109,6 +109,11 @@ def parse_bandwidth(value: object) -> float:
     return _parse(value, BANDWIDTH_UNITS, "bandwidth", "'25GB/s' or '100Gbit/s'")
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 device``, ``4 devices``: a count with its noun in the number it takes (``plural``: noun + s if None)."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 def format_bytes(n: float) -> str:
     """``1.50 GiB`` style, for tables and error messages."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

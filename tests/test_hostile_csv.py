@@ -135,7 +135,7 @@ def test_microbatch_beyond_the_given_count_is_a_finding(tmp_path, cli) -> None:
     for bad in ("0", "-1", "1_0"):  # the flag is at fault, not the file
         code, _, err = cli(["check", str(path), "--microbatches", bad])
         assert code == 2 and err.startswith(f"pipescope: error: --microbatches: got '{bad}', expected an integer "
-                                            "from 1 to 500000"), err
+                                            "from 1 to 500,000"), err
 
 
 def test_good_files_still_read(tmp_path) -> None:

@@ -337,6 +337,8 @@ def hostile_files(folder: Path, files: dict[str, Path]) -> dict[str, Path]:
     paths["bomb.parquet"] = folder / "bomb.parquet"  # a few KiB on disk, 4 MiB of columns once unpacked
     pd.DataFrame({"device": [f"{i:08d}" + "0" * 4088 for i in range(1024)]}).to_parquet(paths["bomb.parquet"],
                                                                                           compression="zstd")
+    paths["broken.yaml"] = folder / "broken.yaml"
+    paths["broken.yaml"].write_text("schedule: [1\n")
     paths["badrate.csv"] = folder / "badrate.csv"
     pd.read_csv(files["sweep.csv"]).assign(bubble_rate=7.0).to_csv(paths["badrate.csv"], index=False)
     return paths
@@ -348,7 +350,7 @@ BAD = [
     (["gantt", "{text.json}"], "is not valid JSON"),
     (["gantt", "{nan.json}"], "is not valid JSON (NaN is not a number"),
     (["gantt", "{deep.json}"], "is not valid JSON"),
-    (["gantt", "{bigpid.json}"], "pid: got '10000000', expected an integer from 0 to 99999"),
+    (["gantt", "{bigpid.json}"], "pid: got '10000000', expected an integer from 0 to 99,999"),
     (["gantt", "{badlane.json}"], "thread name: stream: got '', expected compute"),
     (["gantt", "{bomb.json.gz}"], "is over 1 MiB"),
     (["gantt", "{many.json.gz}"], "has about 1,001 trace events, expected at most 1,000 (a run that big plots from"),
@@ -357,6 +359,7 @@ BAD = [
     (["gantt", "{validate.json}"], "is a 'validate --json' report (plot it with overlay)"),
     (["gantt", "{sweep.parquet}"], "has no column 'device', expected a timeline"),
     (["gantt", "{t.parquet}", "{t.csv}"], "INPUT: got 2 files, expected one for gantt"),
+    (["gantt", "{broken.yaml}"], "INPUT: '{broken.yaml}': line 2:"),  # the file is INPUT, not a --config flag
     (["gantt", "{t.parquet}", "--set", "schedule.stages=2"], "--set: only with a config INPUT"),
     (["gantt", "{t.parquet}", "--microbatches", "0"], "--microbatches: got '0', expected an integer from 1"),
     (["memory", "{t.parquet}"], "holds no memory timeline"),

@@ -109,7 +109,7 @@ def save_topology(graph: nx.DiGraph, path: str | os.PathLike) -> None:
 
 def _check_arguments(nodes: object, fabric: object, oversubscription: object) -> None:
     if type(nodes) is not int or not 1 <= nodes <= MAX_NODES:
-        raise ValueError(f"cluster.nodes: got {short_repr(nodes)}, expected an integer from 1 to {MAX_NODES}")
+        raise ValueError(f"cluster.nodes: got {short_repr(nodes)}, expected an integer from 1 to {MAX_NODES:,}")
     if fabric is not None and fabric not in FABRICS:
         raise ValueError(f"cluster.fabric: got {short_repr(fabric)}, expected one of {', '.join(FABRICS)}")
     if oversubscription is not None and not (_is_number(oversubscription)
@@ -217,7 +217,7 @@ def _latency_ns(entry: dict, what: str) -> float:
 
 def _integer(value: object, what: str, low: int, high: int) -> int:
     if type(value) is not int or not low <= value <= high:
-        raise ValueError(f"{what}: got {short_repr(value)}, expected an integer from {low} to {high}")
+        raise ValueError(f"{what}: got {short_repr(value)}, expected an integer from {low:,} to {high:,}")
     return value
 
 
