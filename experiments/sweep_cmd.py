@@ -116,7 +116,7 @@ def summary(plan: SweepPlan, report: SweepReport) -> str:
         lines.append(f"warning: {report.unreadable} lines of {os.path.join(report.out, 'runs.jsonl')} could not be "
                      f"read and were skipped; runs they held ran again")
     if len(frame):
-        lines.append(_table(frame, plan.keys))
+        lines.append(_table(frame, plan))
     errors = frame[frame["status"] != "ok"] if len(frame) else frame
     lines += [f"error: run {row['run_id']}: {row['error']}" for _, row in errors.head(3).iterrows()]
     lines += [f"lost: run {rid}: {why}" for rid, why in report.lost[:3]]
@@ -127,9 +127,19 @@ def summary(plan: SweepPlan, report: SweepReport) -> str:
     return "\n".join(lines)
 
 
-def _table(frame, keys: tuple[str, ...]) -> str:
+def _columns_of(frame, key: str, plan: SweepPlan) -> list[str]:
+    """The table's columns for a swept key: its own; for a whole section (``costs: [{kind: uniform}, ...]``), the
+    keys its values set; none for a key of another cost kind than the runs'."""
+    if key in frame.columns:
+        return [key]
+    named = dict.fromkeys(f"{key}.{inner}" for run in plan.runs if isinstance(run.overrides.get(key), dict)
+                          for inner in run.overrides[key])
+    return [column for column in named if column in frame.columns]
+
+
+def _table(frame, plan: SweepPlan) -> str:
     shown = frame.head(SUMMARY_ROWS)
-    swept = [key for key in keys if key in frame.columns]  # a key of another cost kind, or a section, has none
+    swept = [column for key in plan.keys for column in _columns_of(frame, key, plan)]
     table = shown[[*swept, "status", "iteration_time_s", "throughput_samples_per_s", "bubble_rate"]].copy()
     table["peak_memory_GiB"] = shown["peak_memory_bytes"].astype("Float64") / 2**30
     table["oom"] = shown["oom"]

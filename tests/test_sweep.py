@@ -99,6 +99,18 @@ def test_damaged_lines_are_counted_and_their_runs_run_again(tmp_path) -> None:
     assert "warning: 2 lines of" in summary(plan, again) and len(again.frame) == 3
 
 
+def test_a_swept_section_shows_the_keys_its_values_set(tmp_path) -> None:
+    """``costs: [{kind: uniform}, {kind: analytic, efficiency: 0.4}]`` runs both sections, and the summary's table
+    has a column for each key they set (not none, as for an unknown column, nor every costs key)."""
+    from pipescope.experiments.sweep_cmd import summary
+
+    plan = expand(experiment(tmp_path, sweep={"costs": [{"kind": "uniform"}, {"kind": "analytic", "efficiency": 0.4}]}))
+    report = run_sweep(plan, tmp_path / "out", workers=1, progress=False)
+    header = summary(plan, report).splitlines()[1].split()
+    assert header[:3] == ["costs.kind", "costs.efficiency", "status"]
+    assert list(report.frame["costs.kind"]) == ["uniform", "analytic"]
+
+
 def test_process_pool_and_dask_local_cluster_give_identical_rows(tmp_path) -> None:
     """The same plan over a process pool and over a Dask LocalCluster (2 worker processes of 1 thread, on
     127.0.0.1 only) gives the same rows, in grid order; only the wall times differ."""
