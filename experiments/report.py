@@ -21,7 +21,13 @@ def _headline(result: SimResult) -> str:
     model = "uniform costs" if uniform else f"{m.label} mb={m.microbatch_size} {m.precision} ({costs})"
     return (f"{s.name}: p={s.num_devices} m={s.num_microbatches} v={s.chunks}"
             f"{_options(config)}  weight update {s.weight_update}  {model}  "
-            f"on {c.topology} x{c.nodes}")
+            f"on {_cluster(result)} x{c.nodes}")
+
+
+def _cluster(result: SimResult) -> str:
+    """The topology's name; a file's own name with the file beside it (``my-box (box.yaml)``)."""
+    topology, name = result.config.cluster.topology, result.cluster_name
+    return topology if name in ("", topology) else f"{name} ({topology})"
 
 
 def _options(config: Config) -> str:

@@ -157,6 +157,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
         raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
     if isinstance(costs, AnalyticCosts):
         result.kernels = costs.kernel_report(schedule.num_stages)
+    result.cluster_name = cluster.name
     return result
 
 

@@ -69,6 +69,7 @@ class SimResult:
     memory_runtime: str = "megatron"  # whose buffers the ledger counted (``simulator.memory_runtime``)
     gradient_buffers: int = 1  # 2 where steps are deferred (2BW with replicas, ``lowering.add_optimizer_steps``)
     kernels: list[dict] = field(default_factory=list)  # analytic costs: the roofline per kernel (docs/costs.md)
+    cluster_name: str = ""  # the topology's own name (a file's ``name``), for the report's headline
 
     @property
     def iteration_time_s(self) -> float:

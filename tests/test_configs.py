@@ -56,7 +56,10 @@ def test_file_names_in_a_config_file_are_read_beside_it(tmp_path, monkeypatch) -
     config = load_config("sub/c.yaml")
     assert config.schedule.name == f"csv:{os.path.join('sub', 'two.csv')}"
     assert config.cluster.topology == os.path.join("sub", "box.yaml")
-    assert run(config).schedule.num_devices == 2
+    result = run(config)
+    assert result.schedule.num_devices == 2
+    from pipescope.experiments.report import table
+    assert f"on dgx-h100 ({os.path.join('sub', 'box.yaml')}) x1" in table(result)  # the file's name, and the file
     assert [r.config.schedule.name for r in expand("sub/grid.yaml").runs] == [f"csv:{os.path.join('sub', 'two.csv')}",
                                                                                "1f1b"]
     with pytest.raises(ConfigError, match="two.csv"):  # a --set is the working folder's: there is none here
