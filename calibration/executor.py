@@ -60,7 +60,8 @@ class RunResult:
     last. ``grads``: each parameter's gradient before its last step (averaged over replicas, before clipping).
     ``weights``: per replica, each parameter's final value. ``memory``: per rank, what ``executor_memory`` measured
     in the first run. ``versions``: per rank, in the last run, (F or B, stage, microbatch, weight version used, newest
-    version then, the used buffer's in-place write count) for every forward and backward."""
+    version then, the used buffer's in-place write count) for every forward and backward. ``cpu_ns``: per measured
+    run, every rank's process CPU time (its ops, gloo's threads, waits that spin)."""
 
     rows: list[list[list[Row]]]
     losses: list[float]
@@ -69,6 +70,7 @@ class RunResult:
     memory: list[RankMemory]
     versions: list[list[tuple[str, int, int, int, int, int]]]
     world: int
+    cpu_ns: list[list[int]]  # per measured run, every rank's process CPU time over it (all its threads)
 
     @property
     def loss(self) -> float:
@@ -139,7 +141,7 @@ def _run_spec(rank: int, spec: RunSpec, path: str, progress, groups: dict[str, o
     actions = [a for a in program.device_actions[state.index] if a is not None]
     points = step_points(actions, state.rule.update, state.rule.microbatches)
     clock = state.clock
-    runs, all_rows, losses, memory = spec.warmup + spec.iterations, [], [], None
+    runs, all_rows, losses, memory, cpu = spec.warmup + spec.iterations, [], [], None, []
     for run in range(runs):
         state.reset(last_run=spec.numerics and run == runs - 1)
         state.tracker.active = run == 0 and not cuda
@@ -147,6 +149,7 @@ def _run_spec(rank: int, spec: RunSpec, path: str, progress, groups: dict[str, o
             cuda_reset(device)
         dist.barrier()
         clock.begin()
+        cpu_start = time.process_time_ns()  # every thread of the rank: gloo's too, not just the ops
         rows = []
         for step, action in enumerate(actions):
             progress[2 * rank + 1] = step
@@ -159,6 +162,7 @@ def _run_spec(rank: int, spec: RunSpec, path: str, progress, groups: dict[str, o
             rows += state.after(step, points)
         progress[2 * rank + 1] = len(actions)
         rows += state.finish()
+        cpu.append(time.process_time_ns() - cpu_start)
         if run == 0:
             memory = cuda_peak(device) if cuda else state.tracker.result
             state.tracker.active = False
@@ -166,7 +170,7 @@ def _run_spec(rank: int, spec: RunSpec, path: str, progress, groups: dict[str, o
         losses += [float(loss) for loss in state.losses]
     numerics = {"grads": {k: g.cpu() for k, g in state.grads.items()}, "weights": state.weights()} if \
         spec.numerics else {"grads": {}, "weights": {}}
-    torch.save({"rows": all_rows[spec.warmup:], "losses": losses, **numerics, "memory": dataclasses.asdict(memory),
+    torch.save({"rows": all_rows[spec.warmup:], "cpu_ns": cpu[spec.warmup:], "losses": losses, **numerics, "memory": dataclasses.asdict(memory),
                 "versions": state.seen}, path)
 
 
@@ -252,8 +256,9 @@ def _collect(out: Path, index: int, spec: RunSpec) -> RunResult:
     weights = [{name: t for part in parts[r * devices:(r + 1) * devices] for name, t in part["weights"].items()}
                for r in range(width)]
     rows = [[part["rows"][i] for part in parts] for i in range(spec.iterations)]
+    cpu = [[part["cpu_ns"][i] for part in parts] for i in range(spec.iterations)]
     memory = [RankMemory(**part["memory"]) for part in parts]
-    return RunResult(rows, losses, grads, weights, memory, [part["versions"] for part in parts], spec.world)
+    return RunResult(rows, losses, grads, weights, memory, [part["versions"] for part in parts], spec.world, cpu)
 
 
 def _where(specs: list[RunSpec]) -> Callable[[int, int, int], str]:

@@ -130,10 +130,10 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         result = run_prepared(built)
         backend = "gloo" if mode == CPU else "nccl"
         _phase(f"run ({result.schedule.num_devices} {backend} ranks, {warmup} warm-up + {iterations} iterations)")
-        rows, memory = _measure(result, result.config, iterations, warmup, timeout, args.device)
+        rows, memory, cpu = _measure(result, result.config, iterations, warmup, timeout, args.device)
     _write_measured(result, rows, args)
     predicted, measured = _compute_rows(result.timeline), _compute_rows(rows)
-    report = {**_report(result, predicted, measured, memory), "op_times": op_times,
+    report = {**_report(result, predicted, measured, memory, cpu), "op_times": op_times,
               "warnings": warnings + result.warnings}  # the simulation's too: unmeasured sizes, noisy rows
     if table is not None:
         report.update(stage_ops=table, **op_error_summary(table))
@@ -305,9 +305,11 @@ def _spec(schedule, config, iterations: int, warmup: int, timeout: int, device: 
                    timeout_s=timeout, device=device)
 
 
-def _measure(result, config, iterations: int, warmup: int, timeout: int, device: str) -> tuple[pd.DataFrame, list]:
+def _measure(result, config, iterations: int, warmup: int, timeout: int,
+             device: str) -> tuple[pd.DataFrame, list, list[list[int]]]:
     """Every measured row of every iteration (columns as the timeline's and ``iteration``, times from the
-    iteration's first compute op), and each rank's measured memory (``executor_memory.RankMemory``)."""
+    iteration's first compute op), each rank's measured memory (``executor_memory.RankMemory``), and per iteration
+    each rank's process CPU time (ns)."""
     from pipescope.calibration.executor import execute_timed
 
     run = execute_timed(_spec(result.schedule, config, iterations, warmup, timeout, device))
@@ -318,7 +320,7 @@ def _measure(result, config, iterations: int, warmup: int, timeout: int, device:
         origin = _compute_rows(frame)["start_ns"].min()
         frames.append(frame.assign(start_ns=frame["start_ns"] - origin, end_ns=frame["end_ns"] - origin,
                                    iteration=index))
-    return pd.concat(frames, ignore_index=True), run.memory
+    return pd.concat(frames, ignore_index=True), run.memory, run.cpu_ns
 
 
 def _write_measured(result, measured: pd.DataFrame, args: argparse.Namespace) -> None:
@@ -384,9 +386,9 @@ def _compute_rows(frame: pd.DataFrame) -> pd.DataFrame:
     return rows[[c for c in [*ROW_COLUMNS, "iteration"] if c in rows]].reset_index(drop=True)
 
 
-def _report(result, predicted: pd.DataFrame, measured: pd.DataFrame, memory: list) -> dict:
-    """Iteration, busy, bubble and peak-memory errors per device, and per-op duration and start errors (signed,
-    relative)."""
+def _report(result, predicted: pd.DataFrame, measured: pd.DataFrame, memory: list, cpu: list[list[int]]) -> dict:
+    """Iteration, busy, bubble and peak-memory errors per device, each rank's CPU time (the median over the
+    iterations), and per-op duration and start errors (signed, relative)."""
     spans = measured.groupby("iteration").apply(lambda rows: _iteration_ns(result.schedule, rows), include_groups=False)
     median_iteration = statistics.median(spans.tolist())
     typical = int((spans - median_iteration).abs().idxmin())  # the measured iteration closest to the median
@@ -404,6 +406,7 @@ def _report(result, predicted: pd.DataFrame, measured: pd.DataFrame, memory: lis
         devices.append({"device": d, "predicted_busy_s": busy_p, "measured_busy_s": busy_m,
                         "busy_error": _relative(busy_p, busy_m),
                         "predicted_bubble": 1 - busy_p / predicted_s, "measured_bubble": 1 - busy_m / measured_s,
+                        "measured_cpu_s": statistics.median(run[d] for run in cpu) / per_iteration,
                         **_memory(result.devices[d], memory[d])})
     worst = max(devices, key=lambda device: abs(device["memory_error"]))
     return {"schedule": result.schedule.name, "stages": result.schedule.num_devices,

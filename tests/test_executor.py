@@ -302,6 +302,8 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
     assert min(errors) <= report["op_time_error_median"] <= max(errors)
     for device in report["per_device"]:  # the op times were measured by the code that ran: busy times agree
         assert abs(device["busy_error"]) < 0.6, device
+        # a rank's CPU time holds its ops' (compute-bound, one thread) and fits in its few threads' wall time
+        assert 0.3 * device["measured_busy_s"] < device["measured_cpu_s"] < 4 * report["measured_iteration_time_s"]
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _check_measured_files(timeline, trace, report)
     code = main(["validate", "--timeline", "x.txt"])  # refused before anything runs
@@ -437,7 +439,7 @@ def test_a_flush_steps_share_the_gradient_norm_before_them_by_their_durations():
             ("0OPT0", "OPT", 0, 0, 90, 120), ("1OPT0", "OPT", 1, 0, 120, 180)]
     assert norm_shares(rows) == {0: 10, 1: 20}
     slower = [(a, k, s, mb, start, end + (30 if k == "F" else 0)) for a, k, s, mb, start, end in rows]
-    run = RunResult([[rows], [slower]], [], {}, [], [], [], 1)
+    run = RunResult([[rows], [slower]], [], {}, [], [], [], 1, [[0], [0]])
     assert op_means(run, 2) == [{"F": 25, "B": 20, "OPT": 40}, {"B": 30, "OPT": 80}]
 
 
