@@ -170,8 +170,8 @@ def _run_spec(rank: int, spec: RunSpec, path: str, progress, groups: dict[str, o
         losses += [float(loss) for loss in state.losses]
     numerics = {"grads": {k: g.cpu() for k, g in state.grads.items()}, "weights": state.weights()} if \
         spec.numerics else {"grads": {}, "weights": {}}
-    torch.save({"rows": all_rows[spec.warmup:], "cpu_ns": cpu[spec.warmup:], "losses": losses, **numerics, "memory": dataclasses.asdict(memory),
-                "versions": state.seen}, path)
+    torch.save({"rows": all_rows[spec.warmup:], "cpu_ns": cpu[spec.warmup:], "losses": losses, **numerics,
+                "memory": dataclasses.asdict(memory), "versions": state.seen}, path)
 
 
 def _maybe_fail(spec: RunSpec, rank: int, step: int) -> None:

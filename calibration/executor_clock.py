@@ -29,6 +29,14 @@ class HostClock:
         return rows
 
 
+class ThreadCpuClock(HostClock):
+    """CPU ranks timed by the CPU time of the thread that runs the ops: what an op costs whoever holds the core,
+    without the time it waits for one (stage timing with more ranks than cores, ``stage_timing``)."""
+
+    def stamp(self) -> Any:
+        return time.thread_time_ns()
+
+
 class CudaClock:
     """A GPU rank: a stamp is a CUDA event on the device's current stream, resolved after the run."""
 
@@ -53,5 +61,7 @@ class CudaClock:
         return self.origin_ns + round(self.origin.elapsed_time(stamp) * 1e6)  # elapsed_time is in ms
 
 
-def make_clock(device: torch.device) -> HostClock | CudaClock:
-    return CudaClock(device) if device.type == "cuda" else HostClock()
+def make_clock(device: torch.device, cpu_time: bool = False) -> HostClock | CudaClock:
+    if device.type == "cuda":
+        return CudaClock(device)
+    return ThreadCpuClock() if cpu_time else HostClock()

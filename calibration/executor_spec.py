@@ -32,6 +32,7 @@ class RunSpec:
     timeout_s: float = 120.0
     inject: tuple[str, int, int] | None = None  # ("exit" | "hang", rank, step): a rank that dies or hangs there
     numerics: bool = True  # keep the last run's gradients and the final weights (False for timing runs)
+    cpu_time: bool = False  # time actions by the rank's thread CPU time, not the wall clock (CPU ranks only)
 
     @property
     def world(self) -> int:

@@ -94,7 +94,7 @@ class Rank:
                      for j in range(program.total_microbatches)]
         self.split = {(a.stage, a.microbatch) for acts in program.device_actions for a in acts
                       if a is not None and a.kind is K.I}
-        self.clock = make_clock(device)
+        self.clock = make_clock(device, spec.cpu_time)
         self.tracker = MemoryTracker(time.perf_counter_ns)
         for stage in self.stages.values():
             self._hold_static(stage.own, stage)

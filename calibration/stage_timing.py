@@ -39,10 +39,12 @@ def serial_schedule(schedule: Schedule) -> Schedule:
                     (tuple(actions),), recompute=schedule.recompute)
 
 
-def stage_op_times(spec: RunSpec) -> list[dict[str, int]]:
+def stage_op_times(spec: RunSpec, copies: int = 1, cpu_time: bool = False) -> list[dict[str, int]]:
     """Per stage of ``spec.schedule``, the mean ns of each op it runs (F, B or I and W, OPT) over ``spec.iterations``
-    runs of its serial program on one spawned rank (``spec``'s warm-up dropped; ``executor.execute_timed``)."""
-    serial = dataclasses.replace(spec, schedule=serial_schedule(spec.schedule), data_parallel=1)
+    runs of its serial program on ``copies`` spawned ranks at once (``spec``'s warm-up dropped;
+    ``executor.execute_timed``), by the wall clock or by each rank's thread CPU time."""
+    serial = dataclasses.replace(spec, schedule=serial_schedule(spec.schedule), data_parallel=copies,
+                                 cpu_time=cpu_time)
     return op_means(execute_timed(serial), spec.schedule.num_stages)
 
 
@@ -53,7 +55,7 @@ def op_means(run: RunResult, num_stages: int) -> list[dict[str, int]]:
     The mean, not the median: an iteration is a sum of ops, so its typical length is the sum of their means, and
     CPU op times have a long upper tail that a median drops (docs/validation.md, "Two sources of op times")."""
     samples: list[dict[str, list[int]]] = [{} for _ in range(num_stages)]
-    for rows in (ranks[0] for ranks in run.rows):
+    for rows in (rank for ranks in run.rows for rank in ranks):
         steps = norm_shares(rows)
         for _, kind, stage, _, start, end in rows:
             if kind in TIMED_KINDS:

@@ -66,7 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--op-times", choices=("profile", "stages"),
                    help="where the simulation's op times come from: the calibration profile's kernel benches "
                    "(profile, default), or every stage timed in the executor on one rank, one op after another, as "
-                   "Megatron's pipeline simulator does (stages: the error is then the schedule model's own; "
+                   "Megatron's pipeline simulator does (stages: the error is then the schedule model's own; with "
+                   "more ranks than CPU cores, as many such ranks at once as the pipeline has, by CPU time; "
                    "docs/validation.md)")
     p.add_argument("--timeout", default="120", help="seconds without progress before the run is stopped")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -121,9 +122,8 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         _check_profile(built.costs, profile, args.device, args.model if args.profile else None, mode != ONE_GPU)
         op_times, table = "stages" if mode == ONE_GPU else getattr(args, "op_times", None) or "profile", None
         if op_times == "stages":
-            _phase(f"time every stage on one {'rank' if mode == CPU else 'GPU'}, one op after another")
             spec = _spec(built.schedule, built.config, STAGE_TIMING_ITERATIONS, warmup, timeout, args.device)
-            built, table = time_stages(built, spec)
+            built, table = _time_stages(built, spec, mode)
         if mode == ONE_GPU:  # the ops, stage by stage, against the profile's (docs/validation.md, "GPUs")
             return _ops_report(built.schedule, table), None, None
         _phase("simulate")
@@ -220,6 +220,18 @@ def _differs(preset: str, model: dict) -> bool:
     spec = PRESETS.get(preset)
     return spec is None or model.get("name") != preset or any(
         model.get(key) != getattr(spec, key) for key in ("layers", "hidden", "heads", "vocab"))
+
+
+def _time_stages(built, spec, mode: str):
+    """``time_stages``: every stage on one rank, one op after another; with more ranks than cores (``host_cores``
+    set), as many copies of that rank at once as the pipeline has ranks, each op timed by its thread's CPU time:
+    what an op costs when ranks take turns on the cores, the caches refilled after each switch, without the wait
+    for a core, which ``cluster.host_cores`` models (docs/validation.md, "More ranks than cores")."""
+    ranks = built.schedule.num_devices
+    shared = built.config.cluster.host_cores is not None
+    copies = f"{ranks} copies at once, by CPU time" if shared else "one op after another"
+    _phase(f"time every stage on one {'rank' if mode == CPU else 'GPU'}, {copies}")
+    return time_stages(built, spec, ranks if shared else 1, cpu_time=shared)
 
 
 def _ops_report(schedule, table: list[dict]) -> dict:

@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 STAGE_TIMING_ITERATIONS = 10  # serial runs whose op means become the simulation's op times
 
 
-def time_stages(built: Prepared, spec: RunSpec) -> tuple[Prepared, list[dict]]:
-    """(``built`` with its profile's op times replaced by the measured ones, the per-op table ``stage_op_table``)."""
+def time_stages(built: Prepared, spec: RunSpec, copies: int = 1, cpu_time: bool = False) -> tuple[Prepared, list[dict]]:
+    """(``built`` with its profile's op times replaced by the measured ones, the per-op table ``stage_op_table``);
+    ``copies`` and ``cpu_time`` as ``stage_timing.stage_op_times`` takes them."""
     from pipescope.calibration.stage_timing import stage_op_times
-    measured = stage_op_times(spec)
+    measured = stage_op_times(spec, copies, cpu_time)
     table = stage_op_table(op_durations(built.stage_costs(), built.schedule.recompute), measured)
     costs = dataclasses.replace(built.costs, op_times=tuple(measured), _cache={})
     return dataclasses.replace(built, costs=costs), table

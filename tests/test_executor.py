@@ -441,6 +441,35 @@ def test_a_flush_steps_share_the_gradient_norm_before_them_by_their_durations():
     slower = [(a, k, s, mb, start, end + (30 if k == "F" else 0)) for a, k, s, mb, start, end in rows]
     run = RunResult([[rows], [slower]], [], {}, [], [], [], 1, [[0], [0]])
     assert op_means(run, 2) == [{"F": 25, "B": 20, "OPT": 40}, {"B": 30, "OPT": 80}]
+    copies = RunResult([[rows, slower]], [], {}, [], [], [], 2, [[0, 0]])  # two ranks at once: the same samples
+    assert op_means(copies, 2) == op_means(run, 2)
+
+
+def test_the_cpu_time_clock_counts_work_and_not_waiting():
+    """Stage timing with more ranks than cores times ops by their thread's CPU time: a sleep (a rank waiting for
+    a core or a message) adds nothing, a busy loop adds its length."""
+    import time
+
+    from pipescope.calibration.executor_clock import HostClock, ThreadCpuClock, make_clock
+    clock = make_clock(torch.device("cpu"), cpu_time=True)
+    assert isinstance(clock, ThreadCpuClock) and type(make_clock(torch.device("cpu"))) is HostClock
+    start = clock.stamp()
+    time.sleep(0.05)
+    slept = clock.stamp()
+    end = time.perf_counter() + 0.03
+    while time.perf_counter() < end:
+        pass
+    assert slept - start < 5_000_000 and clock.stamp() - slept > 15_000_000
+
+
+def test_stages_timed_as_copies_at_once_by_cpu_time():
+    """``stage_op_times`` with two copies of the serial program at once (two ranks, their gradients averaged as
+    replicas) and the CPU-time clock: every stage's F, B and OPT, each a positive time."""
+    from pipescope.calibration.stage_timing import stage_op_times
+    spec = RunSpec(build("1f1b", 2, 2), SHAPE, iterations=2, warmup=1, timeout_s=60)
+    times = stage_op_times(spec, copies=2, cpu_time=True)
+    assert [sorted(ops) for ops in times] == [["B", "F", "OPT"], ["B", "F", "OPT"]]
+    assert all(0 < ns < 1_000_000_000 for ops in times for ns in ops.values())
 
 
 def _check_measured_files(timeline, trace, report: dict) -> None:
