@@ -40,7 +40,8 @@ from pipescope.experiments.plan_space import (
     check_request,
     gpu_count,
 )
-from pipescope.experiments.sweep import Run, drain, process_pool, run_chunk, run_id, validated_config
+from pipescope.experiments.sweep import (Run, counted_bar, drain, process_pool, run_chunk, run_id,
+                                         validated_config)
 
 __all__ = ["PLAN_KEYS", "Candidate", "PlanReport", "PlanRequest", "Screened", "plan", "screen"]
 
@@ -248,7 +249,8 @@ def plan(request: PlanRequest, executor: Executor | None = None, workers: int | 
 
 def _screen_all(pool: Executor, request: PlanRequest, points: list[Candidate], workers: int,
                 progress: bool) -> list[Screened]:
-    return _map(pool, functools.partial(screen_chunk, request), points, workers, _bar(len(points), "screen", progress),
+    bar = counted_bar(len(points), "plan: screen", "config", progress)
+    return _map(pool, functools.partial(screen_chunk, request), points, workers, bar,
                 chunks_per_worker=4)
 
 
@@ -261,14 +263,15 @@ def _simulate_in_bound_order(pool: Executor, request: PlanRequest, screened: lis
     queue = sorted((s for s in screened if not s.reason), key=lambda s: -s.bound_samples_per_s)
     ranked: list[dict] = []
     simulated, round_size = 0, max(2 * workers, request.top)
-    bar = _bar(len(queue), "simulate", progress)
+    bar = counted_bar(len(queue), "plan: simulate", "config", progress)
     with bar:
         while queue and queue[0].bound_samples_per_s > _kth(ranked, request.top):
             kth = _kth(ranked, request.top)
             batch = [s for s in queue[:4 * round_size] if s.bound_samples_per_s > kth]
             rough = [s for s in batch if not s.refined]
             if rough:
-                refined = _map(pool, refine_chunk, rough, workers, _bar(len(rough), "refine", False))
+                quiet = counted_bar(len(rough), "plan: refine", "config", False)
+                refined = _map(pool, refine_chunk, rough, workers, quiet)
                 queue = sorted(queue[len(batch):] + refined +
                                [s for s in batch if s.refined], key=lambda s: -s.bound_samples_per_s)
                 continue
@@ -352,12 +355,6 @@ def _file(screened: Screened, row: dict, ranked: list[dict], rejected: list[dict
 
 def _rejection(candidate: Candidate, reason: str | None) -> dict[str, Any]:
     return {**candidate.as_dict(), "reason": reason}
-
-
-def _bar(total: int, step: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="config", desc=f"plan: {step}", disable=not enabled, smoothing=0.1)
 
 
 class _Quiet:

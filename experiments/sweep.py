@@ -324,7 +324,8 @@ def run_sweep(plan: SweepPlan, out: str | os.PathLike, executor: Executor | None
         pool = process_pool(min(workers, len(chunks))) if own else executor
         ids = [item.run_id for item in plan.runs]
         try:
-            lost = drain(pool, chunks, log, 2 * workers, _bar(len(plan.runs), len(plan.runs) - len(todo), progress))
+            bar = counted_bar(len(plan.runs), "sweep", "run", progress, len(plan.runs) - len(todo))
+            lost = drain(pool, chunks, log, 2 * workers, bar)
         except KeyboardInterrupt:  # the tables of what is logged, to look at; the same command resumes the rest
             partial = write_results(Path(out), ids)
             print(f"pipescope: interrupted: wrote {Path(out) / 'results.parquet'} and results.csv with the "
@@ -338,10 +339,12 @@ def run_sweep(plan: SweepPlan, out: str | os.PathLike, executor: Executor | None
                        Path(out), unreadable)
 
 
-def _bar(total: int, initial: int, enabled: bool):
+def counted_bar(total: int, desc: str, unit: str, enabled: bool, initial: int = 0):
+    """A tqdm bar on stderr over ``total`` items (the sweep's runs, the planner's configs), off when not
+    ``enabled``; ``drain`` enters it and updates it a chunk at a time."""
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="run", desc="sweep", disable=not enabled, smoothing=0.1)
+    return tqdm(total=total, initial=initial, unit=unit, desc=desc, disable=not enabled, smoothing=0.1)
 
 
 def drain(executor: Executor, chunks: list[list[Run]], log: RunLog, window: int, bar, task=None
