@@ -41,9 +41,17 @@ def now_utc() -> str:
 
 
 def command_line(argv: list[str] | None) -> str:
-    """The command as the user typed it (shell-quoted); ``argv`` given in-process stands in for sys.argv."""
-    args = sys.argv if argv is None else ["pipescope", *argv]
-    return shlex.join(args)
+    """The command as the user typed it (shell-quoted), to run again: ``argv`` given in-process stands in for
+    sys.argv. Under ``python -m`` sys.argv[0] is the module's file, so the module is named instead; under torchrun,
+    with its ranks per node."""
+    if argv is not None:
+        return shlex.join(["pipescope", *argv])
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is None or not spec.name:  # a console script: its name is how it was typed
+        return shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+    ranks = os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun for every rank it starts
+    launcher = ["torchrun", "--nproc-per-node", ranks] if ranks else ["python"]
+    return shlex.join([*launcher, "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]])
 
 
 def gpu_clocks(device: torch.device) -> dict | None:

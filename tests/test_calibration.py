@@ -307,7 +307,9 @@ def test_standalone_calibration_runs_without_simulator_dependencies(tmp_path: Pa
     done = subprocess.run([sys.executable, "-m", "pipescope.calibration.commands", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads((tmp_path / "p" / "profile.json").read_text())["model"]["name"] == "tiny"
+    meta = json.loads((tmp_path / "p" / "profile.json").read_text())
+    assert meta["model"]["name"] == "tiny"
+    assert meta["command"].startswith("python -m pipescope.calibration.commands calibrate --model tiny ")  # to rerun
 
 
 ALLOWED_THIRD_PARTY = {"torch", "numpy", "pandas", "pyarrow"}
@@ -420,6 +422,7 @@ def test_comms_calibration_under_torchrun_with_gloo(profile: Calibrated, tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     meta = json.loads((out / "comms.json").read_text())
     assert meta["backend"] == "gloo" and meta["world_size"] == 2 and meta["schema_version"] == 1
+    assert meta["command"] == "torchrun --nproc-per-node 2 " + " ".join(args)  # not the module's file path
     table = read_table(out / meta["tables"]["comms"])
     assert set(table["collective"]) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     reduce, gather = table[table["collective"] == "all_reduce"], table[table["collective"] == "all_gather"]
