@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -257,17 +257,30 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def process_pool(workers: int) -> ProcessPoolExecutor:
+class WorkerPool(ProcessPoolExecutor):
+    """A process pool that knows its workers' pids, so a second Ctrl-C can stop them at once (``kill``): the
+    pool's own shutdown lets every worker finish the task it holds first."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.pids: list[int] = []
+
+    def kill(self) -> None:
+        for pid in self.pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def process_pool(workers: int) -> WorkerPool:
     """A pool whose workers fork from a server that imported the simulator once: fast to start, and safe beside
     threads (tqdm's monitor, a Dask client) where a plain fork is not."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint)
+    pool = WorkerPool(workers, mp_context=context, initializer=_ignore_sigint)
     # Start every worker now. The pool starts them one per submit otherwise, and a shutdown that lands (Ctrl-C,
     # SIGTERM) while one is still starting can leave it without the sentinel it waits for: shutdown then hangs.
     try:
-        for started in [pool.submit(os.getpid) for _ in range(workers)]:
-            started.result()
+        pool.pids = sorted({started.result() for started in [pool.submit(os.getpid) for _ in range(workers)]})
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise
@@ -352,8 +365,8 @@ def drain(executor: Executor, chunks: list[list[Run]], log: RunLog, window: int,
     """Submit chunks, at most ``window`` in flight, and log each chunk's rows as it ends (one fsync a chunk). ``task``
     (default ``run_chunk``) runs one chunk in a worker; the planner passes its own, and an in-memory ``log``. A chunk
     whose task failed (a worker died) is lost, not logged, so running the sweep again retries it. On Ctrl-C the
-    chunks already running are waited for and logged (a second Ctrl-C stops waiting; the pool's shutdown still lets
-    the workers finish what they hold, unlogged)."""
+    chunks already running are waited for and logged; a second Ctrl-C stops our own pool's workers at once, and
+    their chunks are not logged."""
     pending: dict[Future, list[Run]] = {}
     queue, lost = iter(chunks), []
     with bar:
@@ -370,8 +383,13 @@ def drain(executor: Executor, chunks: list[list[Run]], log: RunLog, window: int,
         except KeyboardInterrupt:
             running = {future: chunk for future, chunk in pending.items() if not future.cancel()}
             bar.write(f"pipescope: stopping: logging the {len(running)} chunks still running (Ctrl-C again to "
-                      f"stop waiting)", file=sys.stderr)
-            _collect(wait(running)[0], running, log, bar, lost)
+                      f"stop them unlogged)", file=sys.stderr)
+            try:
+                _collect(wait(running)[0], running, log, bar, lost)
+            except KeyboardInterrupt:  # the second: the workers stop now, their chunks unlogged (a re-run runs them)
+                if isinstance(executor, WorkerPool):
+                    executor.kill()
+                raise
             raise
 
 

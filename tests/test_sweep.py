@@ -196,6 +196,30 @@ def test_sigterm_stops_a_sweep_as_ctrl_c_and_leaves_no_worker(tmp_path) -> None:
     assert left == []
 
 
+def test_a_second_stop_kills_the_workers_instead_of_waiting_for_their_runs(tmp_path) -> None:
+    """Two SIGTERMs (as two Ctrl-Cs): the first waits for the running chunks to log them, the second stops the
+    workers at once; the sweep exits 130 long before their runs of about 10 s would end, and leaves no worker."""
+    import psutil
+    path = experiment(tmp_path, schedule={"name": "1f1b", "stages": 8, "microbatches": 60000},
+                      sweep={"seed": list(range(6))})
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "pipescope.experiments.cli", "sweep", path, "--out",
+                             str(tmp_path / "out"), "--workers", "2", "--chunk-size", "1"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)  # the pool started, both workers well inside their first run
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    second = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Ctrl-C again to stop them unlogged" in err, err[-2000:]
+    assert time.monotonic() - second < 4
+    time.sleep(1)
+    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline", "create_time"])
+            if p.info["create_time"] >= started and "multiprocessing" in " ".join(p.info["cmdline"] or [])]
+    assert left == []
+
+
 def _lines(out: Path) -> list[bytes]:
     path = out / "runs.jsonl"
     return [line for line in path.read_bytes().splitlines(keepends=True) if line.endswith(b"\n")] \
