@@ -9,6 +9,10 @@ costs measured by the same code the pipeline runs rather than by ``calibrate``'s
 The serial program puts all stages on device 0 and runs each microbatch's forward through every stage, then its
 backward back (B, or I then W where the schedule splits backwards); the executor hands activations between stages on
 one rank without a transfer, then steps each stage's optimizer. A forward thus follows a backward, as in 1F1B.
+
+With more CPU ranks than cores, validate runs that rank as several copies at once (replicas whose gradients are
+averaged) and times each op by its thread's CPU time: the cost of an op when ranks take turns on a core, whose wait
+for the core the simulation adds itself (docs/validation.md, "More ranks than cores").
 """
 
 from __future__ import annotations
