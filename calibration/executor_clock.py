@@ -18,6 +18,8 @@ import torch
 class HostClock:
     """CPU ranks: a stamp is the host's ``perf_counter_ns``."""
 
+    wall = True  # a stamp is wall time, so a time taken in another thread (gloo's completion) is on this clock
+
     def begin(self) -> None:
         """A run of the program starts (after its barrier)."""
 
@@ -33,12 +35,16 @@ class ThreadCpuClock(HostClock):
     """CPU ranks timed by the CPU time of the thread that runs the ops: what an op costs whoever holds the core,
     without the time it waits for one (stage timing with more ranks than cores, ``stage_timing``)."""
 
+    wall = False
+
     def stamp(self) -> Any:
         return time.thread_time_ns()
 
 
 class CudaClock:
     """A GPU rank: a stamp is a CUDA event on the device's current stream, resolved after the run."""
+
+    wall = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -299,11 +299,11 @@ class Rank:
             return []
         work, stamped, group, start, ended = self.reducing.pop(stage)
         work.wait()
-        if self.device.type == "cuda":  # nccl completes the future at launch: the end is an event on the stream
-            end = self.clock.stamp()     # that now waits for the reduction
-        else:  # gloo completes it when the reduction ends, which may be long before this wait
+        if self.clock.wall:  # gloo completes it when the reduction ends, which may be long before this wait
             stamped.wait()
             end = ended[0]
+        else:  # nccl completes the future at launch: the end is an event on the stream that now waits for the
+            end = self.clock.stamp()  # reduction; CPU time: this thread's, as the start (gloo's callback has none)
         self.stages[stage].grad.div_(self.spec.data_parallel)
         k = self.rule.last_microbatch(group)
         return [(str(Action(stage, K.ALL_REDUCE, k)), K.ALL_REDUCE.value, stage, k, start, end)]

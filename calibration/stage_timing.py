@@ -53,8 +53,8 @@ def stage_op_times(spec: RunSpec, copies: int = 1, cpu_time: bool = False) -> li
 
 
 def op_means(run: RunResult, num_stages: int) -> list[dict[str, int]]:
-    """Mean duration (ns) per stage and op kind over every measured run's rows of rank 0, the optimizer step with
-    its share of the gradient norm (``norm_shares``).
+    """Mean duration (ns) per stage and op kind over every measured run's rows of every rank (the copies run the
+    same program), the optimizer step with its share of the gradient norm (``norm_shares``).
 
     The mean, not the median: an iteration is a sum of ops, so its typical length is the sum of their means, and
     CPU op times have a long upper tail that a median drops (docs/validation.md, "Two sources of op times")."""

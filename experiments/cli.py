@@ -205,8 +205,8 @@ def _write_outputs(result: SimResult, args: argparse.Namespace) -> None:
             try:
                 write(result.schedule if flag == "csv" else result, path)
             except OSError as err:
-                raise ConfigError(f"--{flag}: cannot write {path!r} ({err.strerror}), expected a writable file "
-                                  f"name") from None
+                raise ConfigError(f"--{flag}: cannot write {path!r} ({err.strerror or err}), expected a writable "
+                                  f"file name") from None
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:
@@ -263,8 +263,8 @@ def _torch_dry_run(schedule, unit_steps: int) -> tuple[str, str]:
     """("N with send/recv, as torch's dry run counts", "") from torch itself; the reason when torch stalls; skipped
     (and said so) past TORCH_DRY_RUN_MAX_DEVICE_STEPS or TORCH_DRY_RUN_MAX_STEPS."""
     if schedule.num_devices * unit_steps > TORCH_DRY_RUN_MAX_DEVICE_STEPS or unit_steps > TORCH_DRY_RUN_MAX_STEPS:
-        return (f"torch's dry run skipped: {schedule.num_devices} devices x {unit_steps} steps, over its limits of "
-                f"{TORCH_DRY_RUN_MAX_DEVICE_STEPS} device-steps and {TORCH_DRY_RUN_MAX_STEPS} steps"), ""
+        return (f"torch's dry run skipped: {schedule.num_devices:,} devices x {unit_steps:,} steps, over its limits "
+                f"of {TORCH_DRY_RUN_MAX_DEVICE_STEPS:,} device-steps and {TORCH_DRY_RUN_MAX_STEPS:,} steps"), ""
     try:
         from pipescope.calibration.torch_schedules import dry_run_steps
         steps, stalled = dry_run_steps(schedule)

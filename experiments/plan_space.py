@@ -105,16 +105,19 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
 
 
 def _why_no_vocab(request: PlanRequest) -> str:
-    """Why the asked vocabulary methods run nowhere: the first schedule one is not defined with, else tensor
+    """Why the asked vocabulary methods run nowhere: a method none of the schedules is defined with, else tensor
     parallelism (the sharded methods split the vocabulary over the pipeline's devices only)."""
     from pipescope.simulator.vocab import vocab_method
 
     for method in request.vocab:
+        refusals = []
         for schedule in request.schedules:
             try:
                 vocab_method(method, schedule)
             except ValueError as err:
-                return str(err)
+                refusals.append(str(err))
+        if len(refusals) == len(request.schedules):
+            return refusals[0]
     return "the sharded methods run without tensor parallelism only"
 
 

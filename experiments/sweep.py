@@ -258,15 +258,13 @@ def _ignore_sigint() -> None:
 
 
 class WorkerPool(ProcessPoolExecutor):
-    """A process pool that knows its workers' pids, so a second Ctrl-C can stop them at once (``kill``): the
-    pool's own shutdown lets every worker finish the task it holds first."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.pids: list[int] = []
+    """A process pool whose workers a second Ctrl-C can stop at once (``kill``): the pool's own shutdown lets every
+    worker finish the task it holds first."""
 
     def kill(self) -> None:
-        for pid in self.pids:
+        # ProcessPoolExecutor keeps its worker processes by pid in _processes (since 3.2); asking the workers for
+        # their pids instead misses any that a warm worker's answering for it left idle
+        for pid in list(self._processes or {}):
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -280,7 +278,8 @@ def process_pool(workers: int) -> WorkerPool:
     # Start every worker now. The pool starts them one per submit otherwise, and a shutdown that lands (Ctrl-C,
     # SIGTERM) while one is still starting can leave it without the sentinel it waits for: shutdown then hangs.
     try:
-        pool.pids = sorted({started.result() for started in [pool.submit(os.getpid) for _ in range(workers)]})
+        for started in [pool.submit(os.getpid) for _ in range(workers)]:
+            started.result()
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from pipescope.config import ConfigError
 from pipescope.experiments.cli import integer_flag, usage_error
 from pipescope.experiments.processes import sigterm_as_ctrl_c
+from pipescope.simulator.units import counted
 
 if TYPE_CHECKING:  # the simulator loads when a sweep runs, not for every 'pipescope --help'
     from pipescope.experiments.sweep import SweepPlan, SweepReport
@@ -113,8 +114,8 @@ def summary(plan: SweepPlan, report: SweepReport) -> str:
              f"{report.skipped} already logged, {ok} ok, {len(frame) - ok} error, {len(report.lost)} lost; "
              f"{report.wall_s:.1f} s{rate}"]
     if report.unreadable:
-        lines.append(f"warning: {report.unreadable} lines of {os.path.join(report.out, 'runs.jsonl')} could not be "
-                     f"read and were skipped; runs they held ran again")
+        lines.append(f"warning: {counted(report.unreadable, 'line')} of {os.path.join(report.out, 'runs.jsonl')} "
+                     f"could not be read and were skipped; any run of this sweep they held ran again")
     if len(frame):
         lines.append(_table(frame, plan))
     errors = frame[frame["status"] != "ok"] if len(frame) else frame

@@ -341,19 +341,32 @@ TOPOLOGY_FILES = (".yaml", ".yml", ".graphml")  # any other cluster.topology is 
 
 
 def _files_beside(tree: dict, folder: Path) -> dict:
-    """A config file's relative file names made relative to the file's folder, as a reader of the file expects
-    (a ``--set`` value stays relative to the working folder): in its sections and in its ``sweep``/``zip`` lists."""
-    for key in FILE_KEYS:
-        section, name = key.split(".")
-        part = tree.get(section)
-        if isinstance(part, dict) and name in part:
-            part[name] = _beside(key, part[name], folder)
+    """A config file's relative file names made absolute from the file's folder, as a reader of the file expects
+    (a ``--set`` value stays the working folder's): in its sections, in its ``sweep``/``zip`` lists of one key,
+    and in their lists of whole sections. Absolute, so a sweep's run ids do not depend on the folder it ran from."""
+    for section in {key.split(".")[0] for key in FILE_KEYS}:
+        _section_beside(section, tree.get(section), folder)
     for grid in EXPERIMENT_KEYS:
         axes = tree.get(grid)
-        for key in FILE_KEYS:
-            if isinstance(axes, dict) and isinstance(axes.get(key), list):
-                axes[key] = [_beside(key, value, folder) for value in axes[key]]
+        for key, values in axes.items() if isinstance(axes, dict) else ():
+            if not isinstance(values, list):
+                continue
+            if key in FILE_KEYS:
+                axes[key] = [_beside(key, value, folder) for value in values]
+            else:  # a whole section swept: each value is a mapping of its keys
+                for part in values:
+                    _section_beside(key, part, folder)
     return tree
+
+
+def _section_beside(section: str, part: object, folder: Path) -> None:
+    """The file keys of one section's mapping, resolved in place."""
+    if not isinstance(part, dict):
+        return
+    for key in FILE_KEYS:
+        owner, name = key.split(".")
+        if owner == section and name in part:
+            part[name] = _beside(key, part[name], folder)
 
 
 def _beside(key: str, value: object, folder: Path) -> object:
@@ -361,11 +374,9 @@ def _beside(key: str, value: object, folder: Path) -> object:
     if not isinstance(value, str) or not value.startswith(prefix):
         return value
     name = value[len(prefix):]
-    if key == "cluster.topology" and not name.lower().endswith(TOPOLOGY_FILES):
+    if not name or (key == "cluster.topology" and not name.lower().endswith(TOPOLOGY_FILES)):
         return value
-    if not name or os.path.isabs(name) or str(folder) == ".":
-        return value
-    return prefix + os.path.join(folder, name)
+    return prefix + os.path.abspath(os.path.join(folder, os.path.expanduser(name)))
 
 
 def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None = None) -> Config:

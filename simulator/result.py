@@ -251,6 +251,8 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
 def with_timeline(result: SimResult, records: Timeline) -> SimResult:
     """``result``'s run over another timeline of the same program (a measured one): every statistic, and the memory
     ledger, from those times."""
-    return build_result(result.schedule, records, result.stage_costs, result.precision, result.samples_per_iteration,
-                        result.memory_runtime, result.gradient_buffers,
-                        config=result.config, warnings=[])
+    rebuilt = build_result(result.schedule, records, result.stage_costs, result.precision,
+                           result.samples_per_iteration, result.memory_runtime, result.gradient_buffers,
+                           config=result.config, warnings=[])
+    rebuilt.cluster_name = result.cluster_name
+    return rebuilt

@@ -171,4 +171,4 @@ def test_check_cli_at_2000_devices(tmp_path, cli) -> None:
     code, out, err = cli(["check", str(path)])
     assert (code, err) == (0, "")
     assert f"{path}: ok: 2,000 devices, 2,000 stages, 4 microbatches, 16,000 ops, 4,006 unit-time steps (torch's dry " \
-           f"run skipped: 2000 devices x 4006 steps, over its limits of 250000 device-steps and 10000 steps)" in out
+           f"run skipped: 2,000 devices x 4,006 steps, over its limits of 250,000 device-steps and 10,000 steps)" in out

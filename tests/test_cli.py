@@ -124,6 +124,10 @@ def test_check_command(tmp_path, cli) -> None:
     bad.write_text("0F0,0B0\n1F0\n")
     code, out, _ = cli(["check", str(good)])
     assert code == 0 and "ok: 2 devices" in out and "4 unit-time steps (6 with send/recv" in out
+    one = tmp_path / "one.csv"
+    one.write_text("0F0,0B0\n")
+    code, out, _ = cli(["check", str(one)])  # counted in the singular where it is one
+    assert code == 0 and "ok: 1 device, 1 stage, 1 microbatch, 2 ops, 2 unit-time steps" in out
     code, _, err = cli(["check", str(bad)])
     assert code == 1 and "stage 1 microbatch 0: missing B (or I and W)" in err
     code, _, err = cli(["check", str(tmp_path / "absent.csv")])

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from pipescope import run
+from pipescope.config import read_yaml
 from pipescope.experiments.sweep import expand
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "experiments", "configs", "*.yaml")))
@@ -37,30 +38,44 @@ def test_an_experiment_file_given_as_one_config_points_to_sweep() -> None:
 
 
 def test_file_names_in_a_config_file_are_read_beside_it(tmp_path, monkeypatch) -> None:
-    """A CSV schedule, a topology file and a sweep's list of CSVs named relative to a config file are found next to
-    it, from any working folder; a --set value is still read from the working folder."""
+    """A CSV schedule, a topology file, a profile folder, a sweep's list of CSVs and a swept whole section, named
+    relative to a config file, are found next to it from any working folder, as absolute names (so a sweep's run
+    ids do not depend on where it ran from); absolute names, ~ and built-in names are kept; a --set value is still
+    read from the working folder."""
     from pipescope import ScheduleConfig, load_config
     from pipescope.config import ConfigError
+    from pipescope.experiments.report import table
     from pipescope.simulator.csvio import to_csv_text
     from pipescope.simulator.schedules import build_schedule
     from pipescope.topologies.topology_io import load_topology, save_topology
 
     sub = tmp_path / "sub"
     sub.mkdir()
-    (sub / "two.csv").write_text(to_csv_text(build_schedule(ScheduleConfig(name="1f1b", stages=2, microbatches=2))))
-    save_topology(load_topology("dgx-h100"), sub / "box.yaml")
+    two, box = sub / "two.csv", sub / "box.yaml"
+    two.write_text(to_csv_text(build_schedule(ScheduleConfig(name="1f1b", stages=2, microbatches=2))))
+    save_topology(load_topology("dgx-h100"), box)
     (sub / "c.yaml").write_text("schedule: {name: 'csv:two.csv'}\ncluster: {topology: box.yaml}\n"
                                 "costs: {kind: uniform}\n")
     (sub / "grid.yaml").write_text("costs: {kind: uniform}\nsweep:\n  schedule.name: ['csv:two.csv', 1f1b]\n")
+    (sub / "section.yaml").write_text("costs: {kind: uniform}\nsweep:\n  schedule: [{name: 'csv:two.csv'}, "
+                                      "{name: 1f1b}]\n")
+    (sub / "p.yaml").write_text(f"costs: {{kind: profile, profile: prof}}\nschedule: {{name: 'csv:{two}'}}\n"
+                                "cluster: {topology: dgx-a100}\n")
     monkeypatch.chdir(tmp_path)
     config = load_config("sub/c.yaml")
-    assert config.schedule.name == f"csv:{os.path.join('sub', 'two.csv')}"
-    assert config.cluster.topology == os.path.join("sub", "box.yaml")
+    assert (config.schedule.name, config.cluster.topology) == (f"csv:{two}", str(box))
     result = run(config)
-    assert result.schedule.num_devices == 2
-    from pipescope.experiments.report import table
-    assert f"on dgx-h100 ({os.path.join('sub', 'box.yaml')}) x1" in table(result)  # the file's name, and the file
-    assert [r.config.schedule.name for r in expand("sub/grid.yaml").runs] == [f"csv:{os.path.join('sub', 'two.csv')}",
-                                                                               "1f1b"]
+    assert result.schedule.num_devices == 2 and f"on dgx-h100 ({box}) x1" in table(result)
+    runs = expand("sub/grid.yaml").runs
+    assert sorted(r.config.schedule.name for r in runs) == ["1f1b", f"csv:{two}"]
+    assert sorted(r.config.schedule.name for r in expand("sub/section.yaml").runs) == ["1f1b", f"csv:{two}"]
+    monkeypatch.chdir(sub)
+    assert sorted(r.run_id for r in expand("grid.yaml").runs) == sorted(r.run_id for r in runs)
+    raw = read_yaml(str(sub / "p.yaml"))  # the profile folder need not exist to be named
+    assert (raw["costs"]["profile"], raw["schedule"]["name"], raw["cluster"]["topology"]) == (
+        str(sub / "prof"), f"csv:{two}", "dgx-a100")
+    (sub / "home.yaml").write_text("costs: {kind: profile, profile: ~/prof}\n")
+    assert read_yaml(str(sub / "home.yaml"))["costs"]["profile"] == os.path.expanduser("~/prof")
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="two.csv"):  # a --set is the working folder's: there is none here
         run(load_config("sub/c.yaml", ["schedule.name=csv:two.csv"]))

@@ -463,13 +463,23 @@ def test_the_cpu_time_clock_counts_work_and_not_waiting():
 
 
 def test_stages_timed_as_copies_at_once_by_cpu_time():
-    """``stage_op_times`` with two copies of the serial program at once (two ranks, their gradients averaged as
-    replicas) and the CPU-time clock: every stage's F, B and OPT, each a positive time."""
-    from pipescope.calibration.stage_timing import stage_op_times
+    """The serial program as two ranks at once (replicas whose gradients are averaged) with the CPU-time clock:
+    both ranks' rows, every row on that one clock (the all-reduce's too: no span of hours from a wall-clock end),
+    and ``stage_op_times`` gives every stage's F, B and OPT from them."""
+    import dataclasses
+
+    from pipescope.calibration.executor import execute_timed
+    from pipescope.calibration.stage_timing import op_means, serial_schedule
     spec = RunSpec(build("1f1b", 2, 2), SHAPE, iterations=2, warmup=1, timeout_s=60)
-    times = stage_op_times(spec, copies=2, cpu_time=True)
+    run = execute_timed(dataclasses.replace(spec, schedule=serial_schedule(spec.schedule), data_parallel=2,
+                                            cpu_time=True))
+    assert [len(ranks) for ranks in run.rows] == [2, 2]
+    rows = [row for ranks in run.rows for rank in ranks for row in rank]
+    assert {row[1] for row in rows} >= {"F", "B", "OPT", "ALL_REDUCE"}
+    assert all(0 <= end - start < 10**9 for *_, start, end in rows)
+    times = op_means(run, 2)
     assert [sorted(ops) for ops in times] == [["B", "F", "OPT"], ["B", "F", "OPT"]]
-    assert all(0 < ns < 1_000_000_000 for ops in times for ns in ops.values())
+    assert all(ns > 0 for ops in times for ns in ops.values())
 
 
 def _check_measured_files(timeline, trace, report: dict) -> None:

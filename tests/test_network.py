@@ -119,6 +119,18 @@ def test_flows_on_separate_links_do_not_slow_each_other_and_all_leave():
     assert network.fabric._flying == 0 and not any(network.fabric.on_edge)
 
 
+def test_a_flow_joining_two_on_a_shared_path_gets_its_share_once_the_walk_has_them_all():
+    """Two flows a->m->b from 0, a third from 0.5 ms: the third's first shared edge already holds every flow in
+    flight, so the walk stops there (its second edge unvisited), and all three share each edge by thirds."""
+    graph = nx.DiGraph()
+    link(graph, "a", "m", 1 * GB, 0)
+    link(graph, "m", "b", 1 * GB, 0)
+    network = RoutedNetwork(graph, ["a", "b"])
+    ends = time_alone(network, [(0, 1, 10**6, 0), (0, 1, 10**6, 0), (0, 1, 10**6, 500_000)])
+    # 0.25 MB each by 0.5 ms at half the link; then 0.75 MB at a third: 2.25 ms; the third's last 0.25 MB alone
+    assert ends == {0: 2_750_000, 1: 2_750_000, 2: 3_000_000}
+
+
 def progressive_filling(paths: list[list[int]], capacity: list[float]) -> list[float]:
     """Max-min rates the textbook way, one (flow, edge) pair at a time, in plain Python."""
     residual, rate = list(capacity), [math.inf if not p else None for p in paths]

@@ -207,6 +207,8 @@ def test_cli_json_and_errors(cli) -> None:
                        (["--global-batch", "8", "--schedules", "1f1b,csv:x.csv"], "--schedules: got 'csv:x.csv', "
                         "expected generator names (a csv: or torch: schedule has its size fixed"),
                        (["--global-batch", "8", "--memory-cap", "0"], "--memory-cap: got '0', expected a size"),
+                       (["--global-batch", "8", "--memory-cap", "2PiB"], "--memory-cap: got '2PiB', expected a size "
+                        "from 1 byte to 1 PiB"),
                        (["--global-batch", "8", "--schedules", "1f1b,,gpipe"], "--schedules: got '1f1b,,gpipe', "
                         "expected a comma-separated list without empty items"),
                        (["--global-batch", "8", "--set", "costs.kind=uniform"], "costs.kind: got uniform, expected "
@@ -278,6 +280,9 @@ def test_every_key_the_planner_sets_is_refused_with_set() -> None:
     (["--vocab", "interlaced", "--schedules", "v-half"], "--vocab: got ['interlaced'], expected a method these "
                                                          "schedules and widths run (schedule.vocab: interlaced is "
                                                          "defined with schedule.name 1f1b"),
+    (["--vocab", "vocab-2", "--schedules", "gpipe,1f1b", "--tensor", "2"],  # 1f1b runs it: the width is at fault
+     "--vocab: got ['vocab-2'], expected a method these schedules and widths run (the sharded methods run without "
+     "tensor parallelism only)"),
 ])
 def test_a_space_with_no_candidate_names_the_flag(cli, flags: list[str], expected: str) -> None:
     """A search space that leaves no candidate on the cluster is a usage error naming the flag, not a plan of
