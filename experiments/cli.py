@@ -216,7 +216,8 @@ def cmd_schedules(args: argparse.Namespace) -> int:
         aliases = [a for a, target in ALIASES.items() if target == name]
         print(f"{name:<{width}}{gen.description}" + (f" (aliases: {', '.join(aliases)})" if aliases else ""))
     print(f"{'torch:<Name>':<{width}}a torch.distributed.pipelining schedule class replayed from its pipeline_order"
-          " (needs torch): GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV")
+          " (needs torch): GPipe, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; 1F1B's"
+          " order is malformed (its last rank runs forwards 1..m) and is refused: use 1f1b")
     print(f"{'csv:<path>':<{width}}a schedule in torch's CSV format (one row per rank)")
     return 0
 
@@ -309,8 +310,9 @@ def build_parser() -> Parser:
     p.set_defaults(func=cmd_schedules)
     p = sub.add_parser("check", help="check a schedule CSV (torch's format) for malformed actions and deadlocks",
                        description="Parse FILE.csv as torch.distributed.pipelining writes schedules (one row per "
-                       "device, one action per cell), lower it with its transfers and report its size, or the "
-                       "first malformed cell, or the actions a deadlock leaves stuck (exit 2).")
+                       "device, one action per cell), lower it with its transfers and report its size (exit 0), "
+                       "the schedule's problems or the actions a deadlock leaves stuck (exit 1), or a cell that "
+                       "is not an action (exit 2).")
     p.add_argument("file", metavar="FILE.csv")
     p.add_argument("--microbatches", help="microbatches per iteration (default: inferred from the file)")
     p.set_defaults(func=cmd_check)

@@ -154,6 +154,9 @@ def _memory(args: argparse.Namespace) -> Figure:
     if not data.memory:
         raise ValueError(f"INPUT: {args.inputs[0][:200]!r} holds no memory timeline (a timeline file has only "
                          f"ops); expected a Chrome trace from 'pipescope simulate --trace' or a config")
+    if not data.counted_bytes:
+        raise ValueError(f"INPUT: {args.inputs[0][:200]!r} counted no bytes (uniform costs have no model to "
+                         f"count); expected a run under analytic or profile costs")
     return memory_figure(data, args.title)
 
 

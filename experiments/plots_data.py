@@ -45,6 +45,11 @@ class RunData:
     title: str = ""
 
     @property
+    def counted_bytes(self) -> bool:
+        """Whether the run counted any memory: uniform costs count none, and a line flat at zero says nothing."""
+        return any(len(used) and used.max() > 0 for _, used in self.memory)
+
+    @property
     def devices(self) -> int:
         """Every device, replicas included."""
         return int(self.ops["device"].max()) + 1 if len(self.ops) else 0

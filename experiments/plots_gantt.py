@@ -68,9 +68,7 @@ def gantt_figure(result: SimResult | RunData, title: str | None = None, *, mode:
                          f"(a taller figure is past what an image can hold)")
     rows = {(d, lane): i for i, (d, lane) in enumerate((d, lane) for d in range(shown) for lane in lanes)}
     links = dict(list(data.links.items())[:MAX_LINKS]) if timed else {}
-    # A run that counted no bytes (uniform costs) gets no memory panel: a flat line at zero says nothing.
-    counted = any(len(used) and used.max() > 0 for _, used in data.memory)
-    panels = [p for p, on in (("links", links), ("memory", memory and timed and counted)) if on]
+    panels = [p for p, on in (("links", links), ("memory", memory and timed and data.counted_bytes)) if on]
     fig, axes = _axes(len(rows), len(links), panels)
     axis = _axis(ops, timed)
     ax = axes[0]

@@ -97,6 +97,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.gantt:
         from pipescope.experiments.plots import write_overlay_gantt
         write_overlay_gantt(predicted, measured, args.gantt, report["schedule"])
+        _wrote("gantt", args.gantt)
     print(json.dumps(report) if args.json else _table(report))
     if limit is not None and abs(report["iteration_time_error"]) > limit:
         print(f"pipescope: iteration time error {report['iteration_time_error']:+.1%} is above --max-error "
@@ -362,8 +363,15 @@ def _write_measured(result, measured: pd.DataFrame, args: argparse.Namespace) ->
     real = with_timeline(result, records)
     if args.timeline:
         write_timeline(real, args.timeline)
+        _wrote("timeline", args.timeline)
     if args.trace:
         write_trace(real, args.trace)
+        _wrote("trace", args.trace)
+
+
+def _wrote(what: str, path: str) -> None:
+    """Say where an output went, on stderr: stdout holds the report (one JSON object with --json)."""
+    print(f"pipescope validate: wrote {what}: {path}", file=sys.stderr, flush=True)
 
 
 def measured_spans(rows: pd.DataFrame, stage_to_device) -> dict[tuple[int, str, int, int], tuple[int, int]]:

@@ -292,7 +292,10 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
             device["predicted_peak_memory_bytes"] / device["measured_peak_memory_bytes"] - 1)
     assert report["memory_error"] in [d["memory_error"] for d in report["per_device"]]
     phases = [line.split(":")[1].strip().split()[0] for line in err.splitlines()]
-    assert phases == ["calibrate", "calibrate-comms", "time", "simulate", "run"]
+    assert phases == ["calibrate", "calibrate-comms", "time", "simulate", "run", "wrote", "wrote", "wrote"]
+    assert err.splitlines()[-3:] == [f"pipescope validate: wrote timeline: {timeline}",
+                                     f"pipescope validate: wrote trace: {trace}",
+                                     f"pipescope validate: wrote gantt: {gantt}"]
     assert report["op_times"] == "stages" and report["warnings"] == []  # 2 ranks on this machine's 2 cores
     ops = {(row["stage"], row["op"]): row for row in report["stage_ops"]}
     assert set(ops) == {(s, op) for s in (0, 1) for op in ("F", "B", "OPT")}  # 1F1B's fused backward

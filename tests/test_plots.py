@@ -363,6 +363,7 @@ BAD = [
     (["gantt", "{t.parquet}", "--set", "schedule.stages=2"], "--set: only with a config INPUT"),
     (["gantt", "{t.parquet}", "--microbatches", "0"], "--microbatches: got '0', expected an integer from 1"),
     (["memory", "{t.parquet}"], "holds no memory timeline"),
+    (["memory", "uniform-theory"], "INPUT: 'uniform-theory' counted no bytes (uniform costs"),  # not a flat chart
     (["bubble", "{nobubble.parquet}"], "has no column 'bubble_rate', expected a sweep table"),
     (["bubble", "{badrate.csv}"], "bubble_rate: got '7.0', expected a number from 0 to 1"),
     (["bubble", "{manylines.csv}"], "bubble_rate: 41 lines (schedules x nothing else), expected at most 40"),

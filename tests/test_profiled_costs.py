@@ -280,3 +280,29 @@ def test_link_faults_without_links_are_refused(tmp_path: Path) -> None:
             with pytest.raises(ConfigError, match=f"^faults.{key}: got '{value}' under {network}") as err:
                 run(load_config(None, [*sets, f"faults.{key}={value}"]))
             assert "\n" not in str(err.value)
+
+
+def test_a_profile_of_another_device_than_the_clusters_is_said(tmp_path: Path) -> None:
+    """A CPU profile without comms would send its transfers over the cluster's GPU links, and another GPU's op
+    times are not the cluster's: each is a warning in the result; a CPU profile with comms, or the same GPU, none."""
+    from pipescope.config import load_config
+    from pipescope.runner import run
+
+    def warnings(device: dict, topology: str = "dgx-h100", comms: bool = False) -> list[str]:
+        folder = make_profile(tmp_path / f"p{len(list(tmp_path.iterdir()))}")
+        meta = json.loads((folder / "profile.json").read_text())
+        write_json(folder / "profile.json", {**meta, "device": device})
+        if comms:
+            add_comms(folder)
+        sets = ["costs.kind=profile", f"costs.profile={json.dumps(str(folder))}", "model.microbatch_size=2",
+                "schedule.stages=2", f"cluster.topology={topology}"]
+        return [w for w in run(load_config(None, sets)).warnings if "measured on" in w]
+
+    cpu = {"type": "cpu", "name": "Intel(R) Xeon(R) Processor"}
+    (note,) = warnings(cpu)
+    assert note.startswith("costs.profile: measured on a CPU ('Intel(R) Xeon(R) Processor') without comms")
+    assert warnings(cpu, comms=True) == []
+    a100 = {"type": "cuda", "name": "NVIDIA A100-SXM4-80GB"}
+    assert warnings(a100, "dgx-a100") == []
+    (note,) = warnings(a100)
+    assert note.startswith("costs.profile: measured on 'NVIDIA A100-SXM4-80GB', the cluster's GPUs are h100s")
