@@ -48,6 +48,13 @@ def integer_flag(flag: str, text: str, low: int, high: int) -> int:
     return int(text)
 
 
+def as_flag(message: str, flags: dict[str, str]) -> str:
+    """An error from the config layer, naming the flag the user typed (``flags``: config key -> flag) rather than
+    the key it set, where the message starts with one."""
+    key = message.split(":", 1)[0]
+    return flags[key] + message[len(key):] if key in flags else message
+
+
 def choice_flag(flag: str, value: str, choices: tuple[str, ...]) -> str:
     """``value`` if it is one of ``choices``, for commands that check their own flags; ValueError naming the flag."""
     if value not in choices:

@@ -9,8 +9,8 @@ import re
 import sys
 
 from pipescope.calibration.commfit import bus_factor
-from pipescope.experiments.cli import choice_flag, integer_flag
-from pipescope.experiments.topology_cmd import OVERSUBSCRIPTION, decimal_flag
+from pipescope.experiments.cli import as_flag, choice_flag, integer_flag
+from pipescope.experiments.topology_cmd import CLUSTER_FLAGS, OVERSUBSCRIPTION, decimal_flag
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.routed import RoutedNetwork, time_alone
 from pipescope.simulator.units import parse_size, short_repr
@@ -46,7 +46,7 @@ def cmd_collective(args: argparse.Namespace) -> int:
     try:
         report = collective_report(args)
     except ValueError as err:
-        print(f"pipescope: error: {err}", file=sys.stderr)
+        print(f"pipescope: error: {as_flag(str(err), CLUSTER_FLAGS)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report))

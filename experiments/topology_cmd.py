@@ -7,6 +7,7 @@ import json
 import re
 import sys
 
+from pipescope.experiments.cli import as_flag
 from pipescope.topologies.graphs import FABRICS, MAX_NODES, MAX_OVERSUBSCRIPTION, topology_names
 from pipescope.topologies.summary import DRAW_SUFFIXES, draw, summarize
 from pipescope.topologies.topology_io import load_topology, save_topology
@@ -41,6 +42,9 @@ def _error(message: str) -> int:
     return EXIT_USAGE
 
 
+# The config keys load_topology's errors name, and the flags of topology and collective that set them
+CLUSTER_FLAGS = {"cluster.topology": "--topology", "cluster.nodes": "--nodes", "cluster.fabric": "--fabric",
+                 "cluster.oversubscription": "--oversubscription"}
 OVERSUBSCRIPTION = r"[0-9]{1,6}(\.[0-9]{1,6})?"  # plain decimal: no nan, inf, 1e3 or 1_0
 
 
@@ -68,7 +72,7 @@ def cmd_topology(args: argparse.Namespace) -> int:
         if args.save:
             save_topology(graph, args.save)
     except ValueError as err:
-        return _error(str(err))
+        return _error(as_flag(str(err), {**CLUSTER_FLAGS, "cluster.topology": "NAME|FILE"}))
     except OSError as err:
         return _error(f"cannot write {err.filename!r}: {err.strerror}")
     print(json.dumps(summary) if args.json else table(summary))

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from pipescope.config import ConfigError, load_config
-from pipescope.experiments.cli import check_output_names, integer_flag
+from pipescope.experiments.cli import as_flag, check_output_names, integer_flag
 from pipescope.experiments.processes import run_in_group
 from pipescope.experiments.validate_stages import (
     STAGE_TIMING_ITERATIONS,
@@ -86,7 +86,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         check_output_names(args)  # a bad file name fails now, not after a run of tens of seconds
         report, predicted, measured = validate(args)
     except ConfigError as err:
-        print(f"pipescope: error: {_as_flag(err)}", file=sys.stderr)
+        print(f"pipescope: error: {as_flag(str(err), FLAG_OF_KEY)}", file=sys.stderr)
         return 2
     except ValueError as err:
         print(f"pipescope: error: {err}", file=sys.stderr)
@@ -144,13 +144,6 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
 FLAG_OF_KEY = {"schedule.name": "--schedule", "schedule.stages": "--stages", "schedule.microbatches": "--microbatches",
                "schedule.chunks": "--chunks", "model.preset": "--model", "model.microbatch_size": "--microbatch-size",
                "costs.profile": "--profile"}  # the config keys validate's flags set
-
-
-def _as_flag(err: ConfigError) -> str:
-    """The error, naming the flag typed rather than the config key it set."""
-    flag = FLAG_OF_KEY.get(err.key)
-    text = str(err)
-    return f"{flag}{text[len(err.key):]}" if flag and text.startswith(err.key) else text
 
 
 PIPELINE_FLAGS = ("gantt", "timeline", "trace", "max_error")  # what only a pipeline run over ranks serves

@@ -430,6 +430,8 @@ def test_collective_command_reports_nccl_tests_numbers(capsys):
                          (["--profile", "tests"], "--profile: 'tests' has no comms.json; expected a pipescope "
                                                    "calibrate-comms output"),
                          (["--op", "gather"], "--op: got 'gather', expected one of all_reduce"),
+                         (["--nodes", "2", "--oversubscription", "0.5"], "--oversubscription: got 0.5, expected"),
+                         (["--topology", "nope"], "--topology: got 'nope', expected"),
                          (["--bytes", "lots"], "--bytes:"), (["--algorithm", "magic"], "--algorithm: got 'magic'")):
         code, _, err = _cli(capsys, "collective", *bad)
         assert code == 2 and message in err and err.count("\n") == 1
