@@ -254,7 +254,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     sizes = [counted(schedule.num_devices, "device"), counted(schedule.num_stages, "stage"),
              counted(schedule.total_microbatches, "microbatch", "microbatches"),
              counted(schedule.num_compute_ops(), "op")]
-    print(f"{args.file}: ok: {', '.join(sizes)}, {counted(steps, 'unit-time step')} ({torch_steps})")
+    verdict = "valid for pipescope, not for torch" if stalled else "ok"  # torch's own run stalls: exit 1 below
+    print(f"{args.file}: {verdict}: {', '.join(sizes)}, {counted(steps, 'unit-time step')} ({torch_steps})")
     if stalled:
         print(f"{args.file}: torch's dry run refuses it: {stalled}", file=sys.stderr)
         return EXIT_INVALID_SCHEDULE

@@ -128,6 +128,12 @@ def test_check_command(tmp_path, cli) -> None:
     one.write_text("0F0,0B0\n")
     code, out, _ = cli(["check", str(one)])  # counted in the singular where it is one
     assert code == 0 and "ok: 1 device, 1 stage, 1 microbatch, 2 ops, 2 unit-time steps" in out
+    pytest.importorskip("torch")
+    blocking = tmp_path / "blocking.csv"  # pipescope posts receives without blocking; torch's dry run blocks on them
+    blocking.write_text("0F0,0RECV_B0,0SEND_F0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n")
+    code, out, err = cli(["check", str(blocking)])
+    assert code == 1 and out.startswith(f"{blocking}: valid for pipescope, not for torch: 2 devices")
+    assert err.startswith(f"{blocking}: torch's dry run refuses it:")
     code, _, err = cli(["check", str(bad)])
     assert code == 1 and "stage 1 microbatch 0: missing B (or I and W)" in err
     code, _, err = cli(["check", str(tmp_path / "absent.csv")])
