@@ -250,6 +250,9 @@ def read_sweep(path: str, figure: str) -> pd.DataFrame:
     if "status" in frame:
         frame = frame[frame["status"].astype(str) == "ok"]
     name, x, y = SWEEP_COLUMNS[figure]
+    if len(frame) and frame[x].isna().all():  # uniform costs have no model: its shape keys stay empty
+        raise ValueError(f"INPUT: {_name(path)}: {x} is empty in every run (a sweep under uniform costs has no "
+                         f"model); expected a sweep over {x} under analytic or profile costs")
     extra = ("cluster.data_parallel",) if figure == "throughput" and "cluster.data_parallel" in frame else ()
     frame = integers(frame, (x, *extra), path, 1, MAX_INDEX)
     values = pd.to_numeric(frame[y], errors="coerce")

@@ -201,7 +201,7 @@ def test_cli_gantt_from_a_config(cli, tmp_path: Path) -> None:
     config.write_text("schedule: {name: zb-v, stages: 2, microbatches: 4}\ncosts: {kind: uniform}\n")
     code, _, _ = cli(["plot", "gantt", str(config), "--set", "schedule.microbatches=6", "-o", str(tmp_path / "z.png")])
     assert code == 0 and png_size(tmp_path / "z.png")[0] > 1000
-    code, _, _ = cli(["plot", "memory", "demo", "--set", "costs.kind=uniform", "-o", str(tmp_path / "d.png")])
+    code, _, _ = cli(["plot", "memory", "demo", "--set", "schedule.microbatches=4", "-o", str(tmp_path / "d.png")])
     assert code == 0 and png_size(tmp_path / "d.png")[0] > 1000  # a shipped config by name, as simulate takes it
 
 
@@ -337,6 +337,8 @@ def hostile_files(folder: Path, files: dict[str, Path]) -> dict[str, Path]:
     paths["bomb.parquet"] = folder / "bomb.parquet"  # a few KiB on disk, 4 MiB of columns once unpacked
     pd.DataFrame({"device": [f"{i:08d}" + "0" * 4088 for i in range(1024)]}).to_parquet(paths["bomb.parquet"],
                                                                                           compression="zstd")
+    paths["uniformvocab.parquet"] = folder / "uniformvocab.parquet"  # a uniform-cost sweep: no model, no vocab
+    pd.read_parquet(files["sweep.parquet"]).assign(**{"model.vocab": None}).to_parquet(paths["uniformvocab.parquet"])
     paths["broken.yaml"] = folder / "broken.yaml"
     paths["broken.yaml"].write_text("schedule: [1\n")
     paths["badrate.csv"] = folder / "badrate.csv"
@@ -365,6 +367,7 @@ BAD = [
     (["memory", "{t.parquet}"], "holds no memory timeline"),
     (["memory", "uniform-theory"], "INPUT: 'uniform-theory' counted no bytes (uniform costs"),  # not a flat chart
     (["bubble", "{nobubble.parquet}"], "has no column 'bubble_rate', expected a sweep table"),
+    (["vocab", "{uniformvocab.parquet}"], "model.vocab is empty in every run (a sweep under uniform costs"),
     (["bubble", "{badrate.csv}"], "bubble_rate: got '7.0', expected a number from 0 to 1"),
     (["bubble", "{manylines.csv}"], "bubble_rate: 41 lines (schedules x nothing else), expected at most 40"),
     (["gantt", "{bomb.parquet}"], "unpacks to"),
