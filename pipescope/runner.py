@@ -345,12 +345,12 @@ def _device_note(costs: ProfiledCosts, cluster: Cluster) -> list[str]:
     """A warning when the profile was measured on another device than the cluster's: a CPU profile without comms
     sends its transfers over the cluster's GPU links, and another GPU's op times are not this one's."""
     device = costs.meta.get("device") if isinstance(costs.meta.get("device"), dict) else {}
-    kind, name, gpu = device.get("type"), str(device.get("name", "")), cluster.graph.graph["device"]
-    if kind == "cpu" and costs.comms_fit is None:
+    measured_on, name, gpu = device.get("type"), str(device.get("name", "")), cluster.graph.graph["device"]
+    if measured_on == "cpu" and costs.comms_fit is None:
         return [f"costs.profile: measured on a CPU ({short_repr(name)}) without comms: its transfers are timed on "
                 f"the links of cluster.topology {cluster.name}'s {gpu} GPUs; 'pipescope calibrate-comms' into the "
                 f"profile times them on the CPU"]
-    if kind == "cuda" and gpu.lower() not in name.lower().replace(" ", ""):
+    if measured_on == "cuda" and gpu.lower() not in name.lower().replace(" ", ""):
         return [f"costs.profile: measured on {short_repr(name)}, the cluster's GPUs are {gpu}s: op times are the "
                 f"profile's GPU's, memory and links the cluster's"]
     return []

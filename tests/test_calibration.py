@@ -448,9 +448,10 @@ def test_simulate_cli_runs_on_the_profile(profile: Calibrated, capsys: pytest.Ca
     assert steps > 0
     busy = sum(c.forward_ns + c.backward_ns for c in stages) * 4 + steps  # 1F1B's fused B: the profile's B rows
     assert sum(d["busy_s"] for d in measured["per_device"]) == pytest.approx(busy / 1e9)
-    assert measured["warnings"] == [] and measured["mfu"] is None
+    (note,) = measured["warnings"]  # a CPU profile without comms: its transfers cross the cluster's GPU links
+    assert note.startswith("costs.profile: measured on a CPU (") and measured["mfu"] is None
     assert main([*base, "--set", "model.microbatch_size=8"]) == 0
-    assert "outside the measured 2..4" in json.loads(capsys.readouterr().out)["warnings"][0]
+    assert any("outside the measured 2..4" in w for w in json.loads(capsys.readouterr().out)["warnings"])
     assert main([*base, "--set", "costs.profile=/nonexistent"]) == 2
     assert "costs.profile: '/nonexistent'" in capsys.readouterr().err
 
