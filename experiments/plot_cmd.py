@@ -150,6 +150,9 @@ def _gantt(args: argparse.Namespace) -> Figure:
 
 def _memory(args: argparse.Namespace) -> Figure:
     from pipescope.experiments.plots_charts import memory_figure
+    if _one_input(args).lower().endswith((".parquet", ".csv")):  # a timeline or a sweep: neither holds memory
+        raise ValueError(f"INPUT: {args.inputs[0][:200]!r} is a table (a timeline or a sweep), which holds no memory "
+                         f"timeline; expected a Chrome trace from 'pipescope simulate --trace' or a config")
     data = _run(args)
     if not data.memory:
         raise ValueError(f"INPUT: {args.inputs[0][:200]!r} holds no memory timeline (a timeline file has only "

@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from pipescope.experiments.plots_charts import LINESTYLES, MARKERS
-from pipescope.experiments.plots_style import plain
+from pipescope.experiments.plots_style import byte_unit, plain
 
 VOCAB, METHOD, STAGES, SEQ = "model.vocab", "schedule.vocab", "schedule.stages", "model.seq"
 NEEDED = ("schedule.name", VOCAB, METHOD, STAGES, SEQ, "mfu", "peak_memory_bytes")
@@ -17,7 +17,8 @@ MAX_PANELS = 12  # columns of the figure: (stages, seq) pairs
 
 
 def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
-    """Two rows of panels (MFU; peak memory per device in GiB, with the device's capacity dashed), a column per
+    """Two rows of panels (MFU; peak memory per device in the unit it reads best in, the device's capacity dashed
+    where a peak comes within half of it, else in the label), a column per
     (stages, sequence length), a line per method (schedule and ``schedule.vocab``), against the vocabulary."""
     missing = [c for c in NEEDED if c not in frame]
     if missing:
@@ -27,7 +28,13 @@ def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     panels = sorted({(int(stages), int(seq)) for stages, seq in zip(frame[STAGES], frame[SEQ])})
     if len(panels) > MAX_PANELS:
         raise ValueError(f"INPUT: {len(panels)} (stages, seq) pairs, expected at most {MAX_PANELS}: filter the table")
-    fig, axes = plt.subplots(2, len(panels), figsize=(2.7 * len(panels) + 1, 6.5), squeeze=False, sharex=True)
+    # at least 6 inches wide, so that one panel's title and legend are not cut
+    fig, axes = plt.subplots(2, len(panels), figsize=(max(6.0, 2.7 * len(panels) + 1), 6.5), squeeze=False,
+                             sharex=True)
+    peak = float(frame["peak_memory_bytes"].max())
+    unit, scale = byte_unit(peak)  # a small model's MiB read as MiB, not as 0.00 GiB
+    capacity = frame["memory_capacity_bytes"].max() if "memory_capacity_bytes" in frame else None
+    near = bool(pd.notna(capacity) and peak >= capacity / 2)  # a line far above the peaks would flatten them
     methods = sorted(frame["method"].unique(), key=_order)
     placements = sorted(frame[METHOD].astype(str).unique(), key=_order)
     schedules = sorted(frame["schedule.name"].astype(str).unique())
@@ -41,9 +48,9 @@ def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
             style = {"color": f"C{k % 10}", "marker": MARKERS[j % len(MARKERS)], "markerfacecolor": "none",
                      "linestyle": LINESTYLES[j % len(LINESTYLES)], "label": plain(method)}
             axes[0, col].plot(rows["mfu"].mean(), **style)
-            axes[1, col].plot(rows["peak_memory_bytes"].max() / 2**30, **style)
-        if "memory_capacity_bytes" in part and part["memory_capacity_bytes"].notna().any():
-            axes[1, col].axhline(part["memory_capacity_bytes"].max() / 2**30, color="grey", linestyle="--",
+            axes[1, col].plot(rows["peak_memory_bytes"].max() / scale, **style)
+        if near and part["memory_capacity_bytes"].notna().any():
+            axes[1, col].axhline(part["memory_capacity_bytes"].max() / scale, color="grey", linestyle="--",
                                  linewidth=1, label="device memory")
         axes[0, col].set_title(f"{stages} GPUs, seq {seq}", fontsize=10)
         axes[1, col].set_xlabel("vocabulary")
@@ -57,7 +64,8 @@ def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     for ax in axes[0, 1:]:
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     axes[0, 0].set_ylabel("MFU")
-    axes[1, 0].set_ylabel("peak memory per device (GiB)")
+    far = "" if near or not pd.notna(capacity) else f"; device {capacity / 2**30:.0f} GiB"
+    axes[1, 0].set_ylabel(f"peak memory per device ({unit}{far})")
     handles, labels = axes[1, -1].get_legend_handles_labels()
     fig.suptitle(plain(title or "vocabulary placement: MFU and peak memory against the vocabulary size"))
     fig.tight_layout(rect=(0, 0.08, 1, 1))

@@ -365,6 +365,8 @@ BAD = [
     (["gantt", "{t.parquet}", "--set", "schedule.stages=2"], "--set: only with a config INPUT"),
     (["gantt", "{t.parquet}", "--microbatches", "0"], "--microbatches: got '0', expected an integer from 1"),
     (["memory", "{t.parquet}"], "holds no memory timeline"),
+    (["memory", "{sweep.csv}"], "is a table (a timeline or a sweep), which holds no memory timeline; expected a "
+                                "Chrome trace"),
     (["memory", "uniform-theory"], "INPUT: 'uniform-theory' counted no bytes (uniform costs"),  # not a flat chart
     (["bubble", "{nobubble.parquet}"], "has no column 'bubble_rate', expected a sweep table"),
     (["vocab", "{uniformvocab.parquet}"], "model.vocab is empty in every run (a sweep under uniform costs"),

@@ -309,6 +309,31 @@ def test_plot_vocab_draws_a_sweep_table(tmp_path, capsys) -> None:
         assert "\n" not in err and needle in err
 
 
+@pytest.mark.parametrize(("peak", "label", "line"), [(3 << 20, "peak memory per device (MiB; device 80 GiB)", False),
+                                                     (60 << 30, "peak memory per device (GiB)", True)])
+def test_plot_vocab_reads_memory_in_its_unit_and_draws_the_capacity_only_near_it(peak: int, label: str,
+                                                                                  line: bool) -> None:
+    """A small model's peaks read in MiB with the device's 80 GiB in the label (a line that high would flatten
+    them); peaks within half of the device's memory in GiB, with the capacity dashed."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from pipescope.experiments.plots_vocab import vocab_figure
+
+    frame = pd.DataFrame([{"schedule.name": "1f1b", "schedule.vocab": method, "schedule.stages": 2, "model.seq": 64,
+                           "model.vocab": vocab, "mfu": 0.3, "peak_memory_bytes": peak + vocab,
+                           "memory_capacity_bytes": 80 << 30} for method in ("naive", "vocab-1")
+                          for vocab in (512, 2048)])
+    fig = vocab_figure(frame)
+    try:
+        memory = fig.axes[1]
+        assert memory.get_ylabel() == label
+        assert ("device memory" in [drawn.get_label() for drawn in memory.get_lines()]) is line
+        assert fig.get_figwidth() >= 6  # one panel: the title and legend fit
+    finally:
+        plt.close(fig)
+
+
 def test_kernel_report_lists_the_shard_passes() -> None:
     result = simulate("vocab-1", "model.vocab=128000")
     for group in result.kernels:
