@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 
-from pipescope.experiments.cli import integer_flag, usage_error
+from pipescope.experiments.cli import as_flag, integer_flag, usage_error
 from pipescope.experiments.figure_formats import FORMATS
 from pipescope.simulator.ir import ScheduleError
 
@@ -122,7 +122,7 @@ def _run(args: argparse.Namespace):
         try:
             config = load_config(path, args.sets)
         except ConfigError as err:  # the file is this command's INPUT, not a --config flag
-            raise ConfigError(str(err).replace("--config:", "INPUT:", 1)) from None
+            raise ConfigError(as_flag(str(err), {"--config": "INPUT"})) from None
         return run_data(run(config))
     m = integer_flag("--microbatches", args.microbatches, 1, MAX_MICROBATCHES) if args.microbatches else None
     if lower.endswith((".parquet", ".csv")):

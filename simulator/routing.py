@@ -86,10 +86,9 @@ class _Meeting:
                 elif far == known:
                     tight[nxt].append((node, weight, e))
 
-    def _on_forward_side(self) -> tuple[set[int], dict[int, int]]:
-        """Nodes on a shortest path with an exact forward label, and those labels: the meeting nodes, then their
-        tight forward predecessors, transitively. It holds every node of a shortest path nearer s than the
-        forward top."""
+    def _on_forward_side(self) -> set[int]:
+        """Nodes on a shortest path with an exact forward label: the meeting nodes, then their tight forward
+        predecessors, transitively. It holds every node of a shortest path nearer s than the forward top."""
         forward, backward = self.label
         useful = {node for node, d in forward.items() if node in backward and d + backward[node] == self.length}
         stack = list(useful)
@@ -98,12 +97,12 @@ class _Meeting:
                 if before not in useful:
                     useful.add(before)
                     stack.append(before)
-        return useful, forward
+        return useful
 
     def walk(self, limit: int) -> list[tuple[int, ...]]:
         """Depth first from s along tight edges, lowest edge id first, until ``limit`` paths reach t."""
-        useful, forward = self._on_forward_side()
-        backward, length, top_back = self.label[1], self.length, self.top[1]
+        useful = self._on_forward_side()
+        (forward, backward), length, top_back = self.label, self.length, self.top[1]
         paths: list[tuple[int, ...]] = []
         stack: list[tuple[int, int, tuple[int, ...]]] = [(self.s, 0, ())]
         while stack and len(paths) < limit:
