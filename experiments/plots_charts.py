@@ -34,7 +34,7 @@ def memory_figure(result: SimResult | RunData, title: str | None = None) -> Figu
     fig, ax = plt.subplots(figsize=(12, 4.5))
     draw_memory(ax, data, origin, scale)
     ax.set_xlabel(f"time ({unit})")
-    ax.set_title(plain(title or f"{data.title}\nmemory per device"), fontsize=10)
+    fig.suptitle(plain(title or data.title), fontsize=10)  # the axes title says what is drawn
     fig.tight_layout()
     return fig
 
