@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from pipescope import __version__
-from pipescope.config import RANGES, ConfigError, load_config
+from pipescope.config import EXPERIMENT_KEYS, RANGES, ConfigError, load_config, read_yaml
 
 if TYPE_CHECKING:
     from pipescope.simulator.result import SimResult
@@ -85,7 +85,14 @@ def config_from_args(args: argparse.Namespace):
             sets.append(f"schedule.{key}={getattr(args, key)}")
     if args.recompute:
         sets.append("schedule.recompute=true")
-    return load_config(args.config, sets)
+    if args.config is None:
+        return load_config(None, sets)
+    tree = read_yaml(args.config)
+    grid = [key for key in EXPERIMENT_KEYS if key in tree]
+    if grid:  # an experiment file: one config beside its grid, which --set picks points of
+        print(f"note: --config {args.config}: running its config without its {' and '.join(grid)} grid (pipescope "
+              f"sweep runs the grid)", file=sys.stderr)
+    return load_config(None, sets, {key: value for key, value in tree.items() if key not in EXPERIMENT_KEYS})
 
 
 OUTPUT_SUFFIXES = {

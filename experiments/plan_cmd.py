@@ -8,8 +8,8 @@ import re
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from pipescope.config import RANGES, ConfigError
-from pipescope.experiments.cli import choice_flag, integer_flag, usage_error
+from pipescope.config import ConfigError
+from pipescope.experiments.cli import as_flag, choice_flag, integer_flag, usage_error
 from pipescope.experiments.processes import sigterm_as_ctrl_c
 from pipescope.experiments.sweep_cmd import DASK_ADDRESS, MAX_WORKERS
 from pipescope.simulator.units import parse_size, short_repr
@@ -79,7 +79,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         with sigterm_as_ctrl_c():  # a killed plan shuts its pool down, as Ctrl-C does
             report = _plan(request, workers, args)
     except (ConfigError, ValueError) as err:
-        return usage_error(str(err))
+        return usage_error(as_flag(str(err), FIELD_FLAGS))
     except OSError as err:
         return usage_error(f"--dask: {args.dask!r}: {err}, expected a running Dask scheduler")
     print(json.dumps(as_json(report)) if args.json else summary(report, request.top))
@@ -97,6 +97,10 @@ def _plan(request: PlanRequest, workers: int, args: argparse.Namespace) -> PlanR
         return plan(request, executor, threads, progress=not args.no_progress)
 
 
+# The PlanRequest fields plan_space's errors name, and the flags that set them
+FIELD_FLAGS = {"global_batch": "--global-batch", "microbatch_sizes": "--microbatch-sizes", "tensor": "--tensor",
+               "depths": "--depths", "schedules": "--schedules", "vocab": "--vocab", "recompute": "--recompute",
+               "top": "--top", "cluster.memory": "--memory-cap"}
 # The keys each candidate sets (plan_space.Candidate.overrides) or the flags set, and the flags that choose them
 SEARCHED_BY = {"schedule.name": "--schedules", "schedule.stages": "--depths", "schedule.microbatches":
                "--global-batch", "schedule.recompute": "--recompute", "schedule.vocab": "--vocab",
@@ -115,14 +119,10 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
         raise ValueError(f"--dask: got {short_repr(args.dask)}, expected local or tcp://HOST:PORT")
     cap = None
     if args.memory_cap is not None:
-        try:
+        try:  # its range is cluster.memory's, checked with the config (FIELD_FLAGS names the flag)
             cap = parse_size(args.memory_cap)
         except ValueError as err:
             raise ValueError(f"--memory-cap: {err}") from None
-        low, high = RANGES["cluster.memory"]
-        if not low <= cap <= high:
-            raise ValueError(f"--memory-cap: got {short_repr(args.memory_cap)}, expected a size from 1 byte to "
-                             f"{high / 2**50:g} PiB, e.g. 16GiB")
     for item in args.sets:  # a searched key set here would be overridden by every candidate, silently
         key = item.split("=", 1)[0].strip()
         if key in SEARCHED_BY:

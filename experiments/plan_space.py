@@ -85,9 +85,9 @@ def gpu_count(base: dict[str, Any]) -> int:
 
 
 def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
-    """Every point of the space that uses all ``gpus``, in a fixed order; ConfigError naming the flag that leaves
+    """Every point of the space that uses all ``gpus``, in a fixed order; ConfigError naming the field that leaves
     none (a plan of nothing would only say that nothing fits), or that leaves only data parallelism where the
-    space had pipelines: ``--vocab`` methods none of the schedules run."""
+    space had pipelines: ``vocab`` methods none of the schedules run."""
     out = _points(request, gpus)
     if any(c.depth > 1 for c in out):
         return out
@@ -95,12 +95,12 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
         return out  # only data parallelism was asked for, where the vocabulary method changes nothing
     tensors = [t for t in request.tensor if gpus % t == 0]
     if not tensors:
-        raise ConfigError(f"--tensor: got {list(request.tensor)}, expected a width that divides the {gpus} GPUs")
+        raise ConfigError(f"tensor: got {list(request.tensor)}, expected a width that divides the {gpus} GPUs")
     depths = sorted({gpus // t // w for t in tensors for w in _divisors(gpus // t)})
     if request.depths is not None and not set(request.depths) & set(depths):
-        raise ConfigError(f"--depths: got {list(request.depths)}, expected some of {depths} (the depths that use all "
-                          f"{gpus} GPUs with --tensor {','.join(map(str, tensors))})")
-    raise ConfigError(f"--vocab: got {list(request.vocab)}, expected a method these schedules and widths run "
+        raise ConfigError(f"depths: got {list(request.depths)}, expected some of {depths} (the depths that use all "
+                          f"{gpus} GPUs at tensor width {','.join(map(str, tensors))})")
+    raise ConfigError(f"vocab: got {list(request.vocab)}, expected a method these schedules and widths run "
                       f"({_why_no_vocab(request)})")
 
 
@@ -203,31 +203,31 @@ def check_request(request: PlanRequest) -> None:
         raise ConfigError("costs.kind: got uniform, expected analytic or profile: the planner compares candidates "
                           "by what their model, microbatch size and widths cost, which uniform costs leave out")
     if request.global_batch < 1:
-        raise ConfigError(f"--global-batch: got {request.global_batch}, expected a positive integer")
-    for key, values in (("--microbatch-sizes", request.microbatch_sizes), ("--tensor", request.tensor),
-                        ("--depths", request.depths or (1,))):
+        raise ConfigError(f"global_batch: got {request.global_batch}, expected a positive integer")
+    for key, values in (("microbatch_sizes", request.microbatch_sizes), ("tensor", request.tensor),
+                        ("depths", request.depths or (1,))):
         if not values or any(v < 1 for v in values):
             raise ConfigError(f"{key}: got {list(values)}, expected positive integers")
     if not request.schedules:
-        raise ConfigError("--schedules: got none, expected at least one schedule name")
+        raise ConfigError("schedules: got none, expected at least one schedule name")
     bad_vocab = [v for v in request.vocab if v not in VOCAB_METHODS]
     if bad_vocab or not request.vocab:
-        raise ConfigError(f"--vocab: got {list(request.vocab)}, expected some of {', '.join(VOCAB_METHODS)}")
+        raise ConfigError(f"vocab: got {list(request.vocab)}, expected some of {', '.join(VOCAB_METHODS)}")
     bad = [r for r in request.recompute if r not in RECOMPUTE]
     if bad or not request.recompute:
-        raise ConfigError(f"--recompute: got {list(request.recompute)}, expected some of {', '.join(RECOMPUTE)}")
+        raise ConfigError(f"recompute: got {list(request.recompute)}, expected some of {', '.join(RECOMPUTE)}")
     from pipescope.simulator.schedules import named_generator
 
     for name in request.schedules:  # a typo fails before any work, not once per candidate
         if name.startswith(("csv:", "torch:")):
-            raise ConfigError(f"--schedules: got {name!r}, expected generator names (a csv: or torch: schedule has "
+            raise ConfigError(f"schedules: got {name!r}, expected generator names (a csv: or torch: schedule has "
                               "its size fixed, so the planner cannot vary its depth or microbatches)")
         try:
             named_generator(name)
         except ValueError as err:
-            raise ConfigError(f"--schedules: {err}") from None
+            raise ConfigError(f"schedules: {err}") from None
     if request.top < 1:
-        raise ConfigError(f"--top: got {request.top}, expected a positive integer")
+        raise ConfigError(f"top: got {request.top}, expected a positive integer")
 
 
 def base_config(model: str, topology: str, nodes: int, memory_cap: int | None,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 
 from pipescope.experiments.cli import as_flag, integer_flag, usage_error
-from pipescope.experiments.figure_formats import FORMATS
+from pipescope.experiments.figure_formats import FORMATS, format_of
 from pipescope.simulator.ir import ScheduleError
 
 if TYPE_CHECKING:
@@ -78,12 +78,7 @@ def _output(args: argparse.Namespace) -> tuple[str, str]:
                 break
         fmt = args.format or "png"
         return fmt, f"{stem or 'plot'}-{args.figure}.{fmt}"
-    suffix = args.out.rsplit(".", 1)[-1].lower() if "." in os.path.basename(args.out) else ""
-    if suffix not in FORMATS:
-        raise ValueError(f"-o: got {args.out[:200]!r}, expected a file name ending in .png, .svg or .pdf")
-    if args.format and args.format != suffix:
-        raise ValueError(f"--format: got {args.format}, but -o {args.out[:200]!r} is {suffix}; expected the same")
-    return suffix, args.out
+    return format_of(args.out, args.format, "-o"), args.out
 
 
 def _one_input(args: argparse.Namespace) -> str:

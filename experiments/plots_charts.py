@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import PercentFormatter
 
-from pipescope.experiments.plots_data import RunData, run_data
+from pipescope.experiments.plots_data import SWEEP_COLUMNS, RunData, run_data, sweep_table
 from pipescope.experiments.plots_gantt import draw_memory
 from pipescope.experiments.plots_style import COLORS, LABELS, UNKNOWN_COLOR, byte_unit, plain, time_unit
 from pipescope.simulator.result import SimResult
@@ -19,6 +19,7 @@ SCHEDULE, MICROBATCHES, STAGES, REPLICAS = ("schedule.name", "schedule.microbatc
                                             "cluster.data_parallel")
 PREDICTED_COLOR, MEASURED_COLOR = "#4C72B0", "#DD8452"
 GPUS = "stages x data_parallel"
+SWEEP_TABLE = "a sweep's table (pipescope sweep's results)"
 MAX_LINES = 40  # a legend beyond this is unreadable
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 LINESTYLES = ("-", "--", ":", "-.")
@@ -91,6 +92,7 @@ def _line_figure(lines: dict[str, pd.Series], xlabel: str, ylabel: str, title: s
 def bubble_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     """Bubble rate against microbatches m, a line per schedule (rows differing only in keys that are not config
     columns, such as ``seed``, are averaged)."""
+    frame = sweep_table(frame, SWEEP_COLUMNS["bubble"], SWEEP_TABLE)
     lines = sweep_lines(frame, MICROBATCHES, "bubble_rate", (), "mean")
     fig, ax = _line_figure(lines, "microbatches per iteration m", "bubble rate (% of device time idle)",
                            title or "bubble rate against microbatches")
@@ -105,6 +107,7 @@ def bubble_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
 def throughput_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     """Throughput against GPUs (stages x data-parallel replicas), a line per schedule; where several splits of
     the same GPUs ran (4 stages x 2 replicas, 8 x 1), the best one's among those that fit in memory."""
+    frame = sweep_table(frame, SWEEP_COLUMNS["throughput"], SWEEP_TABLE)
     if "oom" in frame:  # a run that does not fit is no split anyone can use, however fast it would be
         frame = frame[~frame["oom"].astype(bool)]
         if frame.empty:

@@ -19,6 +19,12 @@ LANES = ("compute", "send", "recv", "collective")
 STREAM = re.compile(r"^(compute|send->[0-9]{1,6}|recv<-[0-9]{1,6}|collective(?: [0-9]{1,6})?)$")
 OPT = ActionKind.OPT
 
+# What each sweep figure plots: the line, x and y columns of a sweep's table (``pipescope sweep``'s results)
+SWEEP_COLUMNS = {"bubble": ("schedule.name", "schedule.microbatches", "bubble_rate"),
+                 "throughput": ("schedule.name", "schedule.stages", "throughput_samples_per_s"),
+                 "vocab": ("schedule.name", "model.vocab", "mfu")}
+
+
 
 @dataclass(frozen=True)
 class RunData:
@@ -72,6 +78,9 @@ def run_data(result: SimResult | RunData) -> RunData:
     """A ``SimResult``'s actions, memory and links (a ``RunData`` is returned as it is)."""
     if isinstance(result, RunData):
         return result
+    if not isinstance(result, SimResult):
+        raise ValueError(f"result: got {type(result).__name__}, expected a SimResult (pipescope.run) or a RunData "
+                         f"(a trace or timeline read by plots_inputs)")
     frame = result.timeline
     ops = frame[["device", "kind", "stage", "microbatch", "start_ns", "end_ns"]].assign(lane=lanes(frame["stream"]))
     s = result.schedule
@@ -147,3 +156,14 @@ def _known(kind: str) -> ActionKind | None:
         return ActionKind(kind)
     except ValueError:
         return None
+
+
+def sweep_table(frame: object, needed: tuple[str, ...], what: str) -> pd.DataFrame:
+    """``frame`` if it is a table with the ``needed`` columns; ValueError naming the first missing one (a timeline or
+    a summary handed to a sweep figure from Python)."""
+    if not isinstance(frame, pd.DataFrame):
+        raise ValueError(f"INPUT: got {type(frame).__name__}, expected a pandas DataFrame: {what}")
+    missing = [c for c in needed if c not in frame]
+    if missing:
+        raise ValueError(f"INPUT: no column {missing[0]!r}; expected {what}")
+    return frame

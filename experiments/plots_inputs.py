@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pipescope.experiments.plots_data import RunData, from_ops, lanes
+from pipescope.experiments.plots_data import SWEEP_COLUMNS, RunData, from_ops, lanes
 from pipescope.simulator.trace import KIND_NAMES
 
 MAX_FILE_BYTES = 512 * 2**20  # read (after gunzip); a trace of the largest run pipescope simulates is about this
@@ -27,9 +27,6 @@ MAX_INDEX = 10**9  # stages, microbatches (as ir.MAX_ACTION_INDEX)
 MAX_DEVICE = 99_999  # the config's limit on GPUs placed is 100,000
 MAX_NS = 1 << 53  # as timeline.MAX_RUN_NS: 104 days
 TIMELINE_COLUMNS = ("device", "stream", "kind", "stage", "microbatch", "start_ns", "end_ns")
-SWEEP_COLUMNS = {"bubble": ("schedule.name", "schedule.microbatches", "bubble_rate"),
-                 "throughput": ("schedule.name", "schedule.stages", "throughput_samples_per_s"),
-                 "vocab": ("schedule.name", "model.vocab", "mfu")}
 VALIDATE_FIELDS = ("schedule", "stages", "microbatches", "predicted_iteration_time_s", "measured_iteration_time_s",
                    "iteration_time_error", "per_device")
 ACTION_KIND = re.compile(r"^[0-9]{1,10}([A-Z_]{1,20})[0-9]")  # 2F0, 0SEND_F3, 3ALL_REDUCE7.b1[...], 3OPT7

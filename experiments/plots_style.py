@@ -63,9 +63,9 @@ def figure_bytes(fig: Figure, fmt: str) -> bytes:
 
 
 def save_figure(fig: Figure, path: str, fmt: str | None = None) -> None:
-    """Write the figure to ``path`` atomically (format from ``fmt`` or the suffix) and close it."""
+    """Write the figure to ``path`` atomically (.png, .svg or .pdf; ``fmt``, when given, must agree) and close it."""
     try:
-        data = figure_bytes(fig, fmt or format_of(path))
+        data = figure_bytes(fig, format_of(path, fmt))
     finally:
         plt.close(fig)
     write_atomic(path, data)

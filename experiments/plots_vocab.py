@@ -9,6 +9,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from pipescope.experiments.plots_charts import LINESTYLES, MARKERS
+from pipescope.experiments.plots_data import sweep_table
 from pipescope.experiments.plots_style import byte_unit, plain
 
 VOCAB, METHOD, STAGES, SEQ = "model.vocab", "schedule.vocab", "schedule.stages", "model.seq"
@@ -20,9 +21,7 @@ def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     """Two rows of panels (MFU; peak memory per device in the unit it reads best in, the device's capacity dashed
     where a peak comes within half of it, else in the label), a column per
     (stages, sequence length), a line per method (schedule and ``schedule.vocab``), against the vocabulary."""
-    missing = [c for c in NEEDED if c not in frame]
-    if missing:
-        raise ValueError(f"INPUT: no column {missing[0]!r}; expected a sweep over model.vocab and schedule.vocab")
+    frame = sweep_table(frame, NEEDED, "a sweep over model.vocab and schedule.vocab")
     frame = frame.assign(method=frame["schedule.name"].astype(str) + " " + frame[METHOD].astype(str))
     _check_one_point_per_mark(frame)
     panels = sorted({(int(stages), int(seq)) for stages, seq in zip(frame[STAGES], frame[SEQ])})

@@ -62,9 +62,11 @@ def _device_rows(result: SimResult) -> list[str]:
               f"{'versions':>8}")
     rows = [header]
     p = result.schedule.num_devices  # with data parallelism, device r * p + i is replica r's pipeline device i
+    counted = result.peak_memory_bytes > 0  # uniform costs count activations, not bytes
     for d in result.devices:
+        memory = format_bytes(d.peak_memory_bytes) if counted else "-"
         rows.append(f"{d.device:>6}  {format_time(d.busy_s):>12}  {format_time(d.span_s):>12}  "
-                    f"{d.idle_fraction:>6.1%}  {format_bytes(d.peak_memory_bytes):>12}  {d.peak_activations:>8.3g}  "
+                    f"{d.idle_fraction:>6.1%}  {memory:>12}  {d.peak_activations:>8.3g}  "
                     f"{result.schedule.versions(d.device % p):>8}")
     return rows
 

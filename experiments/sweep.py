@@ -42,9 +42,7 @@ import pandas as pd
 
 from pipescope.config import EXPERIMENT_KEYS, Config, ConfigError, _merge, load_config, read_yaml
 from pipescope.runner import run
-from pipescope.simulator.costs import UniformCostsConfig
 from pipescope.simulator.files import write_atomic
-from pipescope.simulator.models import SHAPE_KEYS
 from pipescope.simulator.result import SimResult
 from pipescope.simulator.schedules import named_generator
 from pipescope.simulator.units import short_repr
@@ -99,7 +97,7 @@ def expand(experiment: str | os.PathLike | Mapping[str, Any]) -> SweepPlan:
     """
     raw = _read_experiment(experiment) if not isinstance(experiment, Mapping) else dict(experiment)
     base = {key: value for key, value in raw.items() if key not in EXPERIMENT_KEYS}
-    axes = _axes(raw.get("sweep"), raw.get("zip"))
+    axes = _axes(raw.get("sweep", {}), raw.get("zip", {}))
     count = math.prod(len(axis) for axis in axes)
     if count > MAX_RUNS:
         sizes = " x ".join(str(len(axis)) for axis in axes)
@@ -140,9 +138,7 @@ def _axes(grid: Any, zipped: Any) -> list[list[dict[str, Any]]]:
 
 
 def _lists(section: str, value: Any) -> dict[str, list]:
-    """``sweep:`` or ``zip:`` checked: a mapping of dotted keys to non-empty lists."""
-    if value is None:
-        return {}
+    """``sweep:`` or ``zip:`` checked: a mapping of dotted keys to non-empty lists (a key left empty is refused)."""
     if not isinstance(value, dict):
         raise ConfigError(f"{section}: got {short_repr(value)}, expected a mapping of dotted keys to lists, "
                           f"e.g. schedule.stages: [4, 8]", key=section)
@@ -213,7 +209,8 @@ def _run_row(item: Run) -> dict[str, Any]:
         result = run(item.config)
     except Exception as err:  # any failure is one run's result; the sweep goes on
         return _row(item.run_id, config_columns(item.config), None, _one_line(err), time.perf_counter() - started)
-    return _row(item.run_id, resolved_columns(result), result, None, time.perf_counter() - started)
+    # the run's config: what the file left unset filled in with what ran (``runner._with_what_ran``)
+    return _row(item.run_id, config_columns(result.config), result, None, time.perf_counter() - started)
 
 
 def _one_line(err: Exception) -> str:
@@ -226,23 +223,6 @@ def _row(rid: str, columns: dict, result: SimResult | None, error: str | None, w
     metrics = _metrics(result) if result is not None else dict.fromkeys(METRICS)
     return {"run_id": rid, "status": "error" if error else "ok", "error": error, **columns, **metrics,
             "run_wall_s": wall_s}
-
-
-def resolved_columns(result: SimResult) -> dict[str, Any]:
-    """The config the run used (precision and layer split resolved by ``run``), with the schedule's own stages,
-    microbatches, chunks and iterations, and the model's shape (not read under uniform costs), where the config
-    left them unset."""
-    columns = config_columns(result.config)
-    s = result.schedule
-    used = {"schedule.stages": s.num_devices, "schedule.microbatches": s.num_microbatches,
-            "schedule.chunks": s.chunks, "iterations": s.iterations}
-    if not isinstance(result.config.costs, UniformCostsConfig):
-        spec = result.config.model.spec()
-        used |= {f"model.{key}": getattr(spec, key) for key in SHAPE_KEYS}
-    for key, value in used.items():
-        if columns.get(key) is None:
-            columns[key] = value
-    return columns
 
 
 def _metrics(result: SimResult) -> dict[str, Any]:

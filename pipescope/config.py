@@ -25,8 +25,8 @@ from pipescope.simulator.models import ATTENTIONS, PRECISIONS, PRESETS, ModelCon
 from pipescope.simulator.parallel import ParallelConfig, parse_recompute
 from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.safe_yaml import MAX_INT_DIGITS, YamlError, parse_yaml, read_yaml_file
-from pipescope.simulator.schedules import ScheduleConfig
-from pipescope.simulator.units import parse_bandwidth, parse_flops, parse_size, parse_time, short_repr
+from pipescope.simulator.schedules import ScheduleConfig, check_iterations
+from pipescope.simulator.units import format_bytes, parse_bandwidth, parse_flops, parse_size, parse_time, short_repr
 from pipescope.simulator.vocab import VocabMethod, vocab_method
 from pipescope.simulator.faults import FaultsConfig
 from pipescope.simulator.memory_runtime import RUNTIMES, MemoryConfig
@@ -76,7 +76,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "iterations": (1, 1_000),
     "model.layers": (1, 100_000), "model.hidden": (1, 1 << 20), "model.heads": (1, 1 << 20),
     "model.seq": (1, 1 << 24), "model.vocab": (1, 1 << 24), "model.microbatch_size": (1, 1 << 20),
-    "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1, 1 << 50),
+    "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1 << 20, 1 << 50),
     "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1), "parallel.tensor": (1, 1024),
     "cluster.host_cores": (1, 1 << 16),
 }
@@ -92,7 +92,8 @@ CHOICES = {
     "memory.runtime": RUNTIMES,
 }
 # Integer-list keys: (low, high) of each entry; a list of more than MAX_LIST_ENTRIES is refused before converting.
-LIST_RANGES: dict[str, tuple[int, int]] = {"model.layers_per_stage": (1, 100_000)}
+LIST_RANGES: dict[str, tuple[int, int]] = {"model.layers_per_stage": (1, 100_000),
+                                           "cluster.placement": (0, 999_999_999)}
 MAX_LIST_ENTRIES = 100_000  # one entry per stage, and stages x chunks <= model.layers <= 100,000
 # Inclusive (low, high) of every float key that is not a time.
 FLOAT_RANGES = {"cluster.oversubscription": (1.0, MAX_OVERSUBSCRIPTION), "faults.jitter": (0.0, 1.0),
@@ -114,6 +115,8 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
         return parse_bandwidth(value)
     if unit == "recompute":
         return parse_recompute(value)
+    if unit == "ranks" and isinstance(value, (list, tuple)):  # [0, 8, 1, 9] in YAML or Python: '0,8,1,9'
+        return ",".join(str(rank) for rank in _convert_ints(key, value))
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         if str(value) not in {m.value for m in kind}:
             raise ValueError(f"got {short_repr(value)}, expected one of {', '.join(m.value for m in kind)}")
@@ -216,7 +219,7 @@ def _build(cls: type, raw: Any, prefix: str, typed: bool = False) -> Any:
                 raise ConfigError(f"{key}: {err}") from None
             if typed:
                 _check_typed(key, value, values[name])
-            _check_value(key, values[name])
+            _check_value(key, values[name], fields[name].metadata.get("unit"))
     return cls(**values)
 
 
@@ -225,9 +228,11 @@ def _check_typed(key: str, given: Any, converted: Any) -> None:
     --set, and an int in a float key or a list in a tuple key is the same value. A bool never passes as an integer:
     ``_convert_scalar`` refuses it before this."""
     if given == converted or isinstance(given, list) and tuple(given) == converted or \
-            isinstance(given, os.PathLike) and os.fspath(given) == converted:
+            isinstance(given, os.PathLike) and os.fspath(given) == converted or \
+            isinstance(given, (list, tuple)) and converted == ",".join(map(str, given)):  # cluster.placement
         return
-    example = "" if given is None else f", e.g. {short_repr(converted)}"
+    # str(4) is no example of a name: only a converted number, list or size shows what to write
+    example = "" if given is None or isinstance(converted, str) else f", e.g. {short_repr(converted)}"
     raise ConfigError(f"{key}: got {short_repr(given)} ({type(given).__name__}), expected "
                       f"{type(converted).__name__}{example}")
 
@@ -258,7 +263,11 @@ def _build_costs(raw: Any, prefix: str, typed: bool = False) -> CostsConfig:
     return built[kind]
 
 
-def _check_value(key: str, value: Any) -> None:
+def _check_value(key: str, value: Any, unit: str | None = None) -> None:
+    if unit == "size" and key in RANGES and not RANGES[key][0] <= value <= RANGES[key][1]:
+        low, high = RANGES[key]
+        raise ConfigError(f"{key}: got {format_bytes(value)}, expected a size from {format_bytes(low)} to "
+                          f"{format_bytes(high)} (a number without a unit is bytes: write 16GiB)")
     if key in RANGES and not RANGES[key][0] <= value <= RANGES[key][1]:
         low, high = RANGES[key]
         raise ConfigError(f"{key}: got {short_repr(value)}, expected an integer from {low:,} to {high:,}")
@@ -328,8 +337,8 @@ def read_yaml(name: str) -> dict:
         raw = read_yaml_file(str(path))
     except YamlError as err:
         raise ConfigError(f"--config: {err}") from None
-    if raw is None:
-        return {}
+    if raw is None:  # an empty file is more likely a mistake than a wish for the defaults ({} asks for those)
+        raise ConfigError(f"--config: {str(path)!r} is empty, expected a mapping of sections ({{}} for the defaults)")
     if not isinstance(raw, dict):
         raise ConfigError(f"--config: {str(path)!r} holds {type(raw).__name__}, expected a mapping of sections")
     return _files_beside(raw, path.parent)
@@ -381,9 +390,13 @@ def _beside(key: str, value: object, folder: Path) -> object:
 
 def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None = None) -> Config:
     """Defaults, then the YAML file (or ``raw``), then each ``--set`` in order."""
-    if isinstance(sets, (str, bytes)):  # each character would be read as an override
+    # a str would be read character by character, a dict by its keys
+    if not isinstance(sets, (list, tuple)) or not all(isinstance(item, str) for item in sets):
         raise ConfigError(f"sets: got {short_repr(sets)}, expected a list of dotted.key=value texts, e.g. "
                           f"['schedule.stages=8']")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"path: got {short_repr(path)} ({type(path).__name__}), expected a file name or None "
+                          f"(a mapping of keys goes in raw=)")
     return _check_combinations(_build(Config, config_tree(path, sets, raw), ""))
 
 
@@ -440,8 +453,9 @@ def _check_combinations(config: Config) -> Config:
     if isinstance(c, UniformCostsConfig) and c.forward + c.backward_input + c.backward_weight == 0:
         raise ConfigError("costs.forward: got 0 with backward_input and backward_weight 0 too, "
                           "expected at least one op time > 0")
-    try:  # schedule.vocab against schedule.name (docs/schedules.md section 7), so a sweep refuses it before running
-        vocab_method(config.schedule.vocab, config.schedule.name)
+    try:  # schedule.vocab and iterations against schedule.name, so a sweep refuses them before running
+        vocab_method(config.schedule.vocab, config.schedule.name)  # docs/schedules.md section 7
+        check_iterations(config.schedule.name, config.iterations)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return config

@@ -18,6 +18,7 @@ from pipescope.simulator.costs import (
 )
 from pipescope.simulator.ir import Schedule
 from pipescope.simulator.models import (
+    DEFAULT_PRESET,
     PRECISIONS,
     PRESETS,
     SHAPE_KEYS,
@@ -116,9 +117,7 @@ def prepare_checked(config: Config) -> Prepared:
     config, schedule, costs = apply_vocab(config, schedule, costs, model)  # schedule.vocab (docs/schedules.md 7)
     if not isinstance(config.costs, UniformCostsConfig):
         config = _with_layer_split(config, schedule.num_stages)
-    if config.schedule.chunks is None and _generated(config):  # the result's config says how many ran
-        config = dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, chunks=schedule.chunks))
-    return Prepared(config, schedule, cluster, costs, model)
+    return Prepared(_with_what_ran(config, schedule), schedule, cluster, costs, model)
 
 
 def run(config: Config, progress: Progress | None = None) -> SimResult:
@@ -397,6 +396,21 @@ def _check_layers(layers: int, stages: int) -> None:
                           f"(schedule.stages x chunks = {stages})")
 
 
+def _with_what_ran(config: Config, schedule: Schedule) -> Config:
+    """The config with the keys it left unset filled in from the run, so that the result says what ran: the
+    schedule's size, the iterations and, where the costs read a model, its preset and shape."""
+    s, ran = config.schedule, {"stages": schedule.num_devices, "microbatches": schedule.num_microbatches,
+                               "chunks": schedule.chunks}
+    config = dataclasses.replace(config, schedule=dataclasses.replace(s, **{
+        key: value for key, value in ran.items() if getattr(s, key) is None}), iterations=schedule.iterations)
+    if isinstance(config.costs, UniformCostsConfig):  # no model is read
+        return config
+    m, spec = config.model, config.model.spec()
+    shape = {key: getattr(spec, key) for key in SHAPE_KEYS if getattr(m, key) is None}
+    preset = m.preset or (DEFAULT_PRESET if shape else None)  # every dimension given: a custom model
+    return dataclasses.replace(config, model=dataclasses.replace(m, preset=preset, **shape))
+
+
 def _generated(config: Config) -> bool:
     """The schedule comes from one of our generators (not a CSV file, not torch)."""
     return not config.schedule.name.startswith(("csv:", "torch:"))
@@ -423,10 +437,7 @@ def _precheck(config: Config) -> Cluster | None:
     Returns:
         The cluster, built once here, unless the schedule is a CSV file (its size is in the file).
     """
-    s = config.schedule
-    if config.iterations is not None and not _generated(config):
-        raise ConfigError(f"iterations: got {config.iterations}, but {s.name.split(':')[0]}: schedules run the one "
-                          f"iteration they hold; expected no iterations key")
+    s = config.schedule  # iterations against the schedule: config._check_combinations
     if s.name.startswith("csv:"):
         return None
     _check_size(s.p * _chunks(config) * s.m * _iterations(config) * config.cluster.data_parallel)

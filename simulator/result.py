@@ -16,6 +16,7 @@ from pipescope.simulator.ir import ActionKind, Role, Schedule
 from pipescope.simulator.program import KIND_CODE
 from pipescope.simulator.memory import DeviceMemory, ledger
 from pipescope.simulator.timeline import Timeline, uncovered_ns
+from pipescope.simulator.units import format_bytes, format_time
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class DeviceStats:
     exposed_allreduce_s: float = 0.0
 
 
-@dataclass
+@dataclass(eq=False, repr=False)  # equal only to itself: comparing arrays field by field raises
 class SimResult:
     """Everything one simulation measured.
 
@@ -43,6 +44,8 @@ class SimResult:
         fill_drain_ns: for multi-iteration runs, the makespan minus iterations x steady state.
         bubble_rate: 1 - sum(busy) / (D x max span) over the whole run (docs/schedules.md section 0).
         records: every action's device, stream, start and end (``timeline`` is the same as a DataFrame).
+        devices: one entry per device of every replica; ``memory`` has replica 0's only (every replica holds the
+            same), its ``times`` in ns.
         config: the resolved ``pipescope.Config`` this result came from, when it came from one.
     """
 
@@ -70,6 +73,15 @@ class SimResult:
     gradient_buffers: int = 1  # 2 where steps are deferred (2BW with replicas, ``lowering.add_optimizer_steps``)
     kernels: list[dict] = field(default_factory=list)  # analytic costs: the roofline per kernel (docs/costs.md)
     cluster_name: str = ""  # the topology's own name (a file's ``name``), for the report's headline
+
+    def __repr__(self) -> str:
+        """One line: the default would print the whole schedule and timeline (100 KB for a demo run)."""
+        s = self.schedule
+        peak = self.peak_memory_bytes
+        memory = f"peak memory {format_bytes(peak)}" if peak else "no memory counted"
+        return (f"<SimResult {s.name} p={s.num_devices} m={s.num_microbatches} v={s.chunks}: iteration "
+                f"{format_time(self.iteration_time_s)}, bubble rate {self.bubble_rate:.2%}, {memory}, "
+                f"{len(self.records):,} actions>")
 
     @property
     def iteration_time_s(self) -> float:
@@ -234,9 +246,11 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
     memory, static = ledger(schedule, replica0, stage_costs, precision, memory_runtime, gradient_buffers)
     comm = records.mask(Role.SEND) | records.mask(Role.RECV) | collective
     exposed_comm, exposed_allreduce = uncovered_ns(records, [comm, collective], compute)
-    devices = [DeviceStats(d, busy[d] / 1e9, span[d] / 1e9, 1.0 - busy[d] / max_span, memory[d % pipeline].peak_bytes,
-                           memory[d % pipeline].peak_activations, static[d % pipeline], exposed_comm[d] / 1e9,
-                           exposed_allreduce[d] / 1e9) for d in range(p)]
+    busy_ns, span_ns = busy.tolist(), span.tolist()  # Python numbers: a notebook shows 0.07, not np.float64(0.07)
+    devices = [DeviceStats(d, busy_ns[d] / 1e9, span_ns[d] / 1e9, 1.0 - busy_ns[d] / max_span,
+                           int(memory[d % pipeline].peak_bytes), float(memory[d % pipeline].peak_activations),
+                           int(static[d % pipeline]), float(exposed_comm[d]) / 1e9, float(exposed_allreduce[d]) / 1e9)
+               for d in range(p)]
     timed = compute | collective
     kind = records.kind[timed]
     iteration, fill_drain, makespan = iteration_times(schedule, records.microbatch[timed], records.start[timed],

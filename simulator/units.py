@@ -116,7 +116,7 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
 
 def format_bytes(n: float) -> str:
     """``1.50 GiB`` style, for tables and error messages."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"

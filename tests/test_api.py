@@ -59,9 +59,33 @@ def test_uniform_run_equals_the_closed_form_through_the_api() -> None:
     assert result.iteration_time_s == 33.0
     assert result.bubble_rate == pytest.approx(3 / 11)
     assert result.config == dataclasses.replace(config, model=dataclasses.replace(config.model, precision="bf16"),
-                                                schedule=dataclasses.replace(config.schedule, chunks=1))
+                                                schedule=dataclasses.replace(config.schedule, chunks=1), iterations=1)
     zbv = pipescope.run(pipescope.Config(schedule=pipescope.ScheduleConfig("zb-v", stages=2, microbatches=4)))
     assert zbv.config.schedule.chunks == 2  # the chunks the schedule ran, where the config left them to it
+
+
+def test_the_results_config_says_what_ran_where_the_config_left_it_unset() -> None:
+    """A notebook reads p, m and the model back from the result; running that config again gives the same run."""
+    result = pipescope.run(pipescope.Config())
+    s, m = result.config.schedule, result.config.model
+    assert (s.stages, s.microbatches, s.chunks, result.config.iterations) == (4, 8, 1, 1)
+    assert (m.preset, m.layers, m.hidden, m.heads, m.seq, m.vocab) == ("gpt-1.3b", 24, 2048, 16, 1024, 50257)
+    assert pipescope.run(result.config).iteration_ns == result.iteration_ns
+    custom = pipescope.ModelConfig(layers=4, hidden=256, heads=4, seq=128, vocab=1000)
+    assert pipescope.run(pipescope.Config(model=custom)).config.model.preset is None  # every dimension given: custom
+    two_bw = pipescope.run(pipescope.Config(schedule=pipescope.ScheduleConfig("2bw"), iterations=3))
+    assert two_bw.config.iterations == 3 and pipescope.run(two_bw.config).iteration_ns == two_bw.iteration_ns
+
+
+def test_a_result_prints_as_one_line_and_equals_only_itself() -> None:
+    """A notebook cell ending in a result shows one line, not the schedule and timeline (100 KB)."""
+    result = pipescope.run(pipescope.Config())
+    assert repr(result) == ("<SimResult 1f1b p=4 m=8 v=1: iteration 67.457 ms, bubble rate 34.85%, peak memory "
+                            "8.42 GiB, 168 actions>")
+    assert result == result and result != pipescope.run(pipescope.Config())  # no array comparison raising
+    assert type(result.devices[0].busy_s) is float and type(result.devices[0].peak_memory_bytes) is int
+    uniform = pipescope.run(pipescope.Config(costs=pipescope.UniformCostsConfig()))
+    assert "no memory counted" in repr(uniform)
 
 
 def test_library_errors_name_the_key_without_cli_terms() -> None:
@@ -71,6 +95,14 @@ def test_library_errors_name_the_key_without_cli_terms() -> None:
     assert err.value.key == "schedule.name" and "--" not in str(err.value)
     with pytest.raises(pipescope.ConfigError, match=r"^sets: got 'schedule.stages=8', expected a list of dotted"):
         pipescope.load_config(None, "schedule.stages=8")  # a string, not a list: not read character by character
+    with pytest.raises(pipescope.ConfigError, match=r"^sets: got \[\('schedule.stages', 8\)\], expected a list"):
+        pipescope.load_config(None, [("schedule.stages", 8)])
+    with pytest.raises(pipescope.ConfigError, match=r"^path: got \{'schedule': \{\}\} \(dict\), expected a file "
+                       r"name or None \(a mapping of keys goes in raw=\)$"):
+        pipescope.load_config({"schedule": {}})
+    placed = pipescope.run(pipescope.Config(cluster=pipescope.ClusterConfig(placement=(3, 2, 1, 0))))
+    assert placed.config.cluster.placement == "3,2,1,0"  # a list of ranks is the comma-separated text
+    assert pipescope.run(pipescope.Config(iterations=1)).iteration_ns == pipescope.run(pipescope.Config()).iteration_ns
 
 
 def test_wheel_installs_only_the_pipescope_package(tmp_path: Path) -> None:
@@ -160,6 +192,16 @@ BAD_PYTHON_CONFIGS = [
     pytest.param(pipescope.Config(costs=pipescope.AnalyticCostsConfig(kind="uniform")), "costs.kind",
                  "got 'uniform' in AnalyticCostsConfig, expected analytic", id="kind-of-another-class"),
     pytest.param("demo", "config", "got 'demo', expected Config", id="not-a-config"),
+    pytest.param(pipescope.Config(schedule=pipescope.ScheduleConfig("1f1b", recompute="ful")), "schedule.recompute",
+                 "got 'ful', expected one of none, selective, full", id="recompute-typo"),  # not at construction
+    pytest.param(pipescope.Config(schedule=pipescope.ScheduleConfig(4)), "schedule.name",
+                 "got 4 (int), expected str", id="name-int"),  # and no "e.g. '4'", which is no name
+    pytest.param(pipescope.Config(cluster=pipescope.ClusterConfig(placement=[0, 1, 2, 99])), "cluster.placement",
+                 "GPU 99 does not exist", id="placement-list"),
+    pytest.param(pipescope.Config(cluster=pipescope.ClusterConfig(memory=16)), "cluster.memory",
+                 "got 16 B, expected a size from 1.00 MiB", id="memory-without-unit"),
+    pytest.param(pipescope.Config(schedule=pipescope.ScheduleConfig("1f1b"), iterations=3), "iterations",
+                 "got 3, but 1f1b has a flush", id="iterations-of-a-flush"),
 ]
 
 

@@ -98,7 +98,8 @@ def test_table_of_a_data_parallel_2bw_run_counts_each_replicas_versions(cli) -> 
     (["--set", "model.hidden=7"], "model.heads: got 16, expected a divisor of model.hidden (=7)"),
     (["--set", "costs.efficiency=true"], "costs.efficiency: got True, expected a finite number"),
     (["--set", "costs.p2p=1e30"], "costs.p2p: got 1e+30 s, expected 0 or 1 ns (the clock's resolution) to 1e+06 s"),
-    (["--set", "cluster.memory=0"], "cluster.memory: got 0, expected an integer from 1 to"),
+    (["--set", "cluster.memory=16"], "cluster.memory: got 16 B, expected a size from 1.00 MiB to 1.00 PiB (a number "
+                                   "without a unit is bytes"),
     (["--set", "schedule=5"], "schedule: got 5, expected a mapping of keys"),
     (["--gantt", "out.xyz"], "--gantt: got 'out.xyz', expected a file name ending in .png or .svg or .pdf"),
     (["--trace", "/proc/x.json"], "--trace: cannot write '/proc/x.json'"),

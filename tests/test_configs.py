@@ -2,6 +2,7 @@
 (``sweep:``/``zip:``) through ``experiments.sweep.expand``, its first and last run."""
 
 import glob
+import json
 import os
 
 import pytest
@@ -35,6 +36,14 @@ def test_an_experiment_file_given_as_one_config_points_to_sweep() -> None:
     grid = next(path for path in CONFIGS if path.endswith("zero-bubble-paper.yaml"))
     with pytest.raises(ConfigError, match=r"^sweep: a key of experiment files .* run this file with pipescope sweep"):
         load_config(grid)
+
+
+def test_simulate_runs_an_experiment_files_config_without_its_grid(cli) -> None:
+    """From the command line, --config on an experiment file runs its config; --set picks a point of the grid."""
+    code, out, err = cli(["simulate", "--config", "dgx-a100-gpt-1.3b-zero-bubble-paper", "--set", "schedule.name=zb-v",
+                          "--json"])
+    assert code == 0 and json.loads(out)["schedule"] == "zb-v" and json.loads(out)["devices"] == 8
+    assert "running its config without its sweep grid" in err
 
 
 def test_file_names_in_a_config_file_are_read_beside_it(tmp_path, monkeypatch) -> None:
@@ -79,3 +88,15 @@ def test_file_names_in_a_config_file_are_read_beside_it(tmp_path, monkeypatch) -
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="two.csv"):  # a --set is the working folder's: there is none here
         run(load_config("sub/c.yaml", ["schedule.name=csv:two.csv"]))
+
+
+def test_a_placement_list_in_yaml_is_the_comma_separated_ranks(tmp_path) -> None:
+    """docs/cli.md: `cluster.placement` takes `[0, 8, 1, 9]` in YAML as it takes `0,8,1,9` from --set."""
+    from pipescope import load_config
+    from pipescope.config import ConfigError
+    (tmp_path / "list.yaml").write_text("cluster:\n  nodes: 2\n  placement: [0, 8, 1, 9]\n")
+    assert load_config(str(tmp_path / "list.yaml")) == load_config(None, ["cluster.nodes=2",
+                                                                           "cluster.placement=0,8,1,9"])
+    (tmp_path / "bad.yaml").write_text("cluster:\n  placement: [0, 1, 2, -3]\n")
+    with pytest.raises(ConfigError, match=r"^cluster\.placement: got -3 at entry 4, expected an integer from 0 to"):
+        load_config(str(tmp_path / "bad.yaml"))

@@ -206,9 +206,9 @@ def test_cli_json_and_errors(cli) -> None:
                        (["--global-batch", "8", "--set", "model.preset=gpt-355m"], "expected --model instead"),
                        (["--global-batch", "8", "--schedules", "1f1b,csv:x.csv"], "--schedules: got 'csv:x.csv', "
                         "expected generator names (a csv: or torch: schedule has its size fixed"),
-                       (["--global-batch", "8", "--memory-cap", "0"], "--memory-cap: got '0', expected a size"),
-                       (["--global-batch", "8", "--memory-cap", "2PiB"], "--memory-cap: got '2PiB', expected a size "
-                        "from 1 byte to 1 PiB"),
+                       (["--global-batch", "8", "--memory-cap", "16"], "--memory-cap: got 16 B, expected a size from 1.00 MiB"),
+                       (["--global-batch", "8", "--memory-cap", "2PiB"], "--memory-cap: got 2.00 PiB, expected a size "
+                        "from 1.00 MiB to 1.00 PiB"),
                        (["--global-batch", "8", "--schedules", "1f1b,,gpipe"], "--schedules: got '1f1b,,gpipe', "
                         "expected a comma-separated list without empty items"),
                        (["--global-batch", "8", "--set", "costs.kind=uniform"], "costs.kind: got uniform, expected "
@@ -233,9 +233,12 @@ def test_nothing_fits_is_a_finding(cli) -> None:
     assert examples and all(" sp=off " in line or " sp=on " in line for line in examples)  # never left to absence
 
 
-def test_bad_request_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="--top"):
+def test_bad_request_is_a_config_error_naming_the_field() -> None:
+    """From Python the field, not the flag (the command maps one to the other: test_bad_flags_are_one_line_errors)."""
+    with pytest.raises(ConfigError, match="^top: got 0, expected a positive integer$"):
         plan(PlanRequest(SMALL.base, 16, top=0), workers=1, progress=False)
+    with pytest.raises(ConfigError, match=r"^tensor: got \[3\], expected a width that divides the 8 GPUs$"):
+        plan(PlanRequest(SMALL.base, 16, tensor=(3,)), workers=1, progress=False)
 
 
 @pytest.mark.parametrize(("fields", "expected"), [
@@ -270,7 +273,7 @@ def test_every_key_the_planner_sets_is_refused_with_set() -> None:
 @pytest.mark.parametrize(("flags", "expected"), [
     (["--tensor", "3"], "--tensor: got [3], expected a width that divides the 8 GPUs"),
     (["--tensor", "2", "--depths", "8"], "--depths: got [8], expected some of [1, 2, 4] (the depths that use all 8 "
-                                         "GPUs with --tensor 2)"),
+                                         "GPUs at tensor width 2)"),
     (["--depths", "2", "--vocab", "vocab-1", "--schedules", "zb-h1"], "--vocab: got ['vocab-1'], expected a method "
                                                                         "these schedules and widths run"),
     # every depth: the pure data-parallel points alone are not the space that was asked for

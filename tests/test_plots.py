@@ -18,7 +18,7 @@ import pytest
 import pipescope
 from pipescope.experiments import plots_inputs
 from pipescope.experiments.plots import (COLORS, ODD_CHUNK_COLORS, bubble_figure, gantt_figure, memory_figure,
-                                         run_data, throughput_figure, validate_figure)
+                                         run_data, save_figure, throughput_figure, validate_figure, vocab_figure)
 from pipescope.experiments.plots_inputs import read_sweep, run_from_timeline, run_from_trace
 from pipescope.experiments.plots_style import byte_unit
 from pipescope.experiments.tables import write_timeline
@@ -216,6 +216,8 @@ def test_memory_figure_and_cli(twobw: pipescope.SimResult, cli, files: dict[str,
         unit, unit_bytes = byte_unit(twobw.peak_memory_bytes)
         assert peak == pytest.approx(twobw.peak_memory_bytes / unit_bytes) and 1 <= peak < 1024
         assert ax.get_ylabel() == f"memory ({unit})"
+        assert fig.get_suptitle().startswith("2bw:") and ax.get_title(loc="left").startswith("bytes in use per device")
+        assert "memory per device" not in fig.get_suptitle()  # said once, by the axes
     finally:
         plt.close(fig)
     for name in ("m.png", "m.svg"):
@@ -377,7 +379,8 @@ BAD = [
     (["memory", "{t.json.gz}", "--title", "x" * 301], "--title: got 301 characters, expected at most 300"),
     (["overlay", "{summary.json}"], "is not a 'pipescope validate --json' report"),
     (["gantt", "{t.json.gz}", "-o", "g.jpg"], "-o: got 'g.jpg', expected a file name ending in .png, .svg or .pdf"),
-    (["gantt", "{t.json.gz}", "-o", "g.png", "--format", "svg"], "--format: got svg, but -o 'g.png' is png"),
+    (["gantt", "{t.json.gz}", "-o", "g.png", "--format", "svg"],
+     "-o: got 'g.png', but the format asked for is svg; expected a .svg name"),
     (["gantt", "{t.json.gz}", "-o", "{t.csv}/g.png"], "-o: cannot write"),
 ]
 
@@ -429,3 +432,24 @@ def test_pipedream_iterations_come_from_the_flag_its_opt_rows_do_not_tell(cli, t
     assert data.microbatches == 4
     assert run_from_timeline(str(path), None).microbatches == 0  # unknown without it: no iteration marks
     assert cli(["plot", "gantt", str(path), "--microbatches", "4", "-o", str(tmp_path / "pd.png")])[0] == 0
+
+
+def test_figures_from_python_refuse_what_they_cannot_draw(twobw: pipescope.SimResult, tmp_path: Path) -> None:
+    """The Python entry points check their input as the command does: a one-line ValueError, not a KeyError from
+    pandas, and no PNG bytes under a .jpg name."""
+    cases = [(bubble_figure, twobw.timeline, "INPUT: no column 'schedule.name'; expected a sweep's table"),
+             (throughput_figure, twobw.summary(), "INPUT: got dict, expected a pandas DataFrame"),
+             (vocab_figure, twobw.timeline, "INPUT: no column 'schedule.name'; expected a sweep over model.vocab"),
+             (gantt_figure, twobw.summary(), "result: got dict, expected a SimResult"),
+             (memory_figure, twobw.timeline, "result: got DataFrame, expected a SimResult")]
+    for draw, given, message in cases:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            draw(given)
+    for name, fmt, message in (("g.jpg", None, "expected a file name ending in .png, .svg or .pdf"),
+                               ("g", None, "expected a file name ending in .png, .svg or .pdf"),
+                               ("g.png", "svg", "but the format asked for is svg; expected a .svg name")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            save_figure(memory_figure(twobw), str(tmp_path / name), fmt)
+        assert not (tmp_path / name).exists()
+    save_figure(memory_figure(twobw), str(tmp_path / "g.SVG"))
+    assert_svg(tmp_path / "g.SVG")

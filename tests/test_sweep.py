@@ -251,10 +251,12 @@ def test_cli_sweep_writes_parquet_csv_and_keeps_failing_runs(cli, tmp_path) -> N
     ({"sweep": {"model.preset": ["gpt-1.3b", "gpt-9"]}}, "model.preset: got 'gpt-9'"),
     ({"sweep": {"schedule.name": ["1f1b", "zbv"]}}, "schedule.name: got 'zbv'"),
     ({"sweep": {"schedule.stages": 4}}, "sweep.schedule.stages: got 4, expected a non-empty list"),
+    ({"sweep": None}, "sweep: got None, expected a mapping of dotted keys to lists"),  # a grid left empty
+    ({"iterations": 4, "sweep": {"schedule.name": ["2bw", "1f1b"]}}, "iterations: got 4, but 1f1b has a flush"),
     ({"zip": {"schedule.stages": [2, 4], "seed": [1]}}, "zip: lists of different lengths"),
     ({"sweep": {"seed": list(range(1000)), "schedule.microbatches": list(range(1, 102))}},
      "sweep: 1000 x 101 = 101,000 runs, expected at most 100,000"),
-], ids=["key", "value", "preset", "schedule", "not-a-list", "zip-lengths", "too-many"])
+], ids=["key", "value", "preset", "schedule", "not-a-list", "empty-grid", "iterations", "zip-lengths", "too-many"])
 def test_bad_grid_fails_before_any_run(cli, tmp_path, grid: dict, named: str) -> None:
     """A bad key or value anywhere in the grid (the last run's included) is one line naming it, exit 2, and nothing
     ran: no runs.jsonl."""

@@ -40,7 +40,7 @@ class ClusterConfig:
     fabric: str | None = None
     oversubscription: float | None = None
     data_parallel: int = 1
-    placement: str = "linear"
+    placement: str = field(default="linear", metadata={"unit": "ranks"})  # a list of ranks reads as "0,8,1,9"
     memory: int | None = field(default=None, metadata={"unit": "size"})
     peak_flops: float | None = field(default=None, metadata={"unit": "flops"})
     memory_bandwidth: float | None = field(default=None, metadata={"unit": "bandwidth"})

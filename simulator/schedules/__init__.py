@@ -85,7 +85,10 @@ class ScheduleConfig:
     vertical_sync: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "recompute", parse_recompute(self.recompute))  # True/False still mean full/none
+        try:  # True/False still mean full/none
+            object.__setattr__(self, "recompute", parse_recompute(self.recompute))
+        except ValueError:
+            pass  # kept as given: check_config (and build_schedule) name the key, as for every other field
 
     @property
     def p(self) -> int:
@@ -105,9 +108,27 @@ def named_generator(name: str) -> Generator:
         raise ValueError(f"schedule.name: got {short_repr(name)}, expected one of {names}") from None
 
 
+def check_iterations(name: str, iterations: int | None) -> None:
+    """ValueError naming the key when more than one iteration is asked of a schedule that runs one: a schedule with
+    a flush, or a csv: or torch: schedule (the iteration it holds). An unknown name is left to its own check."""
+    if iterations is None or iterations == 1:
+        return
+    if name.startswith(("csv:", "torch:")):
+        raise ValueError(f"iterations: got {iterations}, but {name.split(':')[0]}: schedules run the one iteration "
+                         f"they hold; expected no iterations key")
+    gen = GENERATORS.get(ALIASES.get(name, name))
+    if gen is not None and "iterations" not in gen.options:
+        raise ValueError(f"iterations: got {iterations}, but {gen.name} has a flush and simulates one iteration; "
+                         f"iterations applies to schedules without a flush")
+
+
 def build_schedule(config: ScheduleConfig, iterations: int | None = None) -> Schedule:
     """The schedule a generator name or ``csv:<path>`` names (``torch:<Name>`` is ``pipescope.run``'s, it needs
     torch). ValueError naming the key on a bad name, option or size; OSError if a CSV cannot be read."""
+    try:  # a Python-built config keeps a bad value (ScheduleConfig.__post_init__)
+        parse_recompute(config.recompute)
+    except ValueError as err:
+        raise ValueError(f"schedule.recompute: {err}") from None
     if config.name.startswith("csv:"):
         return _csv_schedule(config)
     gen = named_generator(config.name)
@@ -116,10 +137,8 @@ def build_schedule(config: ScheduleConfig, iterations: int | None = None) -> Sch
         if "vertical_sync" not in gen.options:
             raise ValueError(f"schedule.vertical_sync: got true, but only pipedream has it, not {gen.name}")
         options["vertical_sync"] = True
-    if iterations is not None:
-        if "iterations" not in gen.options:
-            raise ValueError(f"iterations: got {iterations}, but {gen.name} has a flush and simulates one iteration; "
-                             f"iterations applies to schedules without a flush")
+    check_iterations(config.name, iterations)
+    if iterations is not None and iterations > 1:
         options["iterations"] = iterations
     return build(gen.name, config.p, config.m, chunks=config.chunks, recompute=config.recompute == "full",
                  **options)
