@@ -206,7 +206,8 @@ def test_cli_json_and_errors(cli) -> None:
                        (["--global-batch", "8", "--set", "model.preset=gpt-355m"], "expected --model instead"),
                        (["--global-batch", "8", "--schedules", "1f1b,csv:x.csv"], "--schedules: got 'csv:x.csv', "
                         "expected generator names (a csv: or torch: schedule has its size fixed"),
-                       (["--global-batch", "8", "--memory-cap", "16"], "--memory-cap: got 16 B, expected a size from 1.00 MiB"),
+                       (["--global-batch", "8", "--memory-cap", "16"], "--memory-cap: got 16 B, expected a size from "
+                        "1.00 MiB"),
                        (["--global-batch", "8", "--memory-cap", "2PiB"], "--memory-cap: got 2.00 PiB, expected a size "
                         "from 1.00 MiB to 1.00 PiB"),
                        (["--global-batch", "8", "--schedules", "1f1b,,gpipe"], "--schedules: got '1f1b,,gpipe', "
