@@ -319,7 +319,7 @@ def config_path(name: str) -> Path:
     stem = path.name.removesuffix(".yaml")
     if str(path.parent) == "." and stem in shipped:
         return shipped[stem]
-    raise ConfigError(f"--config: {short_repr(name)} is not a file (looked for {str(path.resolve())!r}) nor a "
+    raise ConfigError(f"--config: {short_repr(name)} is not a file (looked for {os.path.abspath(path)!r}) nor a "
                       f"shipped config, expected a YAML file or one of {', '.join(sorted(shipped))}")
 
 

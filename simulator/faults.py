@@ -95,18 +95,32 @@ def apply_link_faults(graph: nx.DiGraph, degraded: str, failed: str) -> nx.DiGra
     link does not exist."""
     if not degraded.strip() and not failed.strip():
         return graph
-    graph = graph.copy()
+    graph, named = graph.copy(), set()
     for item in _items("faults.degraded_links", degraded):
         link, sep, factor = item.rpartition(":")
         if not sep:
             raise ValueError(f"faults.degraded_links: got {short_repr(item)}, expected LINK:FACTOR, e.g. "
                              f"n0.nic0-leaf0:0.5")
         scale = _factor("faults.degraded_links", item, factor, 1 / MAX_FACTOR, 1.0)
-        for edge in _edges(graph, "faults.degraded_links", link.strip()):
+        for edge in _once(named, "faults.degraded_links", link.strip(), _edges(graph, "faults.degraded_links",
+                                                                              link.strip())):
             graph.edges[edge]["bandwidth"] *= scale
-    for item in _items("faults.failed_links", failed):
-        graph.remove_edges_from(_edges(graph, "faults.failed_links", item))
+    failures = [_once(named, "faults.failed_links", item, _edges(graph, "faults.failed_links", item))
+                for item in _items("faults.failed_links", failed)]  # all named before any is removed
+    for edges in failures:
+        graph.remove_edges_from(edges)
     return graph
+
+
+def _once(named: set, key: str, name: str, edges: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``edges``, recorded in ``named``; ValueError if a fault named one before (factors would multiply past the
+    bound, or a failed link would be degraded too), in either spelling (a-b, b-a, a>b)."""
+    again = [edge for edge in edges if edge in named]
+    if again:
+        raise ValueError(f"{key}: {short_repr(name)} names the link {again[0][0]}>{again[0][1]} a second time, "
+                         f"expected each link in one fault")
+    named.update(edges)
+    return edges
 
 
 def _edges(graph: nx.DiGraph, key: str, name: str) -> list[tuple[str, str]]:

@@ -163,10 +163,14 @@ def test_an_oversized_or_undecodable_config_file_is_refused_naming_it(tmp_path) 
     big.write_text("# " + "x" * MAX_YAML_BYTES + "\n")
     bad = tmp_path / "bad.yaml"
     bad.write_bytes(b"schedule:\n  name: \xff\xfe\n")
+    loop = tmp_path / "l1.yaml"
+    loop.symlink_to(tmp_path / "l2.yaml")
+    (tmp_path / "l2.yaml").symlink_to(loop)  # resolving it raised RuntimeError inside the message
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing but a comment\n")  # a mistake more likely than a wish for the defaults
     for path, expected in ((big, "larger than 1,048,576 bytes"), (bad, "is not UTF-8"),
-                           (empty, r"is empty, expected a mapping of sections \(\{\} for the defaults\)")):
+                           (empty, r"is empty, expected a mapping of sections \(\{\} for the defaults\)"),
+                           (loop, "is not a file")):
         with pytest.raises(ConfigError, match=expected) as err:
             load_config(str(path))
         assert str(path) in str(err.value)

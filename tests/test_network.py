@@ -373,6 +373,18 @@ def test_a_degraded_link_slows_the_transfers_that_cross_it():
     assert degraded.iteration_ns > healthy.iteration_ns
 
 
+@pytest.mark.parametrize("faults", [
+    ["faults.degraded_links=n0.nic7-leaf7:0.5, n0.nic7-leaf7:0.001"],  # factors multiplied past 0.001
+    ["faults.degraded_links=n0.nic7-leaf7:0.5, leaf7>n0.nic7:0.5"],  # the other spelling of one direction
+    ["faults.failed_links=n0.nic7-leaf7, n0.nic7-leaf7"],  # blamed as "not a link" once the first removed it
+    ["faults.degraded_links=n0.nic7-leaf7:0.5", "faults.failed_links=n0.nic7>leaf7"],
+])
+def test_a_link_named_by_two_faults_is_refused(faults: list[str]) -> None:
+    with pytest.raises(ConfigError, match=r"names the link (n0.nic7>leaf7|leaf7>n0.nic7) a second time, expected "
+                                          r"each link in one fault"):
+        run(load_config(None, BASE + faults))
+
+
 def test_a_failed_link_without_another_route_names_the_transfer():
     cut_off = "faults.failed_links=n0.gpu7-n0.nvswitch0, n0.gpu7>n0.pcie3, n0.gpu7>n0.nic7"  # it can still receive
     with pytest.raises(ConfigError, match=r"faults.failed_links: no route from device 7 \(n0.gpu7\) to device 8 "
