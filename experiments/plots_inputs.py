@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from pipescope.experiments.plots_data import SWEEP_COLUMNS, RunData, from_ops, lanes
+from pipescope.simulator.table_bounds import TableTooBig, check_csv_header, parquet_shape
 from pipescope.simulator.trace import KIND_NAMES
 
 MAX_FILE_BYTES = 512 * 2**20  # read (after gunzip); a trace of the largest run pipescope simulates is about this
@@ -58,10 +59,12 @@ def _refuse_constant(name: str) -> None:
 def read_json(path: str) -> Any:
     """A JSON document; NaN and Infinity (which JSON does not have) are refused."""
     data = read_bytes(path)
-    events = data.count(b'"ph"')  # at least one per trace event: a cheap bound before any object is built
-    if events > MAX_TRACE_EVENTS:
-        raise ValueError(f"INPUT: {_name(path)} has about {events:,} trace events, expected at most "
-                         f"{MAX_TRACE_EVENTS:,} (a run that big plots from its --timeline)")
+    # Bounds before any object is built: a trace event is an object of about 7 commas and 2 braces (its args),
+    # and a file of 500 MiB of '{},' or '1,' would build hundreds of millions of Python objects
+    objects, values = data.count(b"{"), data.count(b",")
+    if objects > 3 * MAX_TRACE_EVENTS or values > 12 * MAX_TRACE_EVENTS:
+        raise ValueError(f"INPUT: {_name(path)} holds {objects:,} JSON objects and {values:,} commas, more than a "
+                         f"trace of {MAX_TRACE_EVENTS:,} events (a run that big plots from its --timeline)")
     try:
         return json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as err:
@@ -107,14 +110,17 @@ def run_from_trace(doc: dict, path: str, microbatches: int | None) -> RunData:
         for i, e in enumerate(events):
             phase, pid = e.get("ph"), e.get("pid")
             if phase == "X" and pid == network:
-                links.setdefault(threads.get((pid, e.get("tid")), "link"), []).append(
-                    (_ns(e.get("ts"), f"traceEvents[{i}].ts"), _ns(e.get("ts", 0) + e.get("dur", 0), "dur")))
+                start = _ns(e.get("ts"), f"traceEvents[{i}].ts")
+                links.setdefault(threads.get(_thread(e, i), "link"), []).append(
+                    (start, start + _ns(e.get("dur", 0), f"traceEvents[{i}].dur")))
             elif phase == "X":
                 rows.append(_trace_op(e, i, threads))
             elif phase == "C" and e.get("name") == "memory":
-                bytes_in_use = float((e.get("args") or {}).get("GiB", math.nan)) * 2**30
-                if not 0 <= bytes_in_use <= 2**60:
-                    raise ValueError(f"traceEvents[{i}].args.GiB: expected a number of GiB from 0 to 2^30")
+                gib = _args(e, i).get("GiB")
+                if isinstance(gib, bool) or not isinstance(gib, int | float) or not 0 <= gib <= 2**30:
+                    raise ValueError(f"traceEvents[{i}].args.GiB: got {str(gib)[:40]!r}, expected a number of GiB "
+                                     f"from 0 to 2^30")
+                bytes_in_use = gib * 2**30
                 memory.setdefault(_integer(pid, f"traceEvents[{i}].pid", 0, MAX_DEVICE), []).append(
                     (_ns(e.get("ts"), f"traceEvents[{i}].ts"), round(bytes_in_use)))
     except (ValueError, TypeError, AttributeError) as err:
@@ -135,26 +141,44 @@ def run_from_trace(doc: dict, path: str, microbatches: int | None) -> RunData:
 def _trace_names(events: list) -> tuple[dict, int | None]:
     """Each (pid, tid)'s lane name and the pid of the ``network`` process (None without one)."""
     threads, network = {}, None
-    for e in events:
+    for i, e in enumerate(events):
         if not isinstance(e, dict):
             raise ValueError("traceEvents: expected a list of objects")
         if e.get("ph") == "M" and e.get("name") == "thread_name":
-            threads[(e.get("pid"), e.get("tid"))] = str((e.get("args") or {}).get("name", ""))[:100]
-        elif e.get("ph") == "M" and e.get("name") == "process_name" and (e.get("args") or {}).get("name") == "network":
-            network = e.get("pid")
+            threads[_thread(e, i)] = str(_args(e, i).get("name", ""))[:100]
+        elif e.get("ph") == "M" and e.get("name") == "process_name" and _args(e, i).get("name") == "network":
+            network = _thread(e, i)[0]
     return threads, network
+
+
+def _thread(e: dict, i: int) -> tuple:
+    """An event's (pid, tid), each a number, a name or absent (they key the lane names)."""
+    for key in ("pid", "tid"):
+        if not isinstance(e.get(key), int | float | str | None):
+            raise ValueError(f"traceEvents[{i}].{key}: got {str(e.get(key))[:40]!r}, expected a number or a name")
+    return e.get("pid"), e.get("tid")
+
+
+def _args(e: dict, i: int) -> dict:
+    """An event's ``args`` object ({} when absent)."""
+    args = e.get("args")
+    if args is None:
+        return {}
+    if not isinstance(args, dict):
+        raise ValueError(f"traceEvents[{i}].args: got {str(args)[:40]!r}, expected an object")
+    return args
 
 
 def _trace_op(e: dict, i: int, threads: dict) -> tuple:
     """One op row from an ``X`` event: its kind from its action's text (or its category), its lane from its
     thread's name."""
-    args, where = e.get("args") or {}, f"traceEvents[{i}]"
+    args, where = _args(e, i), f"traceEvents[{i}]"
     match = ACTION_KIND.match(str(args.get("action", ""))[:100])
     kind = match.group(1) if match else KIND_OF_CATEGORY.get(e.get("cat"))
     if kind is None:
         raise ValueError(f"{where}: got action {str(args.get('action'))[:40]!r}, expected one like '2F0'")
     start = _ns(e.get("ts"), f"{where}.ts")
-    return (_integer(e.get("pid"), f"{where}.pid", 0, MAX_DEVICE), threads.get((e.get("pid"), e.get("tid")), ""),
+    return (_integer(e.get("pid"), f"{where}.pid", 0, MAX_DEVICE), threads.get(_thread(e, i), ""),
             kind, _integer(args.get("stage"), f"{where}.args.stage", -1, MAX_INDEX),
             _integer(args.get("microbatch"), f"{where}.args.microbatch", -1, MAX_INDEX), start,
             start + _ns(e.get("dur"), f"{where}.dur"))
@@ -175,7 +199,9 @@ def read_table(path: str, needed: tuple[str, ...], what: str) -> pd.DataFrame:
         raise ValueError(f"INPUT: {_name(path)} is over {MAX_FILE_BYTES >> 20} MiB, expected a smaller file")
     parquet = path.lower().endswith(".parquet")
     try:
-        columns, rows = _parquet_shape(path) if parquet else (list(pd.read_csv(path, nrows=0).columns), None)
+        columns, rows = _parquet_shape(path) if parquet else (_csv_columns(path), None)
+    except TableTooBig as err:
+        raise ValueError(f"INPUT: {_name(path)}: {err}") from None
     except (ValueError, OSError, TypeError, KeyError, NotImplementedError) as err:
         raise ValueError(f"INPUT: {_name(path)} is not a readable {'Parquet' if parquet else 'CSV'} table "
                          f"({str(err)[:120]})") from None
@@ -195,17 +221,20 @@ def read_table(path: str, needed: tuple[str, ...], what: str) -> pd.DataFrame:
 
 
 def _parquet_shape(path: str) -> tuple[list[str], int]:
-    """Column names and row count from the file's footer, before reading any row."""
+    """Column names and row count from the file's footer, before reading any row; at most MAX_UNPACKED_BYTES
+    once decompressed (``table_bounds.parquet_shape``)."""
     try:
-        import pyarrow.parquet as pq
+        arrow, rows = parquet_shape(path, MAX_UNPACKED_BYTES)
     except ImportError:
         raise ValueError("Parquet needs pyarrow: pip install 'pipescope[sweep]' (or give a .csv)") from None
-    meta = pq.ParquetFile(path)
-    # A few MiB of compressed Parquet can unpack to gigabytes: bound what reading it would take, from its footer.
-    unpacked = sum(meta.metadata.row_group(i).total_byte_size for i in range(meta.metadata.num_row_groups))
-    if unpacked > MAX_UNPACKED_BYTES:
-        raise ValueError(f"it unpacks to {unpacked:,} bytes, expected at most {MAX_UNPACKED_BYTES:,}")
-    return list(meta.schema_arrow.names), meta.metadata.num_rows
+    return list(arrow.names), rows
+
+
+def _csv_columns(path: str) -> list[str]:
+    """The header's names, bounded first (``table_bounds.check_csv_header``): pandas would take minutes and
+    gigabytes over a header of millions of names."""
+    check_csv_header(path)
+    return list(pd.read_csv(path, nrows=0).columns)
 
 
 def integers(frame: pd.DataFrame, columns: tuple[str, ...], path: str, low: int, high: int) -> pd.DataFrame:
@@ -281,9 +310,13 @@ def read_validate(doc: Any, path: str) -> dict:
             raise ValueError(f"INPUT: {_name(path)}: per_device[{i}]: expected an object")
         memory = ("predicted_peak_memory_bytes", "measured_peak_memory_bytes") if "predicted_peak_memory_bytes" in d \
             else ()
-        for key in ("device", "predicted_busy_s", "measured_busy_s", *memory):
+        for key in ("predicted_busy_s", "measured_busy_s", *memory):
             if _number(d.get(key), f"per_device[{i}].{key}", path) < 0:
                 raise ValueError(f"INPUT: {_name(path)}: per_device[{i}].{key}: got {d[key]!r}, expected >= 0")
+        try:
+            _integer(d.get("device"), f"per_device[{i}].device", 0, MAX_DEVICE)
+        except ValueError as err:
+            raise ValueError(f"INPUT: {_name(path)}: {err}") from None
         if d["device"] in seen:
             raise ValueError(f"INPUT: {_name(path)}: per_device[{i}].device: got {d['device']!r} twice, expected "
                              "each device once")

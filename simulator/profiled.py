@@ -2,7 +2,8 @@
 
 Times and bytes are interpolated linearly between the measured microbatch sizes, then between the measured
 sequence lengths; outside the measured range they are extrapolated linearly (proportionally when only one
-point was measured) and a warning says so. Select with ``--set costs.kind=profile --set costs.profile=DIR``.
+point was measured, or when the line falls as the work grows) and a warning says so. Select with
+``--set costs.kind=profile --set costs.profile=DIR``.
 Reads the files itself (pandas), sharing only the stdlib schema module with ``calibration/``; never torch.
 
 A profile is hostile input: ``load`` checks every file, every column (``profile_schema.COLUMN_RULES``) and the
@@ -22,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from pipescope.simulator import profile_schema as schema
+from pipescope.simulator import table_bounds
 from pipescope.simulator.costs import (
     MAX_BYTES,
     MAX_OP_SECONDS,
@@ -58,17 +60,16 @@ def read_table(profile_dir: str | os.PathLike, meta: dict, table: str) -> pd.Dat
 
 
 def _read_frame(path: Path, table: str) -> pd.DataFrame:
-    """The file as a DataFrame; any failure to parse it (pandas and pyarrow raise many types) is a ProfileError."""
+    """The file as a DataFrame, bounded before a row is read (``table_bounds``); any failure to parse it (pandas and
+    pyarrow raise many types) is a ProfileError."""
     parquet = path.suffix == ".parquet"
     try:
         if not parquet:
+            table_bounds.check_csv_header(path)
             return pd.read_csv(path, nrows=schema.MAX_TABLE_ROWS + 1)
-        import pyarrow.parquet as pq
-
-        file = pq.ParquetFile(path)
-        if file.metadata.num_rows > schema.MAX_TABLE_ROWS:
-            raise ProfileError(f"{path}: {file.metadata.num_rows} rows; expected at most {schema.MAX_TABLE_ROWS}")
-        return file.read().to_pandas()
+        return _read_parquet(path, table)
+    except table_bounds.TableTooBig as exc:
+        raise ProfileError(f"{path}: {exc}") from None
     except ProfileError:
         raise
     except ImportError as exc:
@@ -77,6 +78,24 @@ def _read_frame(path: Path, table: str) -> pd.DataFrame:
     except Exception as exc:  # noqa: BLE001 (a malformed file may raise anything from the parser)
         raise ProfileError(f"{path}: unreadable as {'Parquet' if parquet else 'CSV'} ({schema.one_line(exc)}); "
                            f"expected the {table!r} table pipescope calibrate writes") from None
+
+
+def _read_parquet(path: Path, table: str) -> pd.DataFrame:
+    """Only the rule columns, after the footer's bounds; text read dictionary-encoded, so that one long word in
+    every row (a few bytes of Parquet) is held once rather than once a row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rules = list(schema.COLUMN_RULES[table])
+    arrow, rows = table_bounds.parquet_shape(path, schema.MAX_TABLE_UNPACKED_BYTES, rules)
+    if rows > schema.MAX_TABLE_ROWS:
+        raise ProfileError(f"{path}: {rows} rows; expected at most {schema.MAX_TABLE_ROWS}")
+    schema.check_columns(arrow.names, table, str(path))
+    nested = next((f for f in arrow if f.name in rules and pa.types.is_nested(f.type)), None)
+    if nested is not None:  # its text leaves would be decoded once a row (read_dictionary takes only flat columns)
+        raise ProfileError(f"{path}: column {nested.name!r} holds {short_repr(str(nested.type))}; expected a number "
+                           "or a word in each cell")
+    return pq.ParquetFile(path, read_dictionary=rules).read(columns=rules).to_pandas()
 
 
 _MAX = f"{schema.MAX_NUMBER} (2**53)"
@@ -100,7 +119,7 @@ def check_table(frame: pd.DataFrame, table: str, where: str) -> pd.DataFrame:
     schema.check_columns(frame.columns, table, where)
     if len(frame) > schema.MAX_TABLE_ROWS:
         raise ProfileError(f"{where}: more than {schema.MAX_TABLE_ROWS} rows; expected at most that many")
-    raw = {column: frame[column].to_numpy(dtype=object) for column in schema.COLUMN_RULES[table]}
+    raw = {column: _cells(frame[column]) for column in schema.COLUMN_RULES[table]}
     # Optimizer rows of the timings table measure no (microbatch, seq) point and store 0 there.
     unmeasured = np.array([v == schema.OPTIMIZER for v in raw.get("component", [])], dtype=bool) \
         if table == "timings" else np.zeros(len(frame), dtype=bool)
@@ -120,6 +139,15 @@ def check_table(frame: pd.DataFrame, table: str, where: str) -> pd.DataFrame:
             raise ProfileError(f"{where}: column {column!r} row {row + 1}: {short_repr(values[row])}; "
                                f"expected {expected}")
     return pd.DataFrame(checked)
+
+
+def _cells(column: pd.Series) -> np.ndarray:
+    """A column's cells as Python objects. A categorical's (a dictionary-encoded Parquet column) repeats share one
+    object: to_numpy would copy its word into every row, 37 rows of a 50 MiB word into 1.9 GB."""
+    if not isinstance(column.dtype, pd.CategoricalDtype):
+        return column.to_numpy(dtype=object)
+    words = np.append(column.cat.categories.to_numpy(dtype=object), np.nan)  # code -1 (a missing cell) picks NaN
+    return words[column.cat.codes.to_numpy()]
 
 
 def _as_floats(column: pd.Series, values: np.ndarray) -> np.ndarray:
@@ -163,18 +191,27 @@ def _within(x: np.ndarray, rule: str, unmeasured: np.ndarray) -> np.ndarray:
     raise AssertionError(f"unknown column rule {rule!r}")
 
 
-def interp1(xs: list[float], ys: list[float], x: float) -> tuple[float, bool]:
-    """Linear interpolation at ``x``; beyond the ends the nearest segment's line; one point: proportional.
+def interp1(xs: list[float], ys: list[float], x: float) -> tuple[float, str]:
+    """Linear interpolation at ``x``; beyond the ends the nearest segment's line, unless that line says less work
+    takes more time (or more work less), or reaches 0: then, as with one point, in proportion to the nearest point.
+
+    More work never makes an op cheaper or a tensor smaller, so a falling line is the measurements' noise (a 55 us op
+    measured at 62 us one size down); followed, it made ops free. The proportional fallback keeps the nearest
+    measurement and scales it with the work.
 
     Returns:
-        (value clamped at 0, whether ``x`` lay outside the measured points).
+        (value, how): ``how`` is "" inside the measured points, else "linear" or "proportional".
     """
     if len(xs) == 1:
-        return max(0.0, ys[0] * x / xs[0]), x != xs[0]
-    outside = x < xs[0] or x > xs[-1]
-    j = 1 if x < xs[0] else len(xs) - 1 if x > xs[-1] else max(1, int(np.searchsorted(xs, x)))
-    x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0)), outside
+        return ys[0] * x / xs[0], "" if x == xs[0] else "proportional"
+    if xs[0] <= x <= xs[-1]:
+        j = max(1, int(np.searchsorted(xs, x)))
+        return ys[j - 1] + (ys[j] - ys[j - 1]) * (x - xs[j - 1]) / (xs[j] - xs[j - 1]), ""
+    j, near = (1, 0) if x < xs[0] else (len(xs) - 1, len(xs) - 1)
+    value = ys[j - 1] + (ys[j] - ys[j - 1]) * (x - xs[j - 1]) / (xs[j] - xs[j - 1])
+    if value <= 0 or (value - ys[near]) * (x - xs[near]) < 0:
+        return ys[near] * x / xs[near], "proportional"
+    return value, "linear"
 
 
 @dataclass
@@ -293,16 +330,35 @@ class ProfiledCosts(PerStageCache):
                                    f"expected at most {MAX_OP_SECONDS:g} s per transfer") from None
 
     def _check_unique(self) -> None:
-        """One row per measured point: a second one would be read in place of the first, or averaged, silently."""
-        for table, key in (("timings", TIMING_KEY), ("memory", MEMORY_KEY)):
-            frame = getattr(self, table)
-            twice = frame.duplicated(list(key), keep="first")
+        """One row per point a lookup reads: a second one would be averaged with the first, or fitted as a second
+        measurement of it, silently (whatever else the rows say, such as their params)."""
+        t = self.timings
+        step = (t["op"] == "step").to_numpy()
+        for table, frame, key in (("timings", t[~step], LOOKUP_KEY), ("timings", t[step], STEP_KEY),
+                                  ("memory", self.memory, MEMORY_KEY)):
+            twice = frame.duplicated(list(key))
             if twice.any():
-                row = int(twice.to_numpy().argmax())
-                point = ", ".join(f"{k}={frame[k].iloc[row]:g}" if pd.api.types.is_float_dtype(frame[k]) else
-                                  f"{k}={frame[k].iloc[row]}" for k in key)
-                raise ProfileError(f"{self.files[table]}: row {row + 1}: {point} is measured twice; expected one row "
-                                   "per point")
+                row = twice.idxmax()  # labels are file rows from 0 (check_table's fresh index)
+                first = (frame[list(key)] == frame.loc[row, list(key)]).all(axis=1).idxmax()
+                point = ", ".join(f"{k}={frame.at[row, k]:g}" if pd.api.types.is_float_dtype(frame[k]) else
+                                  f"{k}={frame.at[row, k]}" for k in key)
+                raise ProfileError(f"{self.files[table]}: row {row + 1}: {point} is measured twice (also row "
+                                   f"{first + 1}); expected one row per point")
+        self._check_one_count()
+
+    def _check_one_count(self) -> None:
+        """One params and one tensors count per component: params_of and tensors_of read its first memory row."""
+        memory = self.memory
+        for column in ("params", "tensors"):
+            first = memory.groupby("component")[column].transform("first")
+            other = memory[column] != first
+            if other.any():
+                row = other.idxmax()
+                component = memory.at[row, "component"]
+                first_row = (memory["component"] == component).idxmax()
+                raise ProfileError(f"{self.files['memory']}: row {row + 1}: component={component} {column}="
+                                   f"{memory.at[row, column]:g}, but row {first_row + 1} says {first.at[row]:g}; "
+                                   f"expected one {column} count per component")
 
     def notes(self) -> list[str]:
         """Human-readable warnings (extrapolation, precision mismatch) the simulation result prints."""
@@ -326,21 +382,34 @@ class ProfiledCosts(PerStageCache):
     def _lookup(self, frame: pd.DataFrame, column: str) -> float:
         """``column`` at (microbatch_size, seq): interpolate over microbatch sizes per seq, then over seqs."""
         if frame.empty:
-            where = self.files.get("memory" if column in schema.MEMORY_COLUMNS else "timings", "costs.profile")
-            raise ProfileError(f"{where}: no rows for {column!r}; expected a complete profile")
-        by_seq = frame.groupby(["seq", "microbatch_size"])[column].mean()
+            raise ProfileError(f"{self._file_of(column)}: no rows for {column!r}; expected a complete profile")
+        by_seq = frame.groupby(["seq", "microbatch_size"])[column].mean()  # of one row (_check_unique)
+        what = self._file_of(column) + ": " + " ".join(
+            f"{k}={frame[k].iloc[0]}" for k in ("component", "op") if k in frame) + f" {column}"
         seqs, values = [], []
         for seq, series in by_seq.groupby(level=0):
             mbs = [float(m) for m in series.index.get_level_values(1)]
-            value, outside = interp1(mbs, [float(v) for v in series.values], self.microbatch_size)
-            if outside:
-                self._warn(self._range_note("microbatch size", self.microbatch_size, mbs))
+            values.append(self._interp(f"{what} at seq {int(seq)}", "microbatch size", self.microbatch_size, mbs,
+                                       [float(v) for v in series.values]))
             seqs.append(float(seq))
-            values.append(value)
-        value, outside = interp1(seqs, values, self.seq)
-        if outside:
-            self._warn(self._range_note("sequence length", self.seq, seqs))
+        return self._interp(f"{what} at microbatch size {self.microbatch_size}", "sequence length", self.seq, seqs,
+                            values)
+
+    def _interp(self, what: str, axis: str, x: int, xs: list[float], ys: list[float]) -> float:
+        """``interp1`` at ``x`` on ``axis``, with a warning outside the measured ``xs`` saying how it extrapolated
+        (naming the op where its measured line falls: a noisy row the user may want to calibrate again)."""
+        value, how = interp1(xs, ys, x)
+        if how == "proportional" and len(xs) > 1:
+            points = ", ".join(f"{int(a)}: {b:g}" for a, b in zip(xs, ys))
+            self._warn(f"{what} at {axis} {x}: the measured line ({points}) falls as the work grows, so it is scaled "
+                       f"in proportion to the nearest measurement; calibrate at {axis} {x} to measure it")
+        elif how:
+            self._warn(self._range_note(axis, x, xs))
         return value
+
+    def _file_of(self, column: str) -> str:
+        """The file a column's lookup reads (for errors)."""
+        return self.files.get("memory" if column in schema.MEMORY_COLUMNS else "timings", "costs.profile")
 
     @staticmethod
     def _range_note(what: str, value: int, measured: list[float]) -> str:
@@ -531,8 +600,10 @@ def load_comms_fit(profile_dir: str | os.PathLike) -> tuple[pd.DataFrame, str]:
     return _read_checked(path, "comms_fit"), str(path)
 
 
-# The columns that name a measured point (the optimizer's rows differ by the parameters and tensors they step)
-TIMING_KEY = ("component", "op", "microbatch_size", "seq", "shards", "params", "tensors")
+# The columns a lookup reads a measured point by (``_lookup``, ``bytes_of``): rows that agree on them are one point,
+# whatever their other columns say. The optimizer fit reads every "step" row as a point of its parameters and tensors.
+LOOKUP_KEY = ("component", "op", "microbatch_size", "seq", "shards")
+STEP_KEY = ("op", "params", "tensors")
 MEMORY_KEY = ("component", "microbatch_size", "seq")
 
 

@@ -8,11 +8,15 @@ import dataclasses
 import json
 import math
 import re
+import subprocess
 import sys
 import tempfile
+import tracemalloc
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -270,6 +274,92 @@ def test_oversized_table_is_refused_before_reading(tmp_path: Path, monkeypatch: 
     assert "bytes; expected a 'timings' table of at most 100 bytes" in load_error(csv_profile(tmp_path))
 
 
+# ---------------------------------------------------------------- tables that cost far more than their bytes
+
+
+def with_column(folder: Path, name: str, column: pa.Array, **write: object) -> None:
+    """Put ``column`` in place of (or beside) ``name`` in the timings Parquet. store_schema=False: the reader is
+    not told that a dictionary column was one, as a file written by another tool would not say."""
+    path = folder / "timings.parquet"
+    table = pq.read_table(path)
+    index = table.schema.get_field_index(name)
+    table = table.set_column(index, name, column) if index >= 0 else table.append_column(name, column)
+    pq.write_table(table, path, store_schema=False, **write)
+
+
+def repeated(word: str, rows: int) -> pa.DictionaryArray:
+    """``word`` in every row, as Parquet stores it: once, and an index a row."""
+    return pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array([word]))
+
+
+def peak_arrow_bytes(code: str) -> int:
+    """The most memory pyarrow held while a fresh interpreter ran ``code`` (its pool's peak, no other test's)."""
+    script = f"{code}\nimport pyarrow\nprint(pyarrow.default_memory_pool().max_memory())"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    return int(done.stdout.split()[-1])
+
+
+def test_a_column_the_reader_ignores_is_never_unpacked(tmp_path: Path) -> None:
+    """37 rows of a 50 MiB word in an extra column (10.8 KB of Parquet) made simulate take 4.6 GB: every column
+    was read. Only the rule columns are read now, and the costs are the plain profile's."""
+    folder = make_profile(tmp_path / "junk")
+    word = 4 << 20
+    with_column(folder, "junk", repeated("x" * word, len(timing_rows((2, 4), (128,)))), compression="zstd")
+    assert (folder / "timings.parquet").stat().st_size < 10_000
+    assert peak_arrow_bytes(f"from pipescope.simulator.profiled import ProfiledCosts\n"
+                            f"ProfiledCosts.load({str(folder)!r}, 2)") < word  # was 35 rows x 4 MiB
+    plain = ProfiledCosts.load(make_profile(tmp_path / "plain"), 2).stage_cost(0, 2, 1)
+    assert ProfiledCosts.load(folder, 2).stage_cost(0, 2, 1) == plain
+
+
+def test_a_long_word_in_every_row_of_a_rule_column_is_held_once(tmp_path: Path) -> None:
+    """The same word in the component column: read dictionary-encoded and checked through its one copy, refused
+    naming the cell, with Python holding about one copy of the word (not one a row)."""
+    folder = make_profile(tmp_path)
+    word = 4 << 20
+    with_column(folder, "component", repeated("x" * word, len(timing_rows((2, 4), (128,)))), compression="zstd")
+    tracemalloc.start()
+    try:
+        message = load_error(folder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "timings.parquet: column 'component' row 1: 'xxxx" in message and "expected one of layer" in message
+    assert peak < 4 * word  # was 35 copies
+
+
+@pytest.mark.parametrize(("column", "expected"), [
+    (pa.array(["x" * 65536] * 35), "timings.parquet: it unpacks to 2,29"),  # plain: 35 x 64 KiB > 1 MiB
+    (pa.array([[1.0]] * 35), "timings.parquet: column 'median_ns' holds 'list<element: double>'; expected a number"),
+])
+def test_a_parquet_table_is_bounded_from_its_footer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    column: pa.Array, expected: str) -> None:
+    """Before a row is read: the rule columns' unpacked size from the footer (bounded at 1 MiB here), and no nested
+    cells (their words would be decoded once a row: only flat columns are read dictionary-encoded)."""
+    from pipescope.simulator import profile_schema
+    monkeypatch.setattr(profile_schema, "MAX_TABLE_UNPACKED_BYTES", 1 << 20)
+    folder = make_profile(tmp_path)
+    with_column(folder, "component" if pa.types.is_string(column.type) else "median_ns", column,
+                compression="zstd", use_dictionary=False)
+    assert expected in load_error(folder)
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ("".join(f",c{i}" for i in range(9_989)), "its header has 10,001 comma-separated names, expected at most 10,000 "
+                                               "columns"),  # 12 of the profile's
+    (',"a\nb"' + "".join(f",c{i}" for i in range(9_988)), "its header has 10,001 comma-separated names"),
+    ("," + "x" * (1 << 20), "its header (the first line) is over 1,048,576 bytes, expected at most 10,000"),
+])
+def test_a_csv_header_is_bounded_before_pandas_reads_it(tmp_path: Path, extra: str, expected: str) -> None:
+    """12.4 MB of header naming 1.5 million extra columns took 69 s and 7.6 GB before failing. The first record is
+    bounded first, a quoted line break included (pandas reads the next line as part of the header)."""
+    folder = csv_profile(tmp_path)
+    path = folder / "timings.csv"
+    header, rows = path.read_text().split("\n", 1)
+    path.write_text(header + extra + "\n" + rows)
+    assert f"timings.csv: {expected}" in load_error(folder)
+
+
 # ---------------------------------------------------------------- property: any corruption, one line or a good run
 
 GOOD_FIT = [{"collective": "p2p", "world_size": 2, "lo_bytes": 1 << 15, "hi_bytes": 1 << 19, "latency_ns": 10_000.0,
@@ -510,9 +600,9 @@ def test_metadata_that_contradicts_the_profile_is_refused(tmp_path: Path, change
 
 
 @pytest.mark.parametrize(("table", "row", "expected"), [
-    ("timings", 1, r"timings.csv: row 2: component=layer, op=I, microbatch_size=2, seq=128, shards=1, params=0, "
-                   r"tensors=0 is measured twice; expected one row per point"),
-    ("memory", 0, r"memory.csv: row 2: component=layer, microbatch_size=2, seq=128 is measured twice"),
+    ("timings", 1, r"timings.csv: row 2: component=layer, op=I, microbatch_size=2, seq=128, shards=1 is measured "
+                   r"twice \(also row 1\); expected one row per point"),
+    ("memory", 0, r"memory.csv: row 2: component=layer, microbatch_size=2, seq=128 is measured twice \(also row 1\)"),
 ])
 def test_a_point_measured_twice_is_refused(tmp_path: Path, table: str, row: int, expected: str) -> None:
     """A second row for one point would be read instead of the first, silently: which one is the measurement?"""
@@ -522,6 +612,79 @@ def test_a_point_measured_twice_is_refused(tmp_path: Path, table: str, row: int,
     frame.loc[row - 1 if row else 1] = frame.loc[row]  # the row before (or after) becomes a copy of it
     frame.to_csv(path, index=False)
     assert re.search(expected, load_error(folder))
+
+
+def edit_table(folder: Path, table: str, edit: object) -> None:
+    """Rewrite a CSV table as ``edit(frame)`` returns it."""
+    path = folder / f"{table}.csv"
+    edit(pd.read_csv(path)).to_csv(path, index=False)
+
+
+def second_row(frame: pd.DataFrame, where: pd.Series, **changes: object) -> pd.DataFrame:
+    """``frame`` with the first row ``where`` selects appended again, with ``changes``."""
+    return pd.concat([frame, frame[where].head(1).assign(**changes)], ignore_index=True)
+
+
+@pytest.mark.parametrize(("select", "changes", "expected"), [
+    (lambda f: (f["component"] == "layer") & (f["op"] == "F"), {"params": 1, "median_ns": 1e12},
+     "timings.csv: row 36: component=layer, op=F, microbatch_size=2, seq=128, shards=1 is measured twice (also "
+     "row 1); expected one row per point"),
+    (lambda f: f["component"] == "output_shard", {"tensors": 5, "median_ns": 1e12},
+     "row 36: component=output_shard, op=S, microbatch_size=2, seq=128, shards=1 is measured twice (also row 13)"),
+    (lambda f: f["component"] == "optimizer", {"component": "layer", "microbatch_size": 2, "seq": 128},
+     "row 36: op=step, params=100, tensors=2 is measured twice (also row 33)"),
+])
+def test_rows_a_lookup_would_average_are_refused(tmp_path: Path, select: object, changes: dict,
+                                                  expected: str) -> None:
+    """A second row for a lookup's point that differs elsewhere (params, tensors) was averaged in: a layer F of
+    1e12 ns beside the measured one made the iteration 5500 s instead of 0.0076 s. A second optimizer step of the
+    same parameters and tensors would be fitted twice, whatever its component."""
+    folder = csv_profile(tmp_path)
+    edit_table(folder, "timings", lambda frame: second_row(frame, select(frame), **changes))
+    assert expected in load_error(folder)
+
+
+@pytest.mark.parametrize("column", ["params", "tensors"])
+def test_a_component_with_two_parameter_counts_is_refused(tmp_path: Path, column: str) -> None:
+    """params_of and tensors_of read a component's first memory row: a contradicting later one was ignored."""
+    folder = csv_profile(tmp_path)
+    edit_table(folder, "memory", lambda frame: frame.assign(**{column: frame[column].mask(frame.index == 1, 10**15)}))
+    first = {"params": 700, "tensors": 2}[column]  # memory_rows' layer
+    assert (f"memory.csv: row 2: component=layer {column}=1e+15, but row 1 says {first}; expected one {column} "
+            "count per component") in load_error(folder)
+
+
+@pytest.mark.parametrize(("table", "column", "measured"), [
+    ("timings", "median_ns", "timings.csv: component=layer op=F median_ns at seq 128 at microbatch size 8: the "
+                             "measured line (2: 1200, 4: 600) falls as the work grows"),
+    ("memory", "activation_bytes", "memory.csv: component=layer activation_bytes at seq 128 at microbatch size 8: the "
+                                   "measured line (2: 256000, 4: 128000) falls as the work grows"),
+])
+def test_an_extrapolation_that_falls_is_scaled_from_the_nearest_point(tmp_path: Path, table: str, column: str,
+                                                                      measured: str) -> None:
+    """A microbatch-4 time (or stash) half the microbatch-2 one extrapolated to 0 at microbatch 8 and was clamped
+    there, with only the general note: a free op. Now it is the microbatch-4 value scaled by 8 / 4, with a note
+    naming the op; a value measured 0 at every size stays 0."""
+    folder = csv_profile(tmp_path)
+    layer_f = {"timings": lambda f: (f["component"] == "layer") & (f["op"] == "F"),
+               "memory": lambda f: f["component"] == "layer"}[table]
+
+    def halve(frame: pd.DataFrame) -> pd.DataFrame:  # microbatch 4's value: half of microbatch 2's
+        rows = layer_f(frame)
+        frame.loc[rows & (frame["microbatch_size"] == 4), column] = \
+            frame.loc[rows & (frame["microbatch_size"] == 2), column].to_numpy() // 2
+        return frame
+
+    def value(costs: ProfiledCosts) -> float:
+        return costs.time_ns("layer", "F") if table == "timings" else costs.bytes_of("layer", column)
+
+    edit_table(folder, table, halve)
+    costs = ProfiledCosts.load(folder, 8)
+    at_4 = {"timings": 600, "memory": 128000}[table]
+    assert value(costs) == at_4 * 8 / 4
+    assert any(measured in note and "calibrate at microbatch size 8" in note for note in costs.notes())
+    edit_table(folder, table, lambda frame: frame.assign(**{column: frame[column].mask(layer_f(frame), 0)}))
+    assert value(ProfiledCosts.load(folder, 8)) == 0
 
 
 @pytest.mark.parametrize(("model", "expected"), [

@@ -293,7 +293,9 @@ def test_overlay_from_validate_report_and_two_timelines(cli, files: dict[str, Pa
                            ({"per_device": [first, first]}, "per_device[1].device: got 0 twice, expected each device "
                                                              "once"),
                            ({"per_device": [{**first, "measured_busy_s": -1}]}, "per_device[0].measured_busy_s: "
-                                                                                  "got -1, expected >= 0")]:
+                                                                                  "got -1, expected >= 0"),
+                           ({"per_device": [{**first, "device": 0.5}]}, "per_device[0].device: got '0.5', expected "
+                                                                         "an integer from 0 to 99,999")]:
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps({**report, **change}))
         code, _, err = cli(["plot", "overlay", str(bad), "-o", str(tmp_path / "b.png")])
@@ -318,11 +320,18 @@ def hostile_files(folder: Path, files: dict[str, Path]) -> dict[str, Path]:
         "garbage.parquet": b"PAR1 this is not parquet PAR1",
         "text.json": b"{\"traceEvents\": [",
         "nan.json": b"{\"traceEvents\": [{\"ph\": \"X\", \"pid\": NaN}]}",
+        "dicttid.json": json.dumps({"traceEvents": [{**op, "pid": 0, "tid": {}}]}).encode(),
+        "listargs.json": json.dumps({"traceEvents": [{**op, "pid": 0, "args": [1]}]}).encode(),
+        "nullgib.json": json.dumps({"traceEvents": [op, {"ph": "C", "name": "memory", "pid": 0, "ts": 0,
+                                                         "args": {"GiB": None}}]}).encode(),
         "deep.json": b"[" * 100_000 + b"]" * 100_000,
         "bigpid.json": json.dumps({"traceEvents": [{**op, "pid": 10**7}]}).encode(),
         "badlane.json": json.dumps({"traceEvents": [{**op, "pid": 0}]}).encode(),  # no thread_name for its tid
         "bomb.json.gz": gzip.compress(b" " * (2 << 20)),
         "many.json.gz": gzip.compress(json.dumps({"traceEvents": [op] * 1001}).encode()),  # over a bound of 1,000
+        # no "ph" to count, and each a Python object once parsed: refused before parsing
+        "empties.json.gz": gzip.compress(json.dumps({"traceEvents": [{}] * 3001}).encode()),
+        "ones.json.gz": gzip.compress(json.dumps({"traceEvents": [1] * 12_002}).encode()),
     }
     paths = {}
     for name, data in made.items():
@@ -345,6 +354,9 @@ def hostile_files(folder: Path, files: dict[str, Path]) -> dict[str, Path]:
     paths["broken.yaml"].write_text("schedule: [1\n")
     paths["badrate.csv"] = folder / "badrate.csv"
     pd.read_csv(files["sweep.csv"]).assign(bubble_rate=7.0).to_csv(paths["badrate.csv"], index=False)
+    paths["wide.csv"] = folder / "wide.csv"  # a timeline with 10,001 more names (pandas: ~5 KB and 50 us each)
+    header, rows = files["t.csv"].read_text().split("\n", 1)
+    paths["wide.csv"].write_text(header + "".join(f",c{i}" for i in range(10_001)) + "\n" + rows)
     return paths
 
 
@@ -357,7 +369,12 @@ BAD = [
     (["gantt", "{bigpid.json}"], "pid: got '10000000', expected an integer from 0 to 99,999"),
     (["gantt", "{badlane.json}"], "thread name: stream: got '', expected compute"),
     (["gantt", "{bomb.json.gz}"], "is over 1 MiB"),
-    (["gantt", "{many.json.gz}"], "has about 1,001 trace events, expected at most 1,000 (a run that big plots from"),
+    (["gantt", "{many.json.gz}"], "has 1,001 events, expected at most 1,000"),
+    (["gantt", "{dicttid.json}"], "traceEvents[0].tid: got '{}', expected a number or a name"),
+    (["gantt", "{listargs.json}"], "traceEvents[0].args: got '[1]', expected an object"),
+    (["gantt", "{nullgib.json}"], "traceEvents[1].args.GiB: got 'None', expected a number of GiB"),
+    (["gantt", "{empties.json.gz}"], "holds 3,002 JSON objects and 3,000 commas, more than a trace of 1,000 events"),
+    (["gantt", "{ones.json.gz}"], "holds 1 JSON objects and 12,001 commas, more than a trace of 1,000 events"),
     (["gantt", "{negative.csv}"], "start_ns: got '-"),
     (["gantt", "{summary.json}"], "is a 'simulate --json' summary, which holds no op timeline"),
     (["gantt", "{validate.json}"], "is a 'validate --json' report (plot it with overlay)"),
@@ -375,6 +392,7 @@ BAD = [
     (["bubble", "{badrate.csv}"], "bubble_rate: got '7.0', expected a number from 0 to 1"),
     (["bubble", "{manylines.csv}"], "bubble_rate: 41 lines (schedules x nothing else), expected at most 40"),
     (["gantt", "{bomb.parquet}"], "unpacks to"),
+    (["gantt", "{wide.csv}"], "INPUT: '{wide.csv}': its header has 10,011 comma-separated names, expected at most"),
     (["throughput", "{t.json.gz}"], "expected a sweep table (.parquet or .csv)"),
     (["memory", "{t.json.gz}", "--title", "x" * 301], "--title: got 301 characters, expected at most 300"),
     (["overlay", "{summary.json}"], "is not a 'pipescope validate --json' report"),

@@ -78,11 +78,16 @@ def make_profile(folder: Path, mbs: tuple[int, ...] = (2, 4), seqs: tuple[int, .
 
 
 def test_interp1_interpolates_extrapolates_and_scales_a_single_point() -> None:
-    """Inside: the line between neighbours; outside: the end segment, flagged; one point: proportional."""
-    assert interp1([1, 4], [10, 40], 2) == (20, False)
-    assert interp1([1, 2, 4], [10, 30, 40], 8) == (60, True)
-    assert interp1([4], [40], 8) == (80, True)
-    assert interp1([2, 4], [30, 10], 8) == (0.0, True)  # a falling line is clamped at zero
+    """Inside: the line between neighbours; outside: the end segment, flagged; one point: proportional, and so is
+    an end segment that falls as the work grows or reaches 0 (more work never costs less: that is noise)."""
+    assert interp1([1, 4], [10, 40], 2) == (20, "")
+    assert interp1([1, 2, 4], [10, 30, 40], 8) == (60, "linear")
+    assert interp1([4], [40], 8) == (80, "proportional")
+    assert interp1([4], [40], 4) == (40, "")
+    assert interp1([2, 4], [30, 10], 8) == (20, "proportional")  # the line said -30: 10 x 8 / 4
+    assert interp1([2, 4], [30, 28], 5) == (35, "proportional")  # the line said 27, above 0 but below 28
+    assert interp1([2, 4], [10, 40], 1) == (5, "proportional")  # the line said -5 below the measured sizes
+    assert interp1([2, 4], [30, 40], 1) == (25, "linear")  # rising, positive: the line
 
 
 def test_measured_point_is_read_exactly_with_no_notes(tmp_path: Path) -> None:
