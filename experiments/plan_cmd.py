@@ -80,8 +80,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             report = _plan(request, workers, args)
     except (ConfigError, ValueError) as err:
         return usage_error(as_flag(str(err), FIELD_FLAGS))
-    except OSError as err:
-        return usage_error(f"--dask: {args.dask!r}: {err}, expected a running Dask scheduler")
+    except OSError as err:  # worker processes that cannot start, say; dask_executor names --dask itself (a ConfigError)
+        return usage_error(f"plan: {err}")
     print(json.dumps(as_json(report)) if args.json else summary(report, request.top))
     return 0 if report.best is not None else EXIT_NOTHING_FITS
 

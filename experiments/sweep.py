@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import enum
 import fcntl
+import functools
 import hashlib
 import io
 import itertools
@@ -29,6 +30,7 @@ import math
 import multiprocessing
 import os
 import signal
+import stat
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,7 +38,7 @@ from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExe
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pandas as pd
 
@@ -53,6 +55,19 @@ MAX_RUNS = 100_000
 MAX_DEFAULT_CHUNK = 64
 METRICS = ("iteration_time_s", "throughput_samples_per_s", "bubble_rate", "peak_memory_bytes",
            "memory_capacity_bytes", "oom", "mfu", "gpus", "exposed_allreduce_s")
+# What an ok row holds in each metric (float: any finite number), and whether it may be null there (an error row holds
+# null in every one). A logged row that breaks this was changed after it was written: its run runs again.
+METRIC_KINDS: dict[str, tuple[type, bool]] = {
+    "iteration_time_s": (float, False), "throughput_samples_per_s": (float, False), "bubble_rate": (float, False),
+    "peak_memory_bytes": (int, False), "memory_capacity_bytes": (int, True), "oom": (bool, False),
+    "mfu": (float, True), "gpus": (int, False), "exposed_allreduce_s": (float, False)}
+ROW_FIELDS = ("run_id", "status", "error", *METRICS, "run_wall_s")  # every row's columns besides its config's
+ROW_FIELD_SET = frozenset(ROW_FIELDS)
+# runs.jsonl is re-read on every run, and a user may hand us anything there. A row is about 2 KB (60 columns), so a
+# longer line is damage, skipped without being held; the log of five full sweeps (5 x MAX_RUNS rows) is 1 GB.
+MAX_LINE_BYTES = 64 << 10
+MAX_LOG_BYTES = 1 << 30
+INT64 = 1 << 63  # Parquet's integers: a bigger one in a row would stop the table being written
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,12 @@ class Run:
     run_id: str
     config: Config
     overrides: dict[str, Any]
+
+    @functools.cached_property
+    def columns(self) -> dict[str, Any]:
+        """``config_columns(config)``, worked out once: a sweep checks the run's logged row against it twice (before
+        it runs anything, and for the tables), and it is most of the time that takes."""
+        return config_columns(self.config)
 
 
 @dataclass(frozen=True)
@@ -125,9 +146,7 @@ def _axes(grid: Any, zipped: Any) -> list[list[dict[str, Any]]]:
     """Each ``sweep`` key is an axis of one-key choices; ``zip`` is one axis whose choices set every zip key."""
     sweep, zips = _lists("sweep", grid), _lists("zip", zipped)
     axes = [[{key: value} for value in values] for key, values in sweep.items()]
-    for key in zips:
-        if key in sweep:
-            raise ConfigError(f"zip.{key}: also in sweep, expected each key in one of sweep and zip", key=f"zip.{key}")
+    _check_disjoint([f"sweep.{key}" for key in sweep] + [f"zip.{key}" for key in zips])
     lengths = {key: len(values) for key, values in zips.items()}
     if len(set(lengths.values())) > 1:
         shown = ", ".join(f"{key} has {n}" for key, n in lengths.items())
@@ -135,6 +154,18 @@ def _axes(grid: Any, zipped: Any) -> list[list[dict[str, Any]]]:
     if zips:
         axes.append([dict(zip(zips, values)) for values in zip(*zips.values())])
     return axes
+
+
+def _check_disjoint(keys: list[str]) -> None:
+    """No config key is set by two grid keys (``sweep.KEY``, ``zip.KEY``): the same key twice, or a section and a
+    key inside it (``schedule`` and ``schedule.stages``), where the later would silently win."""
+    for i, key in enumerate(keys):
+        own = key.split(".", 1)[1]
+        for other in keys[:i]:
+            theirs = other.split(".", 1)[1]
+            if own == theirs or own.startswith(theirs + ".") or theirs.startswith(own + "."):
+                raise ConfigError(f"{key}: sets what {other} sets, expected each config key in one place of sweep "
+                                  f"and zip", key=key)
 
 
 def _lists(section: str, value: Any) -> dict[str, list]:
@@ -270,18 +301,26 @@ def process_pool(workers: int) -> WorkerPool:
 def dask_executor(address: str, workers: int | None = None) -> Iterator[tuple[Executor, int]]:
     """(executor, worker threads) of a Dask cluster: ``local`` starts one on 127.0.0.1 (``workers`` processes of one
     thread, no dashboard); a ``tcp://HOST:PORT`` address joins a running scheduler, which is trusted (Dask's
-    protocol unpickles what the scheduler sends)."""
+    protocol unpickles what the scheduler sends).
+
+    Raises:
+        ConfigError: ``--dask: ...``, one line, when the scheduler cannot be reached or the local cluster not started.
+    """
     from distributed import Client, LocalCluster
 
     cluster = None
-    if address == "local":
-        # Loopback only; no dashboard, and the scheduler's own HTTP server on a free loopback port, not :8787.
-        cluster = LocalCluster(n_workers=workers or len(os.sched_getaffinity(0)), threads_per_worker=1, processes=True,
-                               host="127.0.0.1", dashboard_address=None, silence_logs=logging.ERROR,
-                               scheduler_kwargs={"dashboard_address": "127.0.0.1:0"})
-        client = Client(cluster)
-    else:
-        client = Client(address, timeout="20s")
+    try:  # only these calls reach for the cluster: an OSError anywhere else (a full disk) is not --dask's fault
+        if address == "local":
+            # Loopback only; no dashboard, and the scheduler's own HTTP server on a free loopback port, not :8787.
+            cluster = LocalCluster(n_workers=workers or len(os.sched_getaffinity(0)), threads_per_worker=1,
+                                   processes=True, host="127.0.0.1", dashboard_address=None,
+                                   silence_logs=logging.ERROR, scheduler_kwargs={"dashboard_address": "127.0.0.1:0"})
+            client = Client(cluster)
+        else:
+            client = Client(address, timeout="20s")
+    except OSError as err:
+        expected = "a Dask cluster started on 127.0.0.1" if address == "local" else "a running Dask scheduler"
+        raise ConfigError(f"--dask: {address!r}: {err}, expected {expected}", key="--dask") from None
     try:
         yield client.get_executor(), max(1, sum(client.nthreads().values()))
     finally:
@@ -308,25 +347,25 @@ def run_sweep(plan: SweepPlan, out: str | os.PathLike, executor: Executor | None
     started = time.perf_counter()
     workers = workers or len(os.sched_getaffinity(0))
     with RunLog(Path(out) / "runs.jsonl") as log:
-        done, unreadable = log.finished_ids()
+        done, unreadable = log.finished_ids(plan.runs)
         todo = [item for item in plan.runs if item.run_id not in done]
         size = chunk_size or default_chunk_size(len(todo), workers)
         chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
         own = executor is None and bool(chunks)
         pool = process_pool(min(workers, len(chunks))) if own else executor
-        ids = [item.run_id for item in plan.runs]
         try:
             bar = counted_bar(len(plan.runs), "sweep", "run", progress, len(plan.runs) - len(todo))
             lost = drain(pool, chunks, log, 2 * workers, bar)
         except KeyboardInterrupt:  # the tables of what is logged, to look at; the same command resumes the rest
-            partial = write_results(Path(out), ids)
+            partial = write_results(Path(out), plan.runs)
             print(f"pipescope: interrupted: wrote {Path(out) / 'results.parquet'} and results.csv with the "
-                  f"{len(partial)} of {len(ids)} runs logged; run the same command again to resume", file=sys.stderr)
+                  f"{len(partial)} of {len(plan.runs)} runs logged; run the same command again to resume",
+                  file=sys.stderr)
             raise
         finally:
             if own:
                 pool.shutdown(wait=True, cancel_futures=True)
-        frame = write_results(Path(out), ids)
+        frame = write_results(Path(out), plan.runs)
     return SweepReport(frame, len(todo) - len(lost), len(plan.runs) - len(todo), lost, time.perf_counter() - started,
                        Path(out), unreadable)
 
@@ -391,6 +430,7 @@ class RunLog:
 
     def __init__(self, path: Path):
         self.path = path
+        _check_log(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a+b")  # closed by __exit__
@@ -412,54 +452,153 @@ class RunLog:
         self._file.close()
 
     def _drop_torn_tail(self) -> None:
-        """A line cut short by a kill (no newline yet) is not a finished run: cut it, so appends start clean."""
-        size = self._file.seek(0, os.SEEK_END)
-        if size == 0:
-            return
-        self._file.seek(size - 1)
-        if self._file.read(1) != b"\n":  # read the whole log only in this rare case
-            self._file.seek(0)
-            self._file.truncate(self._file.read().rfind(b"\n") + 1)
+        """A line cut short by a kill (no newline yet) is not a finished run: cut it, so appends start clean. The
+        last newline is looked for from the end, a block at a time: a tail of gigabytes is never held."""
+        size = cut = self._file.seek(0, os.SEEK_END)
+        while cut > 0:
+            start = max(0, cut - MAX_LINE_BYTES)
+            self._file.seek(start)
+            newline = self._file.read(cut - start).rfind(b"\n")
+            if newline >= 0:
+                cut = start + newline + 1
+                break
+            cut = start
+        if cut < size:
+            self._file.truncate(cut)
 
-    def finished_ids(self) -> tuple[set[str], int]:
-        """The run ids logged, and how many lines could not be read (damaged by hand or by a disk: their runs run
-        again, and the summary says so)."""
-        rows, unreadable = scan_rows(self.path)
+    def finished_ids(self, runs: Sequence[Run]) -> tuple[set[str], int]:
+        """The ids of ``runs`` logged, and how many lines could not be read (damaged by hand or by a disk: their runs
+        run again, and the summary says so)."""
+        rows, unreadable = scan_rows(self.path, {item.run_id: item for item in runs})
         return {row["run_id"] for row in rows}, unreadable
 
     def append(self, rows: list[dict[str, Any]]) -> None:
-        self._file.write(b"".join(json.dumps(row).encode() + b"\n" for row in rows))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.write(b"".join(json.dumps(row).encode() + b"\n" for row in rows))
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as err:  # a full disk, say: name the log (the CLI's --out error), not whatever was running
+            raise OSError(err.errno, err.strerror, str(self.path)) from None
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """Every complete, readable line of a runs.jsonl (a torn or unreadable line is skipped: that run runs again)."""
-    return scan_rows(path)[0]
+FILE_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+              stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
 
 
-def scan_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """``read_rows``, and the number of non-blank lines it skipped."""
+def _check_log(path: Path, max_bytes: int | None = MAX_LOG_BYTES) -> None:
+    """ConfigError (``--out: ...``) unless the log is missing or a regular file of at most ``max_bytes``. Checked
+    before it is opened: a FIFO blocks, a device never ends or cannot be synced, and a log that big is no sweep's
+    (reading it would take minutes and gigabytes)."""
+    try:
+        info = path.stat()
+    except OSError:  # missing (the sweep creates it), or unreadable: opening it says why
+        return
+    if not stat.S_ISREG(info.st_mode):
+        kind = FILE_KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
+        raise ConfigError(f"--out: {str(path)!r} is {kind}, expected a regular file (the sweep's log of finished "
+                          f"runs)", key="--out")
+    if max_bytes is not None and info.st_size > max_bytes:
+        raise ConfigError(f"--out: {str(path)!r} is {info.st_size:,} bytes, expected at most {max_bytes:,} "
+                          f"(MAX_LOG_BYTES) for a sweep's log of about 2 KB a run; use a new --out folder",
+                          key="--out")
+
+
+def read_rows(path: Path, runs: Mapping[str, Run] | None = None) -> list[dict[str, Any]]:
+    """Every complete, readable line of a runs.jsonl (a torn or damaged line is skipped: that run runs again)."""
+    return scan_rows(path, runs)[0]
+
+
+def scan_rows(path: Path, runs: Mapping[str, Run] | None = None) -> tuple[list[dict[str, Any]], int]:
+    """``read_rows``, and the number of non-blank lines it skipped as damaged (``row_ok``).
+
+    With ``runs`` (a plan's, by id), only rows of those runs are kept, each checked against its run; a row of
+    another run (an earlier version of the experiment file) is left out and not counted.
+    """
+    _check_log(path, None)  # the size only when a sweep starts: the log it writes may pass MAX_LOG_BYTES
     rows, unreadable = [], 0
     with open(path, "rb") as handle:
-        for line in handle:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                unreadable += bool(line.strip())
+        for line in _lines(handle):
+            if line is not None and not line.strip():
                 continue
-            if isinstance(row, dict) and isinstance(row.get("run_id"), str):
+            row = _parsed(line)
+            if row is not None and runs is not None and row["run_id"] not in runs:
+                continue
+            if row is not None and row_ok(row, runs[row["run_id"]] if runs is not None else None):
                 rows.append(row)
             else:
                 unreadable += 1
     return rows, unreadable
 
 
-def write_results(out: Path, run_ids: Sequence[str] | None = None) -> pd.DataFrame:
-    """``out``/results.parquet and results.csv from runs.jsonl: the last line of each run, in ``run_ids`` order (the
-    plan's; None: every run logged), written atomically. Returns the DataFrame."""
-    latest = {row["run_id"]: row for row in read_rows(out / "runs.jsonl")}
-    rows = [latest[rid] for rid in (run_ids if run_ids is not None else list(latest)) if rid in latest]
+def _lines(handle: BinaryIO) -> Iterator[bytes | None]:
+    """The log's lines, each read with a bound: one longer than MAX_LINE_BYTES (no row is) comes as None, skipped a
+    block at a time, so a line of gigabytes costs no memory."""
+    while line := handle.readline(MAX_LINE_BYTES + 1):
+        if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = handle.readline(MAX_LINE_BYTES)
+        yield None
+
+
+def _parsed(line: bytes | None) -> dict[str, Any] | None:
+    """The line's JSON object if it has a string run_id; None for anything else (too long, not JSON, nested deeper
+    than the parser's recursion limit)."""
+    if line is None:
+        return None
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("run_id"), str) else None
+
+
+def row_ok(row: dict[str, Any], run: Run | None) -> bool:
+    """True when ``row`` is what ``_row`` writes: status ``ok`` (error null, metrics as METRIC_KINDS says) or
+    ``error`` (its error a string, every metric null), a finite run_wall_s, and config columns that are those of
+    ``run`` (when known), a value differing only where the config left the key unset and the run filled it in.
+    Anything else was changed after it was written: used, it would be a wrong answer or stop the tables."""
+    if not ROW_FIELD_SET <= row.keys() or row["status"] not in ("ok", "error"):
+        return False
+    if row["status"] == "error":  # an error row has its error and no metrics
+        valid = _scalar_ok(row["error"], str) and all(row[key] is None for key in METRICS)
+    else:
+        valid = row["error"] is None and all(_scalar_ok(row[key], kind) or nullable and row[key] is None
+                                             for key, (kind, nullable) in METRIC_KINDS.items())
+    return valid and _scalar_ok(row["run_wall_s"], float) and _columns_ok(row, run)
+
+
+def _columns_ok(row: dict[str, Any], run: Run | None) -> bool:
+    """The row's other columns are scalars the tables can hold and, given ``run``, exactly its config columns, a
+    value differing only where the config left the key unset (null) and the run filled it in. (A filled value, like a
+    metric, can be edited undetected: the log has no checksum.)"""
+    config = {key: value for key, value in row.items() if key not in ROW_FIELD_SET}
+    if not all(value is None or _scalar_ok(value, type(value)) for value in config.values()):
+        return False
+    if run is None:
+        return True
+    planned = run.columns
+    return config.keys() == planned.keys() and all(
+        want is None or (type(config[key]) is type(want) and config[key] == want) for key, want in planned.items())
+
+
+def _scalar_ok(value: Any, kind: type) -> bool:
+    """``value`` is a JSON scalar of ``kind`` that the tables can hold: a bool for bool, an int within int64 for int,
+    a finite int or float for float (never NaN or infinity), a string for str."""
+    if type(value) is int and kind in (int, float):
+        return -INT64 <= value < INT64
+    if type(value) is float and kind is float:
+        return math.isfinite(value)
+    return type(value) is kind and kind in (bool, str)
+
+
+def write_results(out: Path, runs: Sequence[Run] | None = None) -> pd.DataFrame:
+    """``out``/results.parquet and results.csv from runs.jsonl: the last line of each run, in ``runs`` order (the
+    plan's, each line checked against its run; None: every run logged), written atomically. Returns the DataFrame."""
+    by_id = {item.run_id: item for item in runs} if runs is not None else None
+    latest = {row["run_id"]: row for row in read_rows(out / "runs.jsonl", by_id)}
+    rows = [latest[rid] for rid in (by_id if by_id is not None else list(latest)) if rid in latest]
     keys = list(dict.fromkeys(key for row in rows for key in row))
     frame = pd.DataFrame({key: _typed([row.get(key) for row in rows]) for key in keys})
     for name, write in (("results.parquet", frame.to_parquet), ("results.csv", frame.to_csv)):
@@ -476,4 +615,6 @@ def _typed(values: list) -> Any:
         return pd.array(values, dtype={bool: "boolean", int: "Int64", str: "str"}[kinds.pop()])
     if kinds and kinds <= {int, float}:
         return pd.array([math.nan if value is None else float(value) for value in values], dtype="float64")
+    if len(kinds) > 1:  # rows read without their plan are not checked against it: text, not an ArrowTypeError
+        return pd.array([None if value is None else str(value) for value in values], dtype="str")
     return pd.array(values, dtype=object)

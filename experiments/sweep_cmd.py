@@ -70,9 +70,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         with sigterm_as_ctrl_c():
             report = _sweep(plan, options)
-    except OSError as err:
-        return usage_error(f"--out: cannot write {err.filename!r}: {err.strerror}" if err.filename
-                           else f"--dask: {options.dask!r}: {err}, expected a running Dask scheduler")
+    except OSError as err:  # the log or a table (a full disk); dask_executor names --dask itself (a ConfigError)
+        return usage_error(f"--out: cannot write {err.filename!r} ({err.strerror})" if err.filename
+                           else f"sweep: {err}")
     print(summary(plan, report))
     failed = int((report.frame["status"] != "ok").sum()) if len(report.frame) else 0
     return EXIT_FAILED_RUNS if failed or report.lost else 0
@@ -115,7 +115,8 @@ def summary(plan: SweepPlan, report: SweepReport) -> str:
              f"{report.wall_s:.1f} s{rate}"]
     if report.unreadable:
         lines.append(f"warning: {counted(report.unreadable, 'line')} of {os.path.join(report.out, 'runs.jsonl')} "
-                     f"could not be read and were skipped; any run of this sweep they held ran again")
+                     f"could not be read (damaged, or not what their run wrote) and were skipped; any run of this "
+                     f"sweep they held ran again")
     if len(frame):
         lines.append(_table(frame, plan))
     errors = frame[frame["status"] != "ok"] if len(frame) else frame

@@ -6,6 +6,9 @@ free transfers, which also gives the lockstep step count (results visible the ne
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import numpy as np
 
 from pipescope.simulator.engine import Engine, gc_paused
@@ -18,6 +21,7 @@ from pipescope.simulator.ir import (
     Role,
     Schedule,
     ScheduleError,
+    capped,
 )
 from pipescope.simulator.lowering import lower
 from pipescope.simulator.network import FifoLinks
@@ -57,31 +61,30 @@ def _positions(schedule: Schedule) -> dict[Action, list[tuple[int, int]]]:
     return where
 
 
-def _placement_problems(schedule: Schedule) -> list[str]:
-    problems = []
+def _placement_problems(schedule: Schedule) -> Iterator[str]:
+    """One line per misplaced op, generated: a hostile file can hold millions, and ``capped`` keeps only a few."""
     if len(schedule.device_actions) != schedule.num_devices:
-        problems.append(f"schedule has {len(schedule.device_actions)} device lists, expected {schedule.num_devices}")
+        yield f"schedule has {len(schedule.device_actions)} device lists, expected {schedule.num_devices}"
     for stage, device in enumerate(schedule.stage_to_device):
         if not 0 <= device < schedule.num_devices:
-            problems.append(f"stage {stage} mapped to device {device}, expected 0..{schedule.num_devices - 1}")
+            yield f"stage {stage} mapped to device {device}, expected 0..{schedule.num_devices - 1}"
     for device, actions in enumerate(schedule.device_actions):
         for step, action in enumerate(actions):
             if action is None:
                 continue
             if action.kind in PLACED_KINDS:
-                problems += _placed_problems(schedule, device, step, action)
+                yield from _placed_problems(schedule, device, step, action)
             if action.kind not in COMPUTE_KINDS:
                 continue
             if not 0 <= action.stage < schedule.num_stages:
-                problems.append(f"device {device} step {step}: {action} has stage outside 0..{schedule.num_stages - 1}")
+                yield f"device {device} step {step}: {action} has stage outside 0..{schedule.num_stages - 1}"
             elif schedule.stage_to_device[action.stage] != device:
                 home = schedule.stage_to_device[action.stage]
-                problems.append(f"device {device} step {step}: {action} but stage {action.stage} is on device {home}"
-                                f" (a stage on two devices)")
+                yield (f"device {device} step {step}: {action} but stage {action.stage} is on device {home}"
+                       f" (a stage on two devices)")
             if not 0 <= action.microbatch < schedule.total_microbatches:
-                problems.append(f"device {device} step {step}: {action} has microbatch outside "
-                                f"0..{schedule.total_microbatches - 1}")
-    return problems
+                yield (f"device {device} step {step}: {action} has microbatch outside "
+                       f"0..{schedule.total_microbatches - 1}")
 
 
 def _placed_problems(schedule: Schedule, device: int, step: int, action: Action) -> list[str]:
@@ -102,18 +105,16 @@ def _placed_problems(schedule: Schedule, device: int, step: int, action: Action)
 MAX_LISTED_PER_STAGE = 8
 
 
-def _coverage_problems(schedule: Schedule, where: dict[Action, list[tuple[int, int]]]) -> list[str]:
-    problems = []
+def _coverage_problems(schedule: Schedule, where: dict[Action, list[tuple[int, int]]]) -> Iterator[str]:
     for action, places in where.items():
-        if len(places) > 1:
-            listed = ", ".join(f"device {d} step {k}" for d, k in places)
-            problems.append(f"{action} appears {len(places)} times ({listed})")
+        if len(places) > 1:  # a row of one op 900,000 times: its first places, not a 40 MB line
+            listed = ", ".join(capped(f"device {d} step {k}" for d, k in places))
+            yield f"{action} appears {len(places)} times ({listed})"
     kinds: dict[int, dict[int, set[ActionKind]]] = {}
     for action in where:
         kinds.setdefault(action.stage, {}).setdefault(action.microbatch, set()).add(action.kind)
     for stage in range(schedule.num_stages):
-        problems += _stage_coverage(stage, kinds.get(stage, {}), schedule.total_microbatches)
-    return problems
+        yield from _stage_coverage(stage, kinds.get(stage, {}), schedule.total_microbatches)
 
 
 def _stage_coverage(stage: int, kinds: dict[int, set[ActionKind]], total: int) -> list[str]:
@@ -146,32 +147,31 @@ def _microbatch_problem(stage: int, mb: int, has: set[ActionKind]) -> str | None
     return None
 
 
-def _order_problems(where: dict[Action, list[tuple[int, int]]]) -> list[str]:
-    problems = []
+def _order_problems(where: dict[Action, list[tuple[int, int]]]) -> Iterator[str]:
     for action, places in where.items():
         if action.kind is not ActionKind.W:
             continue
         grad = Action(action.stage, ActionKind.I, action.microbatch)
         for (device, step), (i_device, i_step) in zip(places, where.get(grad, [])):
             if device == i_device and step < i_step:
-                problems.append(f"device {device} step {step}: {action} comes before its {grad} (step {i_step})")
-    return problems
+                yield f"device {device} step {step}: {action} comes before its {grad} (step {i_step})"
 
 
 def structure_problems(schedule: Schedule) -> list[str]:
-    """Everything wrong with the schedule's shape, one line each (empty when well formed).
+    """What is wrong with the schedule's shape, one line each (empty when well formed): the first
+    ``MAX_LISTED_PROBLEMS`` and ``... and N more`` (``ir.capped``), so a million bad rows print a few lines.
 
     A vectorised pass proves the common case (well formed) quickly; only a schedule it cannot prove runs the
     line-by-line checks that name each problem.
     """
     if _well_formed(schedule):
         return []
-    problems = _placement_problems(schedule)
     if len(schedule.device_actions) != schedule.num_devices or any(
             not 0 <= d < schedule.num_devices for d in schedule.stage_to_device):
-        return problems
+        return capped(_placement_problems(schedule))
     where = _positions(schedule)
-    return problems + _coverage_problems(schedule, where) + _order_problems(where)
+    return capped(itertools.chain(_placement_problems(schedule), _coverage_problems(schedule, where),
+                                  _order_problems(where)))
 
 
 def _well_formed(schedule: Schedule) -> bool:

@@ -10,8 +10,9 @@ and ``stage_to_device`` says where each one lives (looped: stage ``s`` on device
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import NamedTuple
@@ -128,13 +129,30 @@ class Collective(NamedTuple):
 ProgramAction = Action | Collective
 
 
+MAX_LISTED_PROBLEMS = 12  # findings a report lists before "... and N more" (a hostile file can hold millions)
+
+
+def capped(lines: Iterable[str], limit: int = MAX_LISTED_PROBLEMS) -> list[str]:
+    """All of ``lines`` if there are at most ``limit + 1``, else the first ``limit`` and ``... and N more``.
+
+    The rest is counted, not kept, so a generator of millions of findings costs no memory; and capping a capped
+    list changes nothing (``ScheduleError`` caps what ``check.structure_problems`` already capped).
+    """
+    rest = iter(lines)
+    shown = list(itertools.islice(rest, limit + 1))
+    if len(shown) <= limit:
+        return shown
+    more = 1 + sum(1 for _ in rest)  # the extra line islice took, and the others
+    return shown[:limit] + ([shown[limit]] if more == 1 else [f"... and {more} more"])
+
+
 class ScheduleError(ValueError):
-    """A malformed or deadlocking schedule; ``problems`` holds one line per finding."""
+    """A malformed or deadlocking schedule; ``problems`` holds one line per finding, at most
+    ``MAX_LISTED_PROBLEMS`` and a last ``... and N more`` (``capped``): the CLI prints them all."""
 
     def __init__(self, problems: list[str]):
-        self.problems = problems
-        shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
-        super().__init__("; ".join(shown))
+        self.problems = capped(problems)
+        super().__init__("; ".join(self.problems))
 
 
 MAX_ACTION_INDEX = 10**9 - 1  # the largest stage or microbatch index parse_action takes (no pipeline is that big)

@@ -67,6 +67,17 @@ def test_duplicate_action_is_named() -> None:
         check(from_csv_text(text))
 
 
+@pytest.mark.parametrize(("count", "last"), [(12, "p11"), (13, "p12"), (14, "... and 2 more"),
+                                             (1_000_000, "... and 999988 more")])
+def test_schedule_error_lists_twelve_findings_and_counts_the_rest(count: int, last: str) -> None:
+    """The CLI prints every line of ``problems``, so the error keeps at most 12 and ``... and N more`` (never
+    "... and 1 more": that line is shown); capping what the checker already capped changes nothing."""
+    err = ScheduleError([f"p{i}" for i in range(count)])
+    assert err.problems[-1] == last and len(err.problems) == min(count, 13)
+    assert str(err) == "; ".join(err.problems)
+    assert ScheduleError(err.problems).problems == err.problems
+
+
 def test_w_before_its_i() -> None:
     """A weight-grad scheduled before its input-grad on the same device is rejected."""
     text = "0F0,0I0,0W0\n1F0,1W0,1I0\n"

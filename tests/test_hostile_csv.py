@@ -138,6 +138,34 @@ def test_microbatch_beyond_the_given_count_is_a_finding(tmp_path, cli) -> None:
                                             "from 1 to 500,000"), err
 
 
+def test_a_million_findings_print_a_few_lines(tmp_path, cli) -> None:
+    """``0F0,0B0`` on every row puts stage 0 on every device: 2 findings a row (and 0F0 and 0B0 each appear once a
+    row). check lists the first 12 and counts the rest, as simulate's one line does; it printed every one (2,000,003
+    lines, 203 MB, for an 8 MB file)."""
+    path = tmp_path / "rows.csv"
+    path.write_text("0F0,0B0\n" * 2000)
+    code, out, err = cli(["check", str(path)])
+    assert (code, out) == (1, "")
+    lines = err.splitlines()
+    assert lines[0] == f"{path}: invalid schedule" and len(lines) == 14, lines[:3]
+    assert lines[1] == "  device 1 step 0: 0F0 but stage 0 is on device 0 (a stage on two devices)"
+    assert lines[-1] == "  ... and 3988 more"  # 2 x 1,999 misplaced ops and 2 repeated ones, less the 12 shown
+
+
+def test_an_op_repeated_on_one_row_is_one_short_line(tmp_path, cli) -> None:
+    """One row of ``0F0,0B0`` 5,000 times: each repeated op lists its first 12 places and counts the rest (it listed
+    all of them: a 40 MB line at 900,000), for check and for simulate."""
+    path = tmp_path / "row.csv"
+    path.write_text(",".join(["0F0,0B0"] * 5000) + "\n")
+    code, _, err = cli(["check", str(path)])
+    assert code == 1 and len(err) < 1000, len(err)
+    assert "  0F0 appears 5000 times (device 0 step 0, device 0 step 2, " in err
+    assert "device 0 step 22, ... and 4988 more)" in err
+    code, _, err = cli(["simulate", "--schedule", f"csv:{path}", "--set", "costs.kind=uniform"])
+    assert code == 1 and err.count("\n") == 1 and len(err) < 1000, len(err)
+    assert "0B0 appears 5000 times (device 0 step 1, " in err and "... and 4988 more)" in err
+
+
 def test_good_files_still_read(tmp_path) -> None:
     """A BOM, CRLF line ends, trailing blank lines and idle cells are fine."""
     path = tmp_path / "ok.csv"

@@ -3,14 +3,18 @@ same rows, a killed sweep resumes without running a finished run again, and fail
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+import tracemalloc
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -18,7 +22,8 @@ import psutil
 import pytest
 import yaml
 
-from pipescope.experiments.sweep import dask_executor, expand, read_rows, run_sweep
+from pipescope.experiments import sweep
+from pipescope.experiments.sweep import SweepPlan, dask_executor, expand, read_rows, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIFORM = {"kind": "uniform", "forward": "1ms", "backward_input": "1ms", "backward_weight": "1ms", "p2p": 0}
@@ -97,6 +102,153 @@ def test_damaged_lines_are_counted_and_their_runs_run_again(tmp_path) -> None:
     again = run_sweep(plan, tmp_path / "out", workers=1, progress=False)
     assert (again.ran, again.skipped, again.unreadable) == (1, 2, 2)
     assert "warning: 2 lines of" in summary(plan, again) and len(again.frame) == 3
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory) -> tuple[SweepPlan, Path]:
+    """A 3-run sweep's plan and its finished folder (copy it before changing it)."""
+    folder = tmp_path_factory.mktemp("logged")
+    plan = expand(experiment(folder, sweep={"schedule.stages": [2, 4, 8]}))
+    run_sweep(plan, folder / "out", workers=1, progress=False)
+    return plan, folder / "out"
+
+
+def _set(key: str, value: object):
+    return lambda row: json.dumps({**row, key: value}).encode()
+
+
+def _without(key: str):
+    return lambda row: json.dumps({k: v for k, v in row.items() if k != key}).encode()
+
+
+@pytest.mark.parametrize("damage", [
+    _set("iteration_time_s", "fast"), _set("schedule.name", {"a": 1}), _set("schedule.stages", [1, 2]),
+    _set("oom", 1), _set("schedule.microbatches", 2**70), lambda row: b"[" * 100_000,
+    _set("schedule.name", "gpipe"), _set("costs.forward", 0.002), _set("iteration_time_s", math.nan),
+    _set("bubble_rate", -math.inf), _set("iteration_time_s", None), _set("status", "error"), _set("error", "x"),
+    _set("iterations", 2**64), _set("a", 1), _without("gpus"),
+    lambda row: json.dumps({**row, "pad": "x" * 100_000}).encode(),
+], ids=["str-metric", "dict", "list", "int-oom", "int-overflow", "nested", "other-schedule", "other-costs", "nan",
+        "-inf", "null-time", "error-with-metrics", "ok-with-error", "filled-overflow",
+        "extra-key", "missing-key", "too-long"])
+def test_a_logged_row_that_is_not_its_run_is_damaged(logged, tmp_path, damage) -> None:
+    """A row changed after it was logged, keeping its run_id (a value of another type, beyond int64, NaN, a
+    config that is not the run's, a key added or dropped, a line nested past the parser's recursion limit) is
+    skipped and counted, and its run runs again. These stopped the tables being written (ArrowTypeError,
+    OverflowError, RecursionError: a traceback on every re-run), or went into them silently."""
+    plan, finished = logged
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    lines = (out / "runs.jsonl").read_bytes().splitlines(keepends=True)
+    (out / "runs.jsonl").write_bytes(damage(json.loads(lines[0])) + b"\n" + b"".join(lines[1:]))
+    with ThreadPoolExecutor(1) as executor:
+        again = run_sweep(plan, out, executor, 1, progress=False)
+    assert (again.ran, again.skipped, again.unreadable) == (1, 2, 1)
+    frame = pd.read_parquet(out / "results.parquet")
+    expected = pd.read_parquet(finished / "results.parquet")
+    columns = ["run_id", "schedule.name", "costs.forward", "iteration_time_s", "bubble_rate", "oom", "gpus"]
+    pd.testing.assert_frame_equal(frame[columns], expected[columns])
+
+
+def test_an_untouched_log_is_read_whole(logged, tmp_path) -> None:
+    """The checks pass every row a run wrote, filled-in keys included (precision, iterations): nothing re-runs."""
+    plan, finished = logged
+    shutil.copytree(finished, tmp_path / "out")
+    with ThreadPoolExecutor(1) as executor:
+        again = run_sweep(plan, tmp_path / "out", executor, 1, progress=False)
+    assert (again.ran, again.skipped, again.unreadable) == (0, 3, 0)
+    assert plan.runs[0].config.model.precision is None and list(again.frame["model.precision"]) == ["bf16"] * 3
+
+
+@pytest.mark.parametrize("kind", ["character device", "FIFO", "folder", "bytes"])
+def test_a_log_that_is_no_file_or_too_big_is_refused(cli, tmp_path, kind: str) -> None:
+    """runs.jsonl as a device (/dev/zero: MemoryError at 7.7 GB after 12 to 33 s; /dev/null: fsync failed, blamed on
+    --dask), a FIFO, a folder, or a (sparse) file past MAX_LOG_BYTES (6 GiB: read whole, 6.4 GB) is one line
+    naming it, exit 2, before anything runs."""
+    log = tmp_path / "out" / "runs.jsonl"
+    log.parent.mkdir()
+    if kind == "character device":
+        log.symlink_to("/dev/null")
+    elif kind == "FIFO":
+        os.mkfifo(log)
+    elif kind == "folder":
+        log.mkdir()
+    else:
+        with open(log, "wb") as handle:
+            handle.truncate(sweep.MAX_LOG_BYTES + 1)
+    code, out, err = cli(["sweep", experiment(tmp_path), "--out", str(log.parent), "--workers", "1"])
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    shown = f"{sweep.MAX_LOG_BYTES + 1:,} bytes, expected at most" if kind == "bytes" else f"is a {kind}, expected"
+    assert err.startswith(f"pipescope: error: --out: '{log}' ") and shown in err, err
+
+
+def test_long_lines_and_torn_tails_are_read_in_bounded_memory(logged, tmp_path) -> None:
+    """A 20 MB line (NULs) amid the rows is one damaged line, and a 20 MB last line without its newline is cut;
+    neither is held in memory (both were read whole: a 6 GiB one took 6.4 GB)."""
+    plan, finished = logged
+    log = tmp_path / "runs.jsonl"
+    lines = (finished / "runs.jsonl").read_bytes().splitlines(keepends=True)
+    with open(log, "wb") as handle:
+        handle.write(lines[0])
+        handle.truncate(handle.tell() + (20 << 20))  # a hole of NULs: no disk used
+        handle.seek(0, os.SEEK_END)
+        handle.write(b"\n" + b"".join(lines[1:]))
+        whole = handle.tell()
+        handle.truncate(whole + (20 << 20))
+    tracemalloc.start()
+    try:
+        with sweep.RunLog(log) as run_log:
+            done, unreadable = run_log.finished_ids(plan.runs)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (len(done), unreadable, log.stat().st_size) == (3, 1, whole)
+    assert peak < 2 << 20, peak
+
+
+def test_rows_read_without_their_plan_still_make_tables(logged, tmp_path) -> None:
+    """``write_results`` without the plan cannot check rows against their runs: a column of mixed types (a precision
+    of 16 beside 'bf16') is written as text rather than stopping with ArrowInvalid; a NaN metric is still damage."""
+    _, finished = logged
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    rows = {row["schedule.stages"]: row for row in map(json.loads, (out / "runs.jsonl").read_bytes().splitlines())}
+    rows[2]["model.precision"], rows[4]["bubble_rate"] = 16, math.nan  # keyed: the log is in the order runs ended
+    (out / "runs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows.values()))
+    frame = sweep.write_results(out)
+    assert dict(zip(frame["schedule.stages"], frame["model.precision"])) == {2: "16", 8: "bf16"}
+    assert sorted(pd.read_parquet(out / "results.parquet")["schedule.stages"]) == [2, 8]
+
+
+def _fail(*args: object, **kwargs: object) -> None:
+    raise OSError(errno.EIO, "Input/output error")
+
+
+def test_only_a_dask_failure_blames_dask(cli, tmp_path, monkeypatch) -> None:
+    """A log that cannot be synced (a full disk, /dev/null) names the file; worker processes that cannot start
+    name the command; only a scheduler that cannot be reached names --dask. Every OSError blamed --dask
+    ('--dask: None: [Errno 22] Invalid argument, expected a running Dask scheduler')."""
+    import distributed
+
+    from pipescope.experiments import plan as plan_module
+
+    path, out = experiment(tmp_path), tmp_path / "out"
+    monkeypatch.setattr(os, "fsync", _fail)
+    code, _, err = cli(["sweep", path, "--out", str(out), "--workers", "1"])
+    assert (code, err.split("\r")[-1].splitlines()[-1]) == (  # after the progress bar
+        2, f"pipescope: error: --out: cannot write '{out / 'runs.jsonl'}' (Input/output error)")
+    monkeypatch.setattr(sweep, "process_pool", _fail)
+    code, _, err = cli(["sweep", path, "--out", str(tmp_path / "again"), "--workers", "1"])
+    assert (code, err) == (2, "pipescope: error: sweep: [Errno 5] Input/output error\n")
+    monkeypatch.setattr(plan_module, "process_pool", _fail)
+    flags = ["--model", "gpt-355m", "--topology", "dgx-a100", "--global-batch", "16", "--no-progress"]
+    code, _, err = cli(["plan", *flags])
+    assert (code, err) == (2, "pipescope: error: plan: [Errno 5] Input/output error\n")
+    monkeypatch.setattr(distributed, "Client", lambda *args, **kwargs: _fail())
+    for command in (["sweep", path, "--out", str(tmp_path / "dask")], ["plan", *flags]):
+        code, _, err = cli([*command, "--dask", "tcp://127.0.0.1:1"])
+        assert (code, err) == (2, "pipescope: error: --dask: 'tcp://127.0.0.1:1': [Errno 5] Input/output error, "
+                                  "expected a running Dask scheduler\n")
 
 
 def test_a_swept_section_shows_the_keys_its_values_set(tmp_path) -> None:
@@ -252,11 +404,15 @@ def test_cli_sweep_writes_parquet_csv_and_keeps_failing_runs(cli, tmp_path) -> N
     ({"sweep": {"schedule.name": ["1f1b", "zbv"]}}, "schedule.name: got 'zbv'"),
     ({"sweep": {"schedule.stages": 4}}, "sweep.schedule.stages: got 4, expected a non-empty list"),
     ({"sweep": None}, "sweep: got None, expected a mapping of dotted keys to lists"),  # a grid left empty
+    ({"sweep": {"schedule.stages": [1, 2], "schedule": [{"stages": 3}]}},
+     "sweep.schedule: sets what sweep.schedule.stages sets, expected each config key in one place"),  # 3 won
+    ({"sweep": {"seed": [1, 2]}, "zip": {"seed": [1, 2]}}, "zip.seed: sets what sweep.seed sets"),
     ({"iterations": 4, "sweep": {"schedule.name": ["2bw", "1f1b"]}}, "iterations: got 4, but 1f1b has a flush"),
     ({"zip": {"schedule.stages": [2, 4], "seed": [1]}}, "zip: lists of different lengths"),
     ({"sweep": {"seed": list(range(1000)), "schedule.microbatches": list(range(1, 102))}},
      "sweep: 1000 x 101 = 101,000 runs, expected at most 100,000"),
-], ids=["key", "value", "preset", "schedule", "not-a-list", "empty-grid", "iterations", "zip-lengths", "too-many"])
+], ids=["key", "value", "preset", "schedule", "not-a-list", "empty-grid", "section-and-key", "sweep-and-zip",
+        "iterations", "zip-lengths", "too-many"])
 def test_bad_grid_fails_before_any_run(cli, tmp_path, grid: dict, named: str) -> None:
     """A bad key or value anywhere in the grid (the last run's included) is one line naming it, exit 2, and nothing
     ran: no runs.jsonl."""
