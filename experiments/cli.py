@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from pipescope import __version__
-from pipescope.config import EXPERIMENT_KEYS, RANGES, ConfigError, load_config, read_yaml
+from pipescope.config import RANGES, Config, ConfigError, load_config, read_yaml, without_grid
+from pipescope.experiments.figure_formats import FORMATS
 
 if TYPE_CHECKING:
     from pipescope.simulator.result import SimResult
@@ -85,19 +86,24 @@ def config_from_args(args: argparse.Namespace):
             sets.append(f"schedule.{key}={getattr(args, key)}")
     if args.recompute:
         sets.append("schedule.recompute=true")
-    if args.config is None:
+    return config_file(args.config, sets)
+
+
+def config_file(path: str | None, sets: list[str], flag: str = "--config") -> Config:
+    """``load_config`` for a command: an experiment file runs its config without its grid (``--set`` picks a point
+    of it), with a note on stderr."""
+    if path is None:
         return load_config(None, sets)
-    tree = read_yaml(args.config)
-    grid = [key for key in EXPERIMENT_KEYS if key in tree]
-    if grid:  # an experiment file: one config beside its grid, which --set picks points of
-        print(f"note: --config {args.config}: running its config without its {' and '.join(grid)} grid (pipescope "
-              f"sweep runs the grid)", file=sys.stderr)
-    return load_config(None, sets, {key: value for key, value in tree.items() if key not in EXPERIMENT_KEYS})
+    tree, grid = without_grid(read_yaml(path))
+    if grid:
+        print(f"note: {flag} {path}: running its config without its {' and '.join(grid)} grid (pipescope sweep runs "
+              f"the grid)", file=sys.stderr)
+    return load_config(None, sets, tree)
 
 
 OUTPUT_SUFFIXES = {
     "trace": (".json", ".json.gz"),
-    "gantt": (".png", ".svg", ".pdf"),
+    "gantt": tuple(f".{fmt}" for fmt in FORMATS),
     "csv": (".csv",),
     "timeline": (".parquet", ".csv"),
 }

@@ -79,7 +79,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         with sigterm_as_ctrl_c():  # a killed plan shuts its pool down, as Ctrl-C does
             report = _plan(request, workers, args)
     except (ConfigError, ValueError) as err:
-        return usage_error(as_flag(str(err), FIELD_FLAGS))
+        flags = FIELD_FLAGS | ({"cluster.memory": "--memory-cap"} if args.memory_cap is not None else {})
+        return usage_error(as_flag(str(err), flags))  # cluster.memory from --config stays its key
     except OSError as err:  # worker processes that cannot start, say; dask_executor names --dask itself (a ConfigError)
         return usage_error(f"plan: {err}")
     print(json.dumps(as_json(report)) if args.json else summary(report, request.top))
@@ -100,7 +101,7 @@ def _plan(request: PlanRequest, workers: int, args: argparse.Namespace) -> PlanR
 # The PlanRequest fields plan_space's errors name, and the flags that set them
 FIELD_FLAGS = {"global_batch": "--global-batch", "microbatch_sizes": "--microbatch-sizes", "tensor": "--tensor",
                "depths": "--depths", "schedules": "--schedules", "vocab": "--vocab", "recompute": "--recompute",
-               "top": "--top", "cluster.memory": "--memory-cap"}
+               "top": "--top"}
 # The keys each candidate sets (plan_space.Candidate.overrides) or the flags set, and the flags that choose them
 SEARCHED_BY = {"schedule.name": "--schedules", "schedule.stages": "--depths", "schedule.microbatches":
                "--global-batch", "schedule.recompute": "--recompute", "schedule.vocab": "--vocab",

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 
-from pipescope.experiments.cli import as_flag, integer_flag, usage_error
+from pipescope.experiments.cli import as_flag, config_file, integer_flag, usage_error
 from pipescope.experiments.figure_formats import FORMATS, format_of
 from pipescope.simulator.ir import ScheduleError
 
@@ -112,10 +112,10 @@ def _run(args: argparse.Namespace):
     if lower.endswith((".yaml", ".yml")):
         if args.microbatches is not None:
             raise ValueError("--microbatches: only with a trace or timeline INPUT; a config knows its own")
-        from pipescope.config import ConfigError, load_config
+        from pipescope.config import ConfigError
         from pipescope.runner import run
         try:
-            config = load_config(path, args.sets)
+            config = config_file(path, args.sets, "INPUT")
         except ConfigError as err:  # the file is this command's INPUT, not a --config flag
             raise ConfigError(as_flag(str(err), {"--config": "INPUT"})) from None
         return run_data(run(config))

@@ -42,9 +42,11 @@ from typing import Any, BinaryIO
 
 import pandas as pd
 
-from pipescope.config import EXPERIMENT_KEYS, Config, ConfigError, _merge, load_config, read_yaml
+from pipescope.config import Config, ConfigError, _merge, load_config, read_yaml, without_grid
 from pipescope.runner import run
+from pipescope.simulator.costs import UniformCostsConfig
 from pipescope.simulator.files import write_atomic
+from pipescope.simulator.models import SHAPE_KEYS
 from pipescope.simulator.result import SimResult
 from pipescope.simulator.schedules import named_generator
 from pipescope.simulator.units import short_repr
@@ -53,14 +55,14 @@ from pipescope.simulator.units import short_repr
 # several files (or several --out folders), each resumable on its own.
 MAX_RUNS = 100_000
 MAX_DEFAULT_CHUNK = 64
-METRICS = ("iteration_time_s", "throughput_samples_per_s", "bubble_rate", "peak_memory_bytes",
-           "memory_capacity_bytes", "oom", "mfu", "gpus", "exposed_allreduce_s")
-# What an ok row holds in each metric (float: any finite number), and whether it may be null there (an error row holds
-# null in every one). A logged row that breaks this was changed after it was written: its run runs again.
+# Each metric a row holds, what an ok row holds there (float: any finite number), and whether it may be null there
+# (an error row holds null in every one). A logged row that breaks this was changed after it was written: its run
+# runs again.
 METRIC_KINDS: dict[str, tuple[type, bool]] = {
     "iteration_time_s": (float, False), "throughput_samples_per_s": (float, False), "bubble_rate": (float, False),
     "peak_memory_bytes": (int, False), "memory_capacity_bytes": (int, True), "oom": (bool, False),
     "mfu": (float, True), "gpus": (int, False), "exposed_allreduce_s": (float, False)}
+METRICS = tuple(METRIC_KINDS)
 ROW_FIELDS = ("run_id", "status", "error", *METRICS, "run_wall_s")  # every row's columns besides its config's
 ROW_FIELD_SET = frozenset(ROW_FIELDS)
 # runs.jsonl is re-read on every run, and a user may hand us anything there. A row is about 2 KB (60 columns), so a
@@ -117,7 +119,7 @@ def expand(experiment: str | os.PathLike | Mapping[str, Any]) -> SweepPlan:
             MAX_RUNS runs, or any combination ``load_config`` refuses (or with an unknown schedule name).
     """
     raw = _read_experiment(experiment) if not isinstance(experiment, Mapping) else dict(experiment)
-    base = {key: value for key, value in raw.items() if key not in EXPERIMENT_KEYS}
+    base = without_grid(raw)[0]
     axes = _axes(raw.get("sweep", {}), raw.get("zip", {}))
     count = math.prod(len(axis) for axis in axes)
     if count > MAX_RUNS:
@@ -146,7 +148,7 @@ def _axes(grid: Any, zipped: Any) -> list[list[dict[str, Any]]]:
     """Each ``sweep`` key is an axis of one-key choices; ``zip`` is one axis whose choices set every zip key."""
     sweep, zips = _lists("sweep", grid), _lists("zip", zipped)
     axes = [[{key: value} for value in values] for key, values in sweep.items()]
-    _check_disjoint([f"sweep.{key}" for key in sweep] + [f"zip.{key}" for key in zips])
+    _check_disjoint(sweep, zips)
     lengths = {key: len(values) for key, values in zips.items()}
     if len(set(lengths.values())) > 1:
         shown = ", ".join(f"{key} has {n}" for key, n in lengths.items())
@@ -156,20 +158,38 @@ def _axes(grid: Any, zipped: Any) -> list[list[dict[str, Any]]]:
     return axes
 
 
-def _check_disjoint(keys: list[str]) -> None:
-    """No config key is set by two grid keys (``sweep.KEY``, ``zip.KEY``): the same key twice, or a section and a
-    key inside it (``schedule`` and ``schedule.stages``), where the later would silently win."""
-    for i, key in enumerate(keys):
-        own = key.split(".", 1)[1]
-        for other in keys[:i]:
-            theirs = other.split(".", 1)[1]
-            if own == theirs or own.startswith(theirs + ".") or theirs.startswith(own + "."):
-                raise ConfigError(f"{key}: sets what {other} sets, expected each config key in one place of sweep "
-                                  f"and zip", key=key)
+def _check_disjoint(sweep: dict[str, list], zips: dict[str, list]) -> None:
+    """No config key is set by two grid keys: the same key in sweep and zip, or a key inside a swept section that
+    one of the section's values sets too (``schedule: [{stages: 3}]`` beside ``schedule.stages``: one would silently
+    win). A key inside a section whose values leave it unset is applied after the section (``validated_config``)."""
+    axes = {f"sweep.{key}": values for key, values in sweep.items()} | {f"zip.{key}": values
+                                                                        for key, values in zips.items()}
+    for key in zips:
+        if key in sweep:
+            raise ConfigError(f"zip.{key}: also in sweep, expected each key in one of sweep and zip", key=f"zip.{key}")
+    for key, values in axes.items():
+        for inner in axes:
+            path = inner.split(".", 1)[1]
+            prefix = key.split(".", 1)[1] + "."
+            if path.startswith(prefix) and any(_sets(value, path[len(prefix):].split(".")) for value in values):
+                raise ConfigError(f"{inner}: also set by a value of {key}, expected each config key in one place "
+                                  f"of sweep and zip", key=inner)
+
+
+def _sets(value: Any, path: list[str]) -> bool:
+    """Whether a section's value (a mapping) holds the dotted ``path``."""
+    for part in path:
+        if not isinstance(value, dict) or part not in value:
+            return False
+        value = value[part]
+    return True
 
 
 def _lists(section: str, value: Any) -> dict[str, list]:
     """``sweep:`` or ``zip:`` checked: a mapping of dotted keys to non-empty lists (a key left empty is refused)."""
+    if value is None:
+        raise ConfigError(f"{section}: is empty, expected a mapping of dotted keys to lists, e.g. schedule.stages: "
+                          f"[4, 8] (or no {section} key)", key=section)
     if not isinstance(value, dict):
         raise ConfigError(f"{section}: got {short_repr(value)}, expected a mapping of dotted keys to lists, "
                           f"e.g. schedule.stages: [4, 8]", key=section)
@@ -186,7 +206,7 @@ def _lists(section: str, value: Any) -> dict[str, list]:
 def validated_config(base: dict, overrides: dict[str, Any]) -> Config:
     """The base config with one combination set, through the normal loader (a copy: ``_merge`` edits in place)."""
     tree = copy.deepcopy(base)
-    for key, value in overrides.items():
+    for key, value in sorted(overrides.items(), key=lambda item: item[0].count(".")):  # a section, then keys in it
         _merge(tree, key.split("."), value)
     config = load_config(raw=tree)
     _check_schedule_name(config.schedule.name)
@@ -239,20 +259,36 @@ def _run_row(item: Run) -> dict[str, Any]:
     try:
         result = run(item.config)
     except Exception as err:  # any failure is one run's result; the sweep goes on
-        return _row(item.run_id, config_columns(item.config), None, _one_line(err), time.perf_counter() - started)
-    # the run's config: what the file left unset filled in with what ran (``runner._with_what_ran``)
-    return _row(item.run_id, config_columns(result.config), result, None, time.perf_counter() - started)
+        return _row(item.run_id, item.columns, None, _one_line(err), time.perf_counter() - started)
+    return _row(item.run_id, resolved_columns(item, result), result, None, time.perf_counter() - started)
+
+
+def resolved_columns(item: Run, result: SimResult) -> dict[str, Any]:
+    """The run's config columns, each it left unset filled in with what ran: the precision, layer split, preset and
+    schedule size ``run`` resolved, the schedule's iterations, and the model's shape (not read under uniform costs).
+    A value the run overrode stays as asked (a profile's own precision: the run warns), so a row is its run's
+    columns with only the nulls filled, which ``row_ok`` checks."""
+    ran, s = config_columns(result.config), result.schedule
+    ran |= {"schedule.stages": s.num_devices, "schedule.microbatches": s.num_microbatches,
+            "schedule.chunks": s.chunks, "iterations": s.iterations}
+    if not isinstance(result.config.costs, UniformCostsConfig):
+        spec = result.config.model.spec()
+        ran |= {f"model.{key}": getattr(spec, key) for key in SHAPE_KEYS}
+    return {key: ran.get(key) if value is None else value for key, value in item.columns.items()}
 
 
 def _one_line(err: Exception) -> str:
-    """Our errors are one line naming the key; anything else also names its type."""
+    """Our errors are one line naming the key; anything else also names its type (and only it, when it says
+    nothing: an error row always has an error)."""
     text = " ".join(str(err).split())
+    if not text:
+        return type(err).__name__
     return text if isinstance(err, ValueError) else f"{type(err).__name__}: {text}"
 
 
 def _row(rid: str, columns: dict, result: SimResult | None, error: str | None, wall_s: float) -> dict[str, Any]:
     metrics = _metrics(result) if result is not None else dict.fromkeys(METRICS)
-    return {"run_id": rid, "status": "error" if error else "ok", "error": error, **columns, **metrics,
+    return {"run_id": rid, "status": "ok" if error is None else "error", "error": error, **columns, **metrics,
             "run_wall_s": wall_s}
 
 

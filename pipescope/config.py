@@ -264,12 +264,12 @@ def _build_costs(raw: Any, prefix: str, typed: bool = False) -> CostsConfig:
 
 
 def _check_value(key: str, value: Any, unit: str | None = None) -> None:
-    if unit == "size" and key in RANGES and not RANGES[key][0] <= value <= RANGES[key][1]:
-        low, high = RANGES[key]
-        raise ConfigError(f"{key}: got {format_bytes(value)}, expected a size from {format_bytes(low)} to "
-                          f"{format_bytes(high)} (a number without a unit is bytes: write 16GiB)")
     if key in RANGES and not RANGES[key][0] <= value <= RANGES[key][1]:
         low, high = RANGES[key]
+        if unit == "size":
+            hint = " (a number without a unit is bytes: write 16GiB)" if value < low else ""
+            raise ConfigError(f"{key}: got {format_bytes(value)}, expected a size from {format_bytes(low)} to "
+                              f"{format_bytes(high)}{hint}")
         raise ConfigError(f"{key}: got {short_repr(value)}, expected an integer from {low:,} to {high:,}")
     if key in CHOICES and value not in CHOICES[key]:
         raise ConfigError(f"{key}: got {short_repr(value)}, expected one of {', '.join(CHOICES[key])}")
@@ -398,6 +398,13 @@ def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None 
         raise ConfigError(f"path: got {short_repr(path)} ({type(path).__name__}), expected a file name or None "
                           f"(a mapping of keys goes in raw=)")
     return _check_combinations(_build(Config, config_tree(path, sets, raw), ""))
+
+
+def without_grid(tree: dict) -> tuple[dict, list[str]]:
+    """An experiment file's mapping without its grid (``sweep``, ``zip``), and the grid keys it had: the config
+    every run of the grid starts from."""
+    return {key: value for key, value in tree.items() if key not in EXPERIMENT_KEYS}, \
+        [key for key in EXPERIMENT_KEYS if key in tree]
 
 
 def check_config(config: Config) -> Config:

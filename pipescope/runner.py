@@ -397,18 +397,19 @@ def _check_layers(layers: int, stages: int) -> None:
 
 
 def _with_what_ran(config: Config, schedule: Schedule) -> Config:
-    """The config with the keys it left unset filled in from the run, so that the result says what ran: the
-    schedule's size, the iterations and, where the costs read a model, its preset and shape."""
+    """The config with the schedule's size and the model's preset filled in where it left them unset, so that the
+    result says what ran. Not the model's shape or the iterations: a config changed from this one with
+    ``dataclasses.replace`` (another preset, another schedule) must not keep values that followed from the old one
+    (the sweep's table fills those in: ``sweep.resolved_columns``)."""
     s, ran = config.schedule, {"stages": schedule.num_devices, "microbatches": schedule.num_microbatches,
                                "chunks": schedule.chunks}
     config = dataclasses.replace(config, schedule=dataclasses.replace(s, **{
-        key: value for key, value in ran.items() if getattr(s, key) is None}), iterations=schedule.iterations)
-    if isinstance(config.costs, UniformCostsConfig):  # no model is read
+        key: value for key, value in ran.items() if getattr(s, key) is None}))
+    m = config.model
+    if isinstance(config.costs, UniformCostsConfig) or m.preset is not None or \
+            all(getattr(m, key) is not None for key in SHAPE_KEYS):  # no model read, or named, or custom
         return config
-    m, spec = config.model, config.model.spec()
-    shape = {key: getattr(spec, key) for key in SHAPE_KEYS if getattr(m, key) is None}
-    preset = m.preset or (DEFAULT_PRESET if shape else None)  # every dimension given: a custom model
-    return dataclasses.replace(config, model=dataclasses.replace(m, preset=preset, **shape))
+    return dataclasses.replace(config, model=dataclasses.replace(m, preset=DEFAULT_PRESET))
 
 
 def _generated(config: Config) -> bool:

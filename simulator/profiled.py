@@ -209,7 +209,7 @@ def interp1(xs: list[float], ys: list[float], x: float) -> tuple[float, str]:
         return ys[j - 1] + (ys[j] - ys[j - 1]) * (x - xs[j - 1]) / (xs[j] - xs[j - 1]), ""
     j, near = (1, 0) if x < xs[0] else (len(xs) - 1, len(xs) - 1)
     value = ys[j - 1] + (ys[j] - ys[j - 1]) * (x - xs[j - 1]) / (xs[j] - xs[j - 1])
-    if value <= 0 or (value - ys[near]) * (x - xs[near]) < 0:
+    if ys[near] > 0 and (value <= 0 or (value - ys[near]) * (x - xs[near]) < 0):  # a line of zeros stays 0
         return ys[near] * x / xs[near], "proportional"
     return value, "linear"
 
@@ -401,8 +401,9 @@ class ProfiledCosts(PerStageCache):
         value, how = interp1(xs, ys, x)
         if how == "proportional" and len(xs) > 1:
             points = ", ".join(f"{int(a)}: {b:g}" for a, b in zip(xs, ys))
-            self._warn(f"{what} at {axis} {x}: the measured line ({points}) falls as the work grows, so it is scaled "
-                       f"in proportion to the nearest measurement; calibrate at {axis} {x} to measure it")
+            self._warn(f"{what} at {axis} {x}: the line through the measured points ({points}) falls as the work "
+                       f"grows or reaches 0 there, so it is scaled in proportion to the nearest measurement; "
+                       f"calibrate at {axis} {x} to measure it")
         elif how:
             self._warn(self._range_note(axis, x, xs))
         return value

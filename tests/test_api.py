@@ -59,22 +59,28 @@ def test_uniform_run_equals_the_closed_form_through_the_api() -> None:
     assert result.iteration_time_s == 33.0
     assert result.bubble_rate == pytest.approx(3 / 11)
     assert result.config == dataclasses.replace(config, model=dataclasses.replace(config.model, precision="bf16"),
-                                                schedule=dataclasses.replace(config.schedule, chunks=1), iterations=1)
+                                                schedule=dataclasses.replace(config.schedule, chunks=1))
     zbv = pipescope.run(pipescope.Config(schedule=pipescope.ScheduleConfig("zb-v", stages=2, microbatches=4)))
     assert zbv.config.schedule.chunks == 2  # the chunks the schedule ran, where the config left them to it
 
 
 def test_the_results_config_says_what_ran_where_the_config_left_it_unset() -> None:
-    """A notebook reads p, m and the model back from the result; running that config again gives the same run."""
+    """A notebook reads p, m and the preset back from the result, and running that config again gives the same run;
+    what follows from them (the model's shape, the iterations) stays unset, so that a config changed from it with
+    replace() takes its own (a shape filled in made another preset run the old model under its name)."""
     result = pipescope.run(pipescope.Config())
     s, m = result.config.schedule, result.config.model
-    assert (s.stages, s.microbatches, s.chunks, result.config.iterations) == (4, 8, 1, 1)
-    assert (m.preset, m.layers, m.hidden, m.heads, m.seq, m.vocab) == ("gpt-1.3b", 24, 2048, 16, 1024, 50257)
+    assert (s.stages, s.microbatches, s.chunks, m.preset, m.layers, result.config.iterations) == \
+        (4, 8, 1, "gpt-1.3b", None, None)
     assert pipescope.run(result.config).iteration_ns == result.iteration_ns
+    small = dataclasses.replace(result.config, model=dataclasses.replace(m, preset="gpt-355m"))
+    assert pipescope.run(small).iteration_ns == pipescope.run(
+        pipescope.Config(model=pipescope.ModelConfig("gpt-355m"))).iteration_ns < result.iteration_ns
     custom = pipescope.ModelConfig(layers=4, hidden=256, heads=4, seq=128, vocab=1000)
     assert pipescope.run(pipescope.Config(model=custom)).config.model.preset is None  # every dimension given: custom
-    two_bw = pipescope.run(pipescope.Config(schedule=pipescope.ScheduleConfig("2bw"), iterations=3))
-    assert two_bw.config.iterations == 3 and pipescope.run(two_bw.config).iteration_ns == two_bw.iteration_ns
+    one = pipescope.run(pipescope.Config(schedule=pipescope.ScheduleConfig("2bw"), iterations=1))
+    assert one.schedule.iterations == 1  # not the generator's default of 3
+    assert pipescope.run(dataclasses.replace(one.config, iterations=None)).schedule.iterations == 3
 
 
 def test_a_result_prints_as_one_line_and_equals_only_itself() -> None:
@@ -102,7 +108,6 @@ def test_library_errors_name_the_key_without_cli_terms() -> None:
         pipescope.load_config({"schedule": {}})
     placed = pipescope.run(pipescope.Config(cluster=pipescope.ClusterConfig(placement=(3, 2, 1, 0))))
     assert placed.config.cluster.placement == "3,2,1,0"  # a list of ranks is the comma-separated text
-    assert pipescope.run(pipescope.Config(iterations=1)).iteration_ns == pipescope.run(pipescope.Config()).iteration_ns
 
 
 def test_wheel_installs_only_the_pipescope_package(tmp_path: Path) -> None:

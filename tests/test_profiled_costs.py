@@ -88,6 +88,7 @@ def test_interp1_interpolates_extrapolates_and_scales_a_single_point() -> None:
     assert interp1([2, 4], [30, 28], 5) == (35, "proportional")  # the line said 27, above 0 but below 28
     assert interp1([2, 4], [10, 40], 1) == (5, "proportional")  # the line said -5 below the measured sizes
     assert interp1([2, 4], [30, 40], 1) == (25, "linear")  # rising, positive: the line
+    assert interp1([2, 4], [0, 0], 8) == (0, "linear")  # measured 0 everywhere stays 0
 
 
 def test_measured_point_is_read_exactly_with_no_notes(tmp_path: Path) -> None:

@@ -160,6 +160,21 @@ def test_an_untouched_log_is_read_whole(logged, tmp_path) -> None:
     assert plan.runs[0].config.model.precision is None and list(again.frame["model.precision"]) == ["bf16"] * 3
 
 
+def test_an_analytic_log_with_keys_the_runs_resolve_is_read_whole(tmp_path) -> None:
+    """Rows hold the run's own columns with only its unset keys filled in (precision, shape, preset, iterations), so
+    a re-run reads every one: pipedream at iterations 1 (run as 3 once, its row then refused on every re-run), and
+    the run's precision where the file left it unset."""
+    path = tmp_path / "e.yaml"
+    path.write_text(yaml.safe_dump({"schedule": {"name": "pipedream", "stages": 2, "microbatches": 2},
+                                    "model": {"layers": 4}, "sweep": {"iterations": [1, 2]}}))
+    plan = expand(str(path))
+    first = run_sweep(plan, tmp_path / "out", workers=1, progress=False)
+    again = run_sweep(plan, tmp_path / "out", workers=1, progress=False)
+    assert (first.ran, again.ran, again.skipped, again.unreadable) == (2, 0, 2, 0)
+    assert sorted(again.frame["iterations"]) == [1, 2] and set(again.frame["model.precision"]) == {"bf16"}
+    assert set(again.frame["model.preset"]) == {"gpt-1.3b"} and set(again.frame["model.hidden"]) == {2048}
+
+
 @pytest.mark.parametrize("kind", ["character device", "FIFO", "folder", "bytes"])
 def test_a_log_that_is_no_file_or_too_big_is_refused(cli, tmp_path, kind: str) -> None:
     """runs.jsonl as a device (/dev/zero: MemoryError at 7.7 GB after 12 to 33 s; /dev/null: fsync failed, blamed on
@@ -397,16 +412,26 @@ def test_cli_sweep_writes_parquet_csv_and_keeps_failing_runs(cli, tmp_path) -> N
     assert ok.loc[("1f1b", 2), "iteration_time_s"] == pytest.approx(5 * 3e-3)  # (m + p - 1)(F + I + W) / p stages
 
 
+@pytest.mark.parametrize("order", ["section first", "key first"])
+def test_a_key_inside_a_swept_section_that_its_values_leave_unset_applies_to_each(tmp_path, order: str) -> None:
+    """`cluster: [...]` beside `cluster.nodes: [...]`: 2 x 2 runs whatever the order of the keys (the section is
+    applied first); a key the section's values also set is refused (test_bad_grid_fails_before_any_run)."""
+    grid = {"cluster": [{"topology": "dgx-h100"}, {"topology": "dgx-a100"}], "cluster.nodes": [1, 2]}
+    plan = expand(experiment(tmp_path, sweep=grid if order == "section first" else dict(reversed(grid.items()))))
+    assert sorted((r.config.cluster.topology, r.config.cluster.nodes) for r in plan.runs) == [
+        ("dgx-a100", 1), ("dgx-a100", 2), ("dgx-h100", 1), ("dgx-h100", 2)]
+
+
 @pytest.mark.parametrize(("grid", "named"), [
     ({"sweep": {"schedule.stagez": [2, 4]}}, "schedule.stagez: unknown key"),
     ({"sweep": {"schedule.stages": [2, 4, 0]}}, "schedule.stages: got 0"),
     ({"sweep": {"model.preset": ["gpt-1.3b", "gpt-9"]}}, "model.preset: got 'gpt-9'"),
     ({"sweep": {"schedule.name": ["1f1b", "zbv"]}}, "schedule.name: got 'zbv'"),
     ({"sweep": {"schedule.stages": 4}}, "sweep.schedule.stages: got 4, expected a non-empty list"),
-    ({"sweep": None}, "sweep: got None, expected a mapping of dotted keys to lists"),  # a grid left empty
+    ({"sweep": None}, "sweep: is empty, expected a mapping of dotted keys to lists"),  # a grid left empty
     ({"sweep": {"schedule.stages": [1, 2], "schedule": [{"stages": 3}]}},
-     "sweep.schedule: sets what sweep.schedule.stages sets, expected each config key in one place"),  # 3 won
-    ({"sweep": {"seed": [1, 2]}, "zip": {"seed": [1, 2]}}, "zip.seed: sets what sweep.seed sets"),
+     "sweep.schedule.stages: also set by a value of sweep.schedule, expected each config key in one place"),  # 3 won
+    ({"sweep": {"seed": [1, 2]}, "zip": {"seed": [1, 2]}}, "zip.seed: also in sweep"),
     ({"iterations": 4, "sweep": {"schedule.name": ["2bw", "1f1b"]}}, "iterations: got 4, but 1f1b has a flush"),
     ({"zip": {"schedule.stages": [2, 4], "seed": [1]}}, "zip: lists of different lengths"),
     ({"sweep": {"seed": list(range(1000)), "schedule.microbatches": list(range(1, 102))}},
@@ -432,3 +457,11 @@ def test_bad_flags_are_one_line_errors(cli, tmp_path, flags: list[str], named: s
     """Flags are checked before the grid and before any connection: one line, exit 2."""
     code, _, err = cli(["sweep", experiment(tmp_path), "--out", str(tmp_path / "out"), *flags])
     assert code == 2 and named in err and err.count("\n") == 1
+
+
+def test_an_error_without_a_message_is_still_an_error_row() -> None:
+    """An exception that says nothing made an ok row with error "" (and, now that rows are checked, a damaged one
+    that ran again forever): its type stands in for the message."""
+    assert sweep._one_line(RuntimeError()) == "RuntimeError" and sweep._one_line(ValueError("  ")) == "ValueError"
+    row = sweep._row("id", {}, None, sweep._one_line(KeyError()), 0.1)
+    assert (row["status"], row["error"]) == ("error", "KeyError")

@@ -138,7 +138,7 @@ def build_schedule(config: ScheduleConfig, iterations: int | None = None) -> Sch
             raise ValueError(f"schedule.vertical_sync: got true, but only pipedream has it, not {gen.name}")
         options["vertical_sync"] = True
     check_iterations(config.name, iterations)
-    if iterations is not None and iterations > 1:
+    if iterations is not None and "iterations" in gen.options:  # 1 included: not the generator's default
         options["iterations"] = iterations
     return build(gen.name, config.p, config.m, chunks=config.chunks, recompute=config.recompute == "full",
                  **options)
