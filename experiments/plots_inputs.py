@@ -191,15 +191,18 @@ def _curve(points: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
     return np.array([t for t, _ in points], dtype=np.int64), np.array([b for _, b in points], dtype=np.int64)
 
 
-def read_table(path: str, needed: tuple[str, ...], what: str) -> pd.DataFrame:
-    """A Parquet or CSV file's rows, with ``needed`` among its columns; at most MAX_ROWS rows."""
+def read_table(path: str, needed: tuple[str, ...], what: str, only_needed: bool = False) -> pd.DataFrame:
+    """A Parquet or CSV file's rows, with ``needed`` among its columns; at most MAX_ROWS rows. ``only_needed``: read
+    those columns alone (a timeline's; a sweep's figures read every config column), so that what another column
+    holds costs nothing."""
+    read = list(needed) if only_needed else None
     if not os.path.isfile(path):
         raise ValueError(f"INPUT: {_name(path)} does not exist or is not a file")
     if os.path.getsize(path) > MAX_FILE_BYTES:
         raise ValueError(f"INPUT: {_name(path)} is over {MAX_FILE_BYTES >> 20} MiB, expected a smaller file")
     parquet = path.lower().endswith(".parquet")
     try:
-        columns, rows = _parquet_shape(path) if parquet else (_csv_columns(path), None)
+        columns, rows = _parquet_shape(path, read) if parquet else (_csv_columns(path), None)
     except TableTooBig as err:
         raise ValueError(f"INPUT: {_name(path)}: {err}") from None
     except (ValueError, OSError, TypeError, KeyError, NotImplementedError) as err:
@@ -212,7 +215,8 @@ def read_table(path: str, needed: tuple[str, ...], what: str) -> pd.DataFrame:
     if rows is not None and rows > MAX_ROWS:
         raise ValueError(f"INPUT: {_name(path)} has {rows:,} rows, expected at most {MAX_ROWS:,}")
     try:
-        frame = pd.read_parquet(path) if parquet else pd.read_csv(path, nrows=MAX_ROWS + 1, low_memory=False)
+        frame = pd.read_parquet(path, columns=read) if parquet else \
+            pd.read_csv(path, nrows=MAX_ROWS + 1, low_memory=False, usecols=read)
     except (ValueError, OSError, TypeError, KeyError, NotImplementedError) as err:
         raise ValueError(f"INPUT: {_name(path)}: cannot read its rows ({str(err)[:120]})") from None
     if len(frame) > MAX_ROWS:
@@ -220,11 +224,11 @@ def read_table(path: str, needed: tuple[str, ...], what: str) -> pd.DataFrame:
     return frame
 
 
-def _parquet_shape(path: str) -> tuple[list[str], int]:
-    """Column names and row count from the file's footer, before reading any row; at most MAX_UNPACKED_BYTES
-    once decompressed (``table_bounds.parquet_shape``)."""
+def _parquet_shape(path: str, columns: list[str] | None) -> tuple[list[str], int]:
+    """Column names and row count from the file's footer, before reading any row; ``columns`` (None: all) at most
+    MAX_UNPACKED_BYTES once decompressed (``table_bounds.parquet_shape``)."""
     try:
-        arrow, rows = parquet_shape(path, MAX_UNPACKED_BYTES)
+        arrow, rows = parquet_shape(path, MAX_UNPACKED_BYTES, columns)
     except ImportError:
         raise ValueError("Parquet needs pyarrow: pip install 'pipescope[sweep]' (or give a .csv)") from None
     return list(arrow.names), rows
@@ -252,7 +256,7 @@ def integers(frame: pd.DataFrame, columns: tuple[str, ...], path: str, low: int,
 
 def run_from_timeline(path: str, microbatches: int | None) -> RunData:
     """A timeline file (``simulate --timeline``): its action rows; it holds no memory."""
-    frame = read_table(path, TIMELINE_COLUMNS, "a timeline (simulate --timeline)")
+    frame = read_table(path, TIMELINE_COLUMNS, "a timeline (simulate --timeline)", only_needed=True)
     frame = integers(frame, ("device",), path, 0, MAX_DEVICE)
     frame = integers(frame, ("stage", "microbatch"), path, -1, MAX_INDEX)
     frame = integers(frame, ("start_ns", "end_ns"), path, 0, MAX_NS)

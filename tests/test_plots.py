@@ -471,3 +471,17 @@ def test_figures_from_python_refuse_what_they_cannot_draw(twobw: pipescope.SimRe
         assert not (tmp_path / name).exists()
     save_figure(memory_figure(twobw), str(tmp_path / "g.SVG"))
     assert_svg(tmp_path / "g.SVG")
+
+
+def test_a_timelines_other_columns_are_never_read(files: dict[str, Path], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timeline is read by its own columns alone: what another column holds (here 3 MiB of text, over a bound of
+    2 MiB once unpacked) costs nothing, where a table read whole (a sweep's) is refused from its footer."""
+    monkeypatch.setattr(plots_inputs, "MAX_UNPACKED_BYTES", 2 << 20)
+    frame = pd.read_parquet(files["t.parquet"])
+    width = (3 << 20) // len(frame) + 1
+    path = tmp_path / "bulky.parquet"
+    frame.assign(note=[f"{i:08d}".ljust(width, "x") for i in range(len(frame))]).to_parquet(path, compression="zstd")
+    assert len(run_from_timeline(str(path), None).ops) == len(run_from_timeline(str(files["t.parquet"]), None).ops)
+    with pytest.raises(ValueError, match="unpacks to"):
+        plots_inputs.read_table(str(path), ("device",), "a table")
