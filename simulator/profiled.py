@@ -2,7 +2,7 @@
 
 Times and bytes are interpolated linearly between the measured microbatch sizes, then between the measured
 sequence lengths; outside the measured range they are extrapolated linearly (proportionally when only one
-point was measured, or when the line falls as the work grows) and a warning says so. Select with
+point was measured; held flat where the line falls as the work grows) and a warning says so. Select with
 ``--set costs.kind=profile --set costs.profile=DIR``.
 Reads the files itself (pandas), sharing only the stdlib schema module with ``calibration/``; never torch.
 
@@ -192,15 +192,13 @@ def _within(x: np.ndarray, rule: str, unmeasured: np.ndarray) -> np.ndarray:
 
 
 def interp1(xs: list[float], ys: list[float], x: float) -> tuple[float, str]:
-    """Linear interpolation at ``x``; beyond the ends the nearest segment's line, unless that line says less work
-    takes more time (or more work less), or reaches 0: then, as with one point, in proportion to the nearest point.
-
-    More work never makes an op cheaper or a tensor smaller, so a falling line is the measurements' noise (a 55 us op
-    measured at 62 us one size down); followed, it made ops free. The proportional fallback keeps the nearest
-    measurement and scales it with the work.
+    """Linear interpolation at ``x``; beyond the ends the nearest segment's line, with two guards, since more work
+    never makes an op cheaper or a tensor smaller: a line that falls as the work grows (measurement noise: a 55 us
+    op measured at 62 us one size down) is held flat at the nearest measurement, and a line that reaches 0 below the
+    measured sizes is scaled in proportion to the nearest one, as a single point is. Followed, both made ops free.
 
     Returns:
-        (value, how): ``how`` is "" inside the measured points, else "linear" or "proportional".
+        (value, how): ``how`` is "" inside the measured points, else "linear", "flat" or "proportional".
     """
     if len(xs) == 1:
         return ys[0] * x / xs[0], "" if x == xs[0] else "proportional"
@@ -208,10 +206,13 @@ def interp1(xs: list[float], ys: list[float], x: float) -> tuple[float, str]:
         j = max(1, int(np.searchsorted(xs, x)))
         return ys[j - 1] + (ys[j] - ys[j - 1]) * (x - xs[j - 1]) / (xs[j] - xs[j - 1]), ""
     j, near = (1, 0) if x < xs[0] else (len(xs) - 1, len(xs) - 1)
-    value = ys[j - 1] + (ys[j] - ys[j - 1]) * (x - xs[j - 1]) / (xs[j] - xs[j - 1])
-    if ys[near] > 0 and (value <= 0 or (value - ys[near]) * (x - xs[near]) < 0):  # a line of zeros stays 0
-        return ys[near] * x / xs[near], "proportional"
-    return value, "linear"
+    slope = (ys[j] - ys[j - 1]) / (xs[j] - xs[j - 1])
+    if slope < 0:
+        return ys[near], "flat"
+    value = ys[near] + slope * (x - xs[near])
+    if value > 0 or ys[near] == 0:  # a measured 0 stays 0 (never below)
+        return max(0.0, value), "linear"
+    return ys[near] * x / xs[near], "proportional"
 
 
 @dataclass
@@ -397,13 +398,14 @@ class ProfiledCosts(PerStageCache):
 
     def _interp(self, what: str, axis: str, x: int, xs: list[float], ys: list[float]) -> float:
         """``interp1`` at ``x`` on ``axis``, with a warning outside the measured ``xs`` saying how it extrapolated
-        (naming the op where its measured line falls: a noisy row the user may want to calibrate again)."""
+        (naming the op where its measured line falls or reaches 0: a noisy row the user may calibrate again)."""
         value, how = interp1(xs, ys, x)
-        if how == "proportional" and len(xs) > 1:
+        if how in ("flat", "proportional") and len(xs) > 1:
             points = ", ".join(f"{int(a)}: {b:g}" for a, b in zip(xs, ys))
-            self._warn(f"{what} at {axis} {x}: the line through the measured points ({points}) falls as the work "
-                       f"grows or reaches 0 there, so it is scaled in proportion to the nearest measurement; "
-                       f"calibrate at {axis} {x} to measure it")
+            done = {"flat": "falls as the work grows, so the nearest measurement is held",
+                    "proportional": "reaches 0 there, so it is scaled in proportion to the nearest measurement"}[how]
+            self._warn(f"{what} at {axis} {x}: the line through the measured points ({points}) {done}; calibrate at "
+                       f"{axis} {x} to measure it")
         elif how:
             self._warn(self._range_note(axis, x, xs))
         return value

@@ -656,15 +656,16 @@ def test_a_component_with_two_parameter_counts_is_refused(tmp_path: Path, column
 
 @pytest.mark.parametrize(("table", "column", "measured"), [
     ("timings", "median_ns", "timings.csv: component=layer op=F median_ns at seq 128 at microbatch size 8: the "
-                             "line through the measured points (2: 1200, 4: 600) falls as the work grows"),
+                             "line through the measured points (2: 1200, 4: 600) falls as the work grows, so the "
+                             "nearest measurement is held"),
     ("memory", "activation_bytes", "memory.csv: component=layer activation_bytes at seq 128 at microbatch size 8: the "
                                    "line through the measured points (2: 256000, 4: 128000) falls as the work grows"),
 ])
-def test_an_extrapolation_that_falls_is_scaled_from_the_nearest_point(tmp_path: Path, table: str, column: str,
+def test_an_extrapolation_that_falls_is_held_at_the_nearest_point(tmp_path: Path, table: str, column: str,
                                                                       measured: str) -> None:
     """A microbatch-4 time (or stash) half the microbatch-2 one extrapolated to 0 at microbatch 8 and was clamped
-    there, with only the general note: a free op. Now it is the microbatch-4 value scaled by 8 / 4, with a note
-    naming the op; a value measured 0 at every size stays 0."""
+    there, with only the general note: a free op. Now it is the microbatch-4 value, held, with a note naming the
+    op; a value measured 0 at every size stays 0."""
     folder = csv_profile(tmp_path)
     layer_f = {"timings": lambda f: (f["component"] == "layer") & (f["op"] == "F"),
                "memory": lambda f: f["component"] == "layer"}[table]
@@ -681,7 +682,7 @@ def test_an_extrapolation_that_falls_is_scaled_from_the_nearest_point(tmp_path: 
     edit_table(folder, table, halve)
     costs = ProfiledCosts.load(folder, 8)
     at_4 = {"timings": 600, "memory": 128000}[table]
-    assert value(costs) == at_4 * 8 / 4
+    assert value(costs) == at_4
     assert any(measured in note and "calibrate at microbatch size 8" in note for note in costs.notes())
     edit_table(folder, table, lambda frame: frame.assign(**{column: frame[column].mask(layer_f(frame), 0)}))
     zeros = ProfiledCosts.load(folder, 8)

@@ -78,14 +78,16 @@ def make_profile(folder: Path, mbs: tuple[int, ...] = (2, 4), seqs: tuple[int, .
 
 
 def test_interp1_interpolates_extrapolates_and_scales_a_single_point() -> None:
-    """Inside: the line between neighbours; outside: the end segment, flagged; one point: proportional, and so is
-    an end segment that falls as the work grows or reaches 0 (more work never costs less: that is noise)."""
+    """Inside: the line between neighbours; outside: the end segment, flagged; one point: proportional. An end
+    segment that falls as the work grows is held flat at the nearest point, one that reaches 0 below the measured
+    sizes is proportional to the nearest point (more work never costs less: that is noise)."""
     assert interp1([1, 4], [10, 40], 2) == (20, "")
     assert interp1([1, 2, 4], [10, 30, 40], 8) == (60, "linear")
     assert interp1([4], [40], 8) == (80, "proportional")
     assert interp1([4], [40], 4) == (40, "")
-    assert interp1([2, 4], [30, 10], 8) == (20, "proportional")  # the line said -30: 10 x 8 / 4
-    assert interp1([2, 4], [30, 28], 5) == (35, "proportional")  # the line said 27, above 0 but below 28
+    assert interp1([2, 4], [30, 10], 8) == (10, "flat")  # the line said -30
+    assert interp1([2, 4], [30, 28], 5) == (28, "flat")  # the line said 27: above 0, but below 28
+    assert interp1([2, 4], [30, 28], 1) == (30, "flat")  # less work, more time: held too
     assert interp1([2, 4], [10, 40], 1) == (5, "proportional")  # the line said -5 below the measured sizes
     assert interp1([2, 4], [30, 40], 1) == (25, "linear")  # rising, positive: the line
     assert interp1([2, 4], [0, 0], 8) == (0, "linear")  # measured 0 everywhere stays 0
