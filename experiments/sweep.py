@@ -168,9 +168,9 @@ def _check_disjoint(sweep: dict[str, list], zips: dict[str, list]) -> None:
         if key in sweep:
             raise ConfigError(f"zip.{key}: also in sweep, expected each key in one of sweep and zip", key=f"zip.{key}")
     for key, values in axes.items():
+        prefix = key.split(".", 1)[1] + "."
         for inner in axes:
             path = inner.split(".", 1)[1]
-            prefix = key.split(".", 1)[1] + "."
             if path.startswith(prefix) and any(_sets(value, path[len(prefix):].split(".")) for value in values):
                 raise ConfigError(f"{inner}: also set by a value of {key}, expected each config key in one place "
                                   f"of sweep and zip", key=inner)

@@ -116,8 +116,11 @@ def check_iterations(name: str, iterations: int | None) -> None:
     if name.startswith(("csv:", "torch:")):
         raise ValueError(f"iterations: got {iterations}, but {name.split(':')[0]}: schedules run the one iteration "
                          f"they hold; expected no iterations key")
-    gen = GENERATORS.get(ALIASES.get(name, name))
-    if gen is not None and "iterations" not in gen.options:
+    try:
+        gen = generator(name)
+    except KeyError:  # the name's own check says what is wrong with it
+        return
+    if "iterations" not in gen.options:
         raise ValueError(f"iterations: got {iterations}, but {gen.name} has a flush and simulates one iteration; "
                          f"iterations applies to schedules without a flush")
 
