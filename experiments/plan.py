@@ -40,7 +40,7 @@ from pipescope.experiments.plan_space import (
     check_request,
     gpu_count,
 )
-from pipescope.experiments.sweep import (Run, counted_bar, drain, process_pool, run_chunk, run_id,
+from pipescope.experiments.sweep import (MemoryLog, Run, counted_bar, drain, process_pool, run_chunk, run_id,
                                          validated_config)
 
 __all__ = ["PLAN_KEYS", "Candidate", "PlanReport", "PlanRequest", "Screened", "plan", "screen"]
@@ -103,7 +103,9 @@ def _bounded(candidate: Candidate, run: Run) -> Screened:
     costs = built.stage_costs()
     config = built.config
     buffers = gradient_buffers(defers_steps(built.schedule.weight_update, config.cluster.data_parallel))
-    memory = memory_lower_bounds(built.schedule, costs, config.model.precision, config.memory.runtime, buffers)
+    shards = config.cluster.data_parallel if config.parallel.distributed_optimizer else 1
+    memory = memory_lower_bounds(built.schedule, costs, config.model.precision, config.memory.runtime, buffers,
+                                 shards, built.overheads.total)
     worst = max(range(len(memory)), key=memory.__getitem__)
     capacity = built.capacity
     if capacity is not None and memory[worst] > capacity:
@@ -212,13 +214,6 @@ def screen_chunk(request: PlanRequest, chunk: list[Candidate]) -> list[Screened]
     return [screen(request, candidate) for candidate in chunk]
 
 
-class _Rows(list):
-    """An in-memory stand-in for the sweep's run log: ``drain`` appends each finished chunk's rows."""
-
-    def append(self, rows: list) -> None:  # type: ignore[override]
-        self.extend(rows)
-
-
 def plan(request: PlanRequest, executor: Executor | None = None, workers: int | None = None,
          progress: bool = True) -> PlanReport:
     """Screen, simulate in bound order, stop when the top ``request.top`` are settled (module docstring).
@@ -278,7 +273,7 @@ def _simulate_in_bound_order(pool: Executor, request: PlanRequest, screened: lis
             batch, queue = batch[:round_size], queue[min(round_size, len(batch)):]
             simulated += len(batch)
             by_id = {s.run.run_id: s for s in batch}
-            rows = _Rows()
+            rows = MemoryLog()
             lost = drain(pool, [[s.run] for s in batch], rows, 2 * workers, _Quiet(bar), task=run_chunk)
             for row in rows:
                 _file(by_id[row["run_id"]], row, ranked, rejected)
@@ -296,7 +291,7 @@ def _map(pool: Executor, task, items: list, workers: int, bar, chunks_per_worker
     sweep's ``drain``), results in the items' order (so the report does not depend on which worker finished
     first); RuntimeError if a worker died with some."""
     size = max(1, min(64, -(-len(items) // (chunks_per_worker * workers))))
-    rows = _Rows()
+    rows = MemoryLog()
     lost = drain(pool, [items[i:i + size] for i in range(0, len(items), size)], rows, 2 * workers, bar, task=task)
     if lost:
         raise RuntimeError(f"plan: {len(lost)} candidates were lost with a worker: {lost[0][1]}")

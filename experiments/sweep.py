@@ -259,7 +259,7 @@ def _run_row(item: Run) -> dict[str, Any]:
     try:
         result = run(item.config)
     except Exception as err:  # any failure is one run's result; the sweep goes on
-        return _row(item.run_id, item.columns, None, _one_line(err), time.perf_counter() - started)
+        return _row(item.run_id, item.columns, None, one_line(err), time.perf_counter() - started)
     return _row(item.run_id, resolved_columns(item, result), result, None, time.perf_counter() - started)
 
 
@@ -277,7 +277,7 @@ def resolved_columns(item: Run, result: SimResult) -> dict[str, Any]:
     return {key: ran.get(key) if value is None else value for key, value in item.columns.items()}
 
 
-def _one_line(err: Exception) -> str:
+def one_line(err: Exception) -> str:
     """Our errors are one line naming the key; anything else also names its type (and only it, when it says
     nothing: an error row always has an error)."""
     text = " ".join(str(err).split())
@@ -430,7 +430,7 @@ def drain(executor: Executor, chunks: list[list[Run]], log: RunLog, window: int,
                     try:
                         pending[executor.submit(task or run_chunk, chunk)] = chunk
                     except Exception as err:  # a broken executor (a pool whose worker died) takes no more tasks
-                        lost.extend((item.run_id, _one_line(err)) for rest in [chunk, *queue] for item in rest)
+                        lost.extend((item.run_id, one_line(err)) for rest in [chunk, *queue] for item in rest)
                 if not pending:
                     return lost
                 _collect(wait(pending, return_when=FIRST_COMPLETED)[0], pending, log, bar, lost)
@@ -454,10 +454,18 @@ def _collect(finished: set[Future], pending: dict[Future, list[Run]], log: RunLo
         try:
             rows = future.result()
         except Exception as err:  # the executor failed, not the run: retried on re-run
-            lost.extend((item.run_id, _one_line(err)) for item in chunk)
+            lost.extend((item.run_id, one_line(err)) for item in chunk)
             continue
         log.append(rows)
         bar.update(len(rows))
+
+
+class MemoryLog(list):
+    """An in-memory stand-in for the run log, for a task whose rows are not a sweep's (the planner's, validate
+    --published's): ``drain`` appends each finished chunk's rows."""
+
+    def append(self, rows: list) -> None:  # type: ignore[override]
+        self.extend(rows)
 
 
 class RunLog:

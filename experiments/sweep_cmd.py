@@ -78,16 +78,21 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return EXIT_FAILED_RUNS if failed or report.lost else 0
 
 
+def check_pool_flags(workers: int | None, dask: str | None) -> None:
+    """ValueError naming the flag: a --dask address that is not local or tcp://HOST:PORT, --workers beside a remote
+    cluster, or --dask without dask.distributed installed."""
+    if dask is not None and dask != "local" and not re.fullmatch(DASK_ADDRESS, dask):
+        raise ValueError(f"--dask: got {dask[:80]!r}, expected local or tcp://HOST:PORT")
+    if dask not in (None, "local") and workers is not None:
+        raise ValueError(f"--workers: got {workers} with --dask {dask}, expected no --workers: the cluster has its own")
+    if dask is not None and importlib.util.find_spec("distributed") is None:
+        raise ValueError("--dask: needs dask.distributed: pip install 'pipescope[sweep]'")
+
+
 def _options(args: argparse.Namespace) -> SweepOptions:
     workers = integer_flag("--workers", args.workers, 1, MAX_WORKERS) if args.workers is not None else None
     chunk = integer_flag("--chunk-size", args.chunk_size, 1, MAX_CHUNK) if args.chunk_size is not None else None
-    if args.dask is not None and args.dask != "local" and not re.fullmatch(DASK_ADDRESS, args.dask):
-        raise ValueError(f"--dask: got {args.dask[:80]!r}, expected local or tcp://HOST:PORT")
-    if args.dask not in (None, "local") and workers is not None:
-        raise ValueError(f"--workers: got {workers} with --dask {args.dask}, expected no --workers: the cluster has "
-                         f"its own")
-    if args.dask is not None and importlib.util.find_spec("distributed") is None:
-        raise ValueError("--dask: needs dask.distributed: pip install 'pipescope[sweep]'")
+    check_pool_flags(workers, args.dask)
     if importlib.util.find_spec("pyarrow") is None:
         raise ValueError("--out: results.parquet needs pyarrow: pip install 'pipescope[sweep]'")
     out = Path(args.out) if args.out is not None else Path("sweeps") / re.sub(r"\.ya?ml$", "", Path(args.file).name)

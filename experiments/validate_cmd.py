@@ -25,7 +25,7 @@ import pandas as pd
 
 from pipescope.config import ConfigError, load_config
 from pipescope.experiments.cli import as_flag, check_output_names, integer_flag
-from pipescope.experiments.processes import run_in_group
+from pipescope.experiments.processes import run_in_group, sigterm_as_ctrl_c
 from pipescope.experiments.validate_stages import (
     STAGE_TIMING_ITERATIONS,
     op_error_summary,
@@ -76,11 +76,40 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "columns (.parquet or .csv), to open beside simulate --timeline")
     p.add_argument("--trace", metavar="FILE", help="the first measured iteration as a Chrome trace (.json or "
                    ".json.gz), beside simulate --trace; its memory counters are the ledger over the measured times")
-    p.add_argument("--max-error", help="exit 1 when |iteration_time_error| is above this (e.g. 0.1)")
+    p.add_argument("--max-error", help="exit 1 when |iteration_time_error| is above this (e.g. 0.1); with "
+                   "--published, when the worst run's |error| is")
+    published = p.add_argument_group("published runs", "score the simulator on runs measured on real clusters "
+                                     "(docs/validation.md, \"Published runs\"); none of the flags above but --json "
+                                     "and --max-error apply")
+    published.add_argument("--published", nargs="*", metavar="NAME", help="simulate every run of the corpus as its "
+                           "configuration says (or the runs and sources NAME) and report predicted against measured, "
+                           "the signed error per run and the mean and worst per source; settings a source left "
+                           "unstated are chosen as its authors would have (the fastest that fits)")
+    published.add_argument("--corpus", metavar="FILE", help="a corpus file in the format of the shipped one "
+                           "(experiments/published/runs.yaml, the default)")
+    published.add_argument("--workers", metavar="N", help="worker processes (default: the CPUs this process may use)")
+    published.add_argument("--dask", metavar="local|tcp://HOST:PORT", help="run on Dask instead of a process pool "
+                           "(as 'pipescope sweep --dask'; the address is trusted input)")
+    published.add_argument("--plot", metavar="FILE", help="predicted against measured on log-log axes, one marker "
+                           "per source, the y = x line and a +-10%% band (.png, .svg, .pdf)")
     p.set_defaults(func=cmd_validate)
+    PUBLISHED_OFF.update({name: p.get_default(name) for name in EXECUTOR_FLAGS})
+
+
+# The flags of a run on this machine's ranks, which --published does not read, and the flags only it reads
+EXECUTOR_FLAGS = ("schedule", "stages", "microbatches", "chunks", "recompute", "model", "microbatch_size", "device",
+                  "profile", "iterations", "warmup", "op_times", "timeout", "gantt", "timeline", "trace")
+PUBLISHED_FLAGS = ("corpus", "workers", "dask", "plot")
+PUBLISHED_OFF: dict[str, object] = {}  # each executor flag's default, filled by register
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    if args.published is not None:
+        return _published(args)
+    for name in PUBLISHED_FLAGS:
+        if getattr(args, name) is not None:
+            print(f"pipescope: error: --{name}: only with --published", file=sys.stderr)
+            return 2
     try:
         limit = _number("--max-error", args.max_error) if args.max_error is not None else None
         check_output_names(args)  # a bad file name fails now, not after a run of tens of seconds
@@ -104,6 +133,29 @@ def cmd_validate(args: argparse.Namespace) -> int:
               f"{limit:g}", file=sys.stderr)
         return 1
     return 0
+
+
+def _published(args: argparse.Namespace) -> int:
+    """``validate --published``: the corpus of published runs (``published_cmd``); exit 2 on bad input."""
+    from pipescope.experiments.published_cmd import cmd_published
+    from pipescope.experiments.sweep_cmd import MAX_WORKERS, check_pool_flags
+
+    try:
+        for name, default in PUBLISHED_OFF.items():
+            if getattr(args, name) != default:
+                raise ValueError(f"--{name.replace('_', '-')}: not with --published, which runs each published run's "
+                                 f"own configuration")
+        args.max_error = _number("--max-error", args.max_error) if args.max_error is not None else None
+        workers = integer_flag("--workers", args.workers, 1, MAX_WORKERS) if args.workers is not None else None
+        check_pool_flags(workers, args.dask)
+        if args.plot is not None:
+            from pipescope.experiments.figure_formats import format_of
+            format_of(args.plot, name="--plot")
+        with sigterm_as_ctrl_c():
+            return cmd_published(args, args.published, workers)
+    except (ConfigError, ValueError) as err:
+        print(f"pipescope: error: {err}", file=sys.stderr)
+        return 2
 
 
 def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame]:

@@ -16,7 +16,7 @@ from pipescope.simulator.costs import (
     seconds_to_ns,
     stage_costs,
 )
-from pipescope.simulator.ir import Schedule
+from pipescope.simulator.ir import Schedule, WeightUpdate
 from pipescope.simulator.models import (
     DEFAULT_PRESET,
     PRECISIONS,
@@ -30,6 +30,9 @@ from pipescope.simulator.models import (
 from pipescope.simulator.engine import Progress
 from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.flows import NetworkError
+from pipescope.simulator.gpu_rates import Tiling
+from pipescope.simulator.memory_overheads import NO_OVERHEADS, Overheads, overheads
+from pipescope.simulator.memory_runtime import grad_bytes
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
 from pipescope.simulator.parallel import TensorSplit, check_parallel, stage_times
 from pipescope.simulator.profiled import ProfiledCosts, ProfiledCostsConfig
@@ -73,6 +76,17 @@ class Prepared:
         return _network(self.config, self.cluster, self.costs)
 
     @property
+    def overheads(self) -> Overheads:
+        """What each GPU holds besides tensors (``simulator.memory_overheads``): none under uniform or profiled
+        costs, which model no GPU process."""
+        if self.model is None:
+            return NO_OVERHEADS
+        m = self.config.memory
+        return overheads(self.cluster.graph.graph["device"], self.config.parallel.tensor,
+                         self.schedule.num_devices, self.config.cluster.data_parallel, m.cuda_context,
+                         m.nccl_communicator)
+
+    @property
     def capacity(self) -> int | None:
         """Bytes per device: ``cluster.memory``, else the GPU's (none under uniform costs, which have no scale)."""
         if self.config.cluster.memory is not None or isinstance(self.config.costs, UniformCostsConfig):
@@ -106,6 +120,9 @@ def prepare_checked(config: Config) -> Prepared:
     if model is not None and _generated(config):
         _check_layers(model.layers, config.schedule.p * _chunks(config))  # before building a schedule that big
     schedule = _schedule(config)
+    if config.parallel.distributed_optimizer and schedule.weight_update is not WeightUpdate.FLUSH:
+        raise ConfigError(f"parallel.distributed_optimizer: got true with schedule.name {config.schedule.name}, "
+                          f"expected a flush schedule (one synchronous step per iteration)")
     if cluster is None:  # a CSV schedule: its size was in the file
         _check_size(schedule.num_stages * schedule.total_microbatches * config.cluster.data_parallel)
         cluster = _cluster(config, schedule.num_devices)
@@ -140,13 +157,16 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
         network, faults = _network(config, cluster, costs), _compute_faults(config, cluster)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    sync = config.cluster.grad_sync(config.parallel.distributed_optimizer)
     try:
         result = simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,
-                          data_parallel=config.cluster.data_parallel, grad_sync=config.cluster.grad_sync(),
+                          data_parallel=config.cluster.data_parallel, grad_sync=sync,
                           faults=faults, memory_capacity_bytes=built.capacity,
                           model_flops_per_iteration=model_flops(model, config, schedule) if analytic else None,
+                          hardware_flops_per_iteration=hardware_flops(model, config, schedule) if analytic else None,
                           peak_flops_per_device=_peak(config, cluster) * config.parallel.tensor if analytic else None,
                           config=config, memory_runtime=config.memory.runtime,
+                          memory_overheads=built.overheads,
                           host_cores=config.cluster.host_cores, progress=progress)
     except CostError as err:
         raise ConfigError(f"costs: {err}") from None
@@ -293,6 +313,9 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
     if not analytic and config.parallel.tensor > 1:
         raise ConfigError(f"parallel.tensor: got {config.parallel.tensor} under costs.kind {kind}, expected 1 (only "
                           f"analytic costs split the kernels over tensor-parallel GPUs)")
+    if not analytic and config.parallel.distributed_optimizer:
+        raise ConfigError(f"parallel.distributed_optimizer: got true under costs.kind {kind}, expected false (only "
+                          f"analytic costs step a shard of the parameters)")
     if not analytic and config.schedule.recompute == "selective":
         raise ConfigError(f"schedule.recompute: got selective under costs.kind {kind}, expected none or full (only "
                           f"analytic costs separate the attention core)")
@@ -306,7 +329,7 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
 def _tensor_split(config: Config, cluster: Cluster, model: ModelSpec, schedule: Schedule) -> TensorSplit:
     """Tensor parallelism and selective recompute for the analytic costs, with each stage's collective times."""
     p, b = config.parallel, config.model.microbatch_size
-    split = TensorSplit(p.tensor, p.sequence, config.schedule.recompute == "selective")
+    split = TensorSplit(p.tensor, p.sequence, config.schedule.recompute == "selective", overlap=p.tp_comm_overlap)
     if p.tensor < 2:
         return split
     network = cluster.tensor_network(schedule.num_devices, config.seed, config.cluster.collective, config.faults)
@@ -323,11 +346,15 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
     if isinstance(c, UniformCostsConfig):
         return c.costs(m.precision)
     if isinstance(c, AnalyticCostsConfig):
-        bandwidth = config.cluster.memory_bandwidth or cluster.device_spec.memory_bandwidth
-        return AnalyticCosts(model, _peak(config, cluster), m.microbatch_size, m.precision, c.efficiency,
-                             layers_per_stage=m.layers_per_stage, memory_bandwidth=bandwidth,
-                             memory_efficiency=c.memory_efficiency, attention=m.attention,
-                             split=_tensor_split(config, cluster, model, schedule))
+        gpu, p = cluster.device_spec, config.parallel
+        return AnalyticCosts(model, _peak(config, cluster), m.microbatch_size, m.precision,
+                             c.efficiency or gpu.gemm_efficiency, layers_per_stage=m.layers_per_stage,
+                             memory_bandwidth=config.cluster.memory_bandwidth or gpu.memory_bandwidth,
+                             memory_efficiency=c.memory_efficiency or gpu.memory_efficiency, attention=m.attention,
+                             split=_tensor_split(config, cluster, model, schedule), tiling=Tiling(gpu.sms),
+                             flash=gpu.flash, grad_bytes=grad_bytes(config.memory.runtime, m.precision),
+                             checkpoint_layers=config.memory.runtime == "megatron",
+                             optimizer_shards=config.cluster.data_parallel if p.distributed_optimizer else 1)
     if not c.profile:
         raise ConfigError("costs.profile: missing, expected a profile folder written by 'pipescope calibrate'")
     try:
@@ -388,6 +415,15 @@ def model_flops(model: ModelSpec, config: Config, schedule: Schedule) -> float:
     per_mb = model.layers * (work.forward_flops + work.input_grad_flops + work.weight_grad_flops)
     per_mb += sum(output_layer_flops(model, config.model.microbatch_size))
     return per_mb * schedule.num_microbatches
+
+
+def hardware_flops(model: ModelSpec, config: Config, schedule: Schedule) -> float:
+    """``model_flops`` plus the forward FLOPs recompute runs again: every layer's under full recompute, the
+    attention core's (``4 s^2 b h`` per layer) under selective; the output layer is never recomputed."""
+    b, recompute = config.model.microbatch_size, config.schedule.recompute
+    per_layer = {"full": layer_work(model, b, config.model.precision).forward_flops,
+                 "selective": 4.0 * model.seq * model.seq * b * model.hidden}.get(recompute, 0.0)
+    return model_flops(model, config, schedule) + per_layer * model.layers * schedule.num_microbatches
 
 
 def _check_layers(layers: int, stages: int) -> None:

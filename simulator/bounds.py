@@ -43,14 +43,16 @@ def busy_per_iteration_ns(schedule: Schedule, stage_costs: Sequence[StageCost]) 
 
 
 def memory_lower_bounds(schedule: Schedule, stage_costs: Sequence[StageCost], precision: str,
-                        runtime: str = "megatron", gradient_buffers: int = 1) -> list[int]:
+                        runtime: str = "megatron", gradient_buffers: int = 1, optimizer_shards: int = 1,
+                        overhead_bytes: int = 0) -> list[int]:
     """Per device, bytes its peak cannot be under: static state (as ``memory.runtime`` counts it, with
-    ``gradient_buffers`` as the ledger takes them) plus its ops' stash, replayed in list order."""
+    ``gradient_buffers`` and ``optimizer_shards`` as the ledger takes them, and the overheads beside tensors) plus
+    its ops' stash, replayed in list order."""
     home = np.asarray(schedule.stage_to_device)
     params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
-    state = [static_memory(int(params[d]), schedule.versions(d), precision, runtime)
+    state = [static_memory(int(params[d]), schedule.versions(d), precision, runtime, optimizer_shards)
              for d in range(schedule.num_devices)]
-    static = [s.total + (gradient_buffers - 1) * s.gradients for s in state]
+    static = [s.total + (gradient_buffers - 1) * s.gradients + overhead_bytes for s in state]
     return [memory.peak_bytes for memory in device_timelines(_ordered_events(schedule, stage_costs), static)]
 
 
@@ -75,7 +77,7 @@ def _ordered_events(schedule: Schedule, stage_costs: Sequence[StageCost]):
 
     ops = OpArrays(device=device, kind=np.asarray(kinds, dtype=np.int64), start=2 * slot, end=2 * slot + 1,
                    activation=column("activation_bytes"), weight_grad=column("weight_grad_bytes"),
-                   stage_input=column("input_bytes"))
+                   stage_input=column("input_bytes"), rebuilt=column("rebuilt"))
     return op_memory_events(ops, schedule.recompute, schedule.chunks)
 
 

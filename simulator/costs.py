@@ -11,17 +11,16 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
-from pipescope.simulator.models import (
+from pipescope.simulator.gpu_rates import FlashRates, Roofline, Tiling
+from pipescope.simulator.kernels import (
     PASSES,
     Kernel,
-    ModelSpec,
     attention_core_kernels,
-    check_attention,
     layer_kernels,
     optimizer_kernels,
     output_kernels,
-    stage_layers,
 )
+from pipescope.simulator.models import ModelSpec, check_attention, stage_layers
 from pipescope.simulator.parallel import TensorSplit
 from pipescope.simulator.vocab import VocabShards
 
@@ -41,7 +40,10 @@ class StageCost:
         boundary_bytes: bytes sent to the next stage (the gradient sent back has the same size).
         activation_bytes: M_B, what F stashes until the backward.
         weight_grad_bytes: M_W, what a deferred W still holds after I.
-        input_bytes: the stage input, all that F keeps under recompute (the first stage's is its token ids).
+        input_bytes: what F keeps under full recompute: the stage input (the first stage's: its token ids), or where
+            the runtime checkpoints every block (Megatron), each block's input and the output layer's stash.
+        rebuilt_bytes: what a backward rebuilds under full recompute before it runs; None: ``activation_bytes``
+            (the whole stage's, re-run at once); Megatron's per-block checkpoints rebuild one block at a time.
         params: parameters of the stage.
         param_tensors: its parameter tensors (torch's AdamW keeps a 4-byte step counter per tensor).
         optimizer_ns: the stage's optimizer step (AdamW with gradient norm and clipping), once per iteration after
@@ -66,6 +68,12 @@ class StageCost:
     vocab_t_ns: int = 0
     vocab_bytes: int = 0
     backward_ns: int | None = None
+    rebuilt_bytes: int | None = None
+
+    @property
+    def rebuilt(self) -> int:
+        """What a backward rebuilds under full recompute (``rebuilt_bytes``, else the whole stage's M_B)."""
+        return self.activation_bytes if self.rebuilt_bytes is None else self.rebuilt_bytes
 
 
 class CostModel(Protocol):
@@ -147,19 +155,20 @@ class UniformCostsConfig:
                             optimizer=self.optimizer, vocab_s=self.vocab_s, vocab_t=self.vocab_t)
 
 
-# A large streaming kernel gets close to the datasheet bandwidth, the many short ones of a layer less: 0.8 is a
-# choice between them, not a measurement (docs/costs.md, "Efficiencies").
+# Without a GPU's measurement (an AnalyticCosts built in Python): a streaming kernel at 0.8 of the bandwidth, a
+# choice between the large copies that get close to the datasheet and a layer's short kernels (docs/costs.md).
 DEFAULT_MEMORY_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True)
 class AnalyticCostsConfig:
-    """``costs.kind: analytic``: a roofline per kernel; matmuls at ``efficiency`` of the datasheet peak FLOP/s,
-    memory traffic at ``memory_efficiency`` of its bandwidth (docs/costs.md)."""
+    """``costs.kind: analytic``: a roofline per kernel; matmuls at ``efficiency`` of the datasheet peak FLOP/s (less
+    their tile and wave quantization), memory traffic at ``memory_efficiency`` of its bandwidth; unset, each is
+    what the GPU was measured to reach (``topologies/devices.py``; docs/costs.md, "Rates")."""
 
     kind: CostKind = CostKind.ANALYTIC
-    efficiency: float = 0.5
-    memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
+    efficiency: float | None = None
+    memory_efficiency: float | None = None
 
 
 TOKEN_ID_BYTES = 8  # the first stage's input: int64 token ids, not an activation
@@ -238,38 +247,12 @@ def split_layers(layers: int, num_stages: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class Roofline:
-    """A kernel's time is max(flops / compute rate, bytes / memory rate): whichever of the two it waits for."""
-
-    compute_rate: float  # FLOP/s a matmul reaches
-    memory_rate: float | None  # bytes/s a streaming pass reaches; None: memory traffic is not timed
-
-    def times(self, kernel: Kernel) -> tuple[float, float]:
-        """(compute seconds, memory seconds) of ``kernel``."""
-        memory = kernel.nbytes / self.memory_rate if self.memory_rate else 0.0
-        return kernel.flops / self.compute_rate, memory
-
-    def seconds(self, kernel: Kernel) -> float:
-        return max(self.times(kernel))
-
-    def bound(self, kernel: Kernel) -> str:
-        """``compute`` or ``memory``: which term sets the kernel's time (a kernel without FLOPs: memory)."""
-        compute, memory = self.times(kernel)
-        return "compute" if kernel.flops and compute >= memory else "memory"
-
-    def pass_seconds(self, kernels: list[Kernel]) -> dict[str, float]:
-        """Seconds of each pass (``models.PASSES``): the sum of its kernels' times."""
-        totals = dict.fromkeys(PASSES, 0.0)
-        for kernel in kernels:
-            totals[kernel.op] += self.seconds(kernel)
-        return totals
-
-
-@dataclass(frozen=True)
 class AnalyticCosts(PerStageCache):
-    """Each stage's passes as kernels (``models.layer_kernels``, ``output_kernels``, ``optimizer_kernels``), each
-    timed by a roofline: matmuls at ``efficiency`` of the datasheet peak FLOP/s, memory traffic at
-    ``memory_efficiency`` of the datasheet bandwidth (docs/costs.md).
+    """Each stage's passes as kernels (``kernels.layer_kernels``, ``output_kernels``, ``optimizer_kernels``), each
+    timed by a roofline (``gpu_rates.Roofline``): matmuls at ``efficiency`` of the datasheet peak FLOP/s less what
+    ``tiling`` wastes, flash attention at ``flash`` rates, memory traffic at ``memory_efficiency`` of the datasheet
+    bandwidth (docs/costs.md). Without ``tiling`` or ``flash`` (an AnalyticCosts built in Python) every FLOP runs at
+    ``efficiency`` of the peak.
 
     The input embedding sits on the first stage and the output layer (logits, softmax,
     cross-entropy) on the last, as in a naive pipeline (no vocabulary parallelism). Each stage holds its share of
@@ -291,6 +274,11 @@ class AnalyticCosts(PerStageCache):
     attention: str = "flash"
     split: TensorSplit = TensorSplit()
     vocab: VocabShards | None = None  # None: naive placement; else vocabulary parallelism (simulator/vocab.py)
+    tiling: Tiling | None = None  # the GPU's SMs, for a GEMM's tile and wave quantization
+    flash: FlashRates | None = None  # the GPU's measured flash-attention rates
+    grad_bytes: int | None = None  # per gradient, as the runtime keeps them (None: the precision's)
+    checkpoint_layers: bool = False  # full recompute keeps each block's input and rebuilds one block at a time
+    optimizer_shards: int = 1  # a distributed optimizer steps 1 / shards of the stage's parameters
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -299,34 +287,55 @@ class AnalyticCosts(PerStageCache):
     @property
     def roofline(self) -> Roofline:
         memory = self.memory_bandwidth * self.memory_efficiency if self.memory_bandwidth else None
-        return Roofline(self.peak_flops * self.efficiency, memory)
+        return Roofline(self.peak_flops, self.efficiency, memory, self.tiling, self.flash)
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
         n = self._layers_of(stage, num_stages, self.model.layers)
         work = self.split.layer_work(self.model, self.microbatch_size, self.precision, self.attention)
-        seconds = dict.fromkeys(PASSES, 0.0)
-        for _, count, kernels in self._parts(stage, num_stages):
+        seconds, layers_forward = dict.fromkeys(PASSES, 0.0), 0.0
+        for component, count, kernels in self._parts(stage, num_stages):
             for op, value in self.roofline.pass_seconds(kernels).items():
                 seconds[op] += count * value
+            if component == "layer":
+                layers_forward = count * self.roofline.pass_seconds(kernels)["F"]
         stash = n * work.activation_bytes
-        if stage == num_stages - 1 and self.vocab is None:
-            stash += self.split.output_bytes(self.model, self.microbatch_size, self.precision)
-        comm_f, comm_i = self.split.comm_ns(stage, n, stage == 0, stage == num_stages - 1)
+        output = self.split.output_bytes(self.model, self.microbatch_size, self.precision) \
+            if stage == num_stages - 1 and self.vocab is None else 0
+        stash += output
+        block_input = self.split.stage_input_bytes(self.model, self.microbatch_size, self.precision)
+        kept = (n * block_input + output) if self.checkpoint_layers else block_input if stage \
+            else self.microbatch_size * self.model.seq * TOKEN_ID_BYTES  # the first stage keeps its token ids
+        comm_f, comm_i = self.split.comm_ns(stage, n, stage == 0, stage == num_stages - 1, self._layer_gemm_ns())
         vocab = self._vocab_passes(stage)
         return StageCost(
             forward_ns=seconds_to_ns(seconds["F"]) + comm_f,
             input_grad_ns=seconds_to_ns(seconds["I"]) + comm_i,
             weight_grad_ns=seconds_to_ns(seconds["W"]),
-            recompute_ns=seconds_to_ns(seconds["F"]) + comm_f,
+            # full recompute re-runs the blocks' forwards with their collectives, not the output layer (Megatron
+            # checkpoints the transformer blocks only)
+            recompute_ns=seconds_to_ns(layers_forward) + self.split.comm_ns(stage, n, False, False,
+                                                                             self._layer_gemm_ns())[0],
             boundary_bytes=work.boundary_bytes,
             activation_bytes=stash,
             weight_grad_bytes=n * work.weight_grad_bytes,
-            input_bytes=self.split.stage_input_bytes(self.model, self.microbatch_size, self.precision) if stage
-            else self.microbatch_size * self.model.seq * TOKEN_ID_BYTES,  # the first stage keeps its token ids
+            input_bytes=kept,
+            rebuilt_bytes=work.activation_bytes if self.checkpoint_layers else None,
             params=self._params(stage, num_stages, n),
             optimizer_ns=seconds_to_ns(seconds["optimizer"]),
             **vocab,
         )
+
+    def _layer_gemm_ns(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One block's matmul times in F and I, in the order its tensor-parallel collectives pair with them
+        (``TensorSplit.comm_ns``): QKV, out projection, MLP up, MLP down in F; MLP down, MLP up, out projection, QKV
+        in I (the backward runs the block in reverse)."""
+        if not self.split.overlap:
+            return (), ()
+        kernels = layer_kernels(self.model, self.microbatch_size, self.precision, self.attention, self.split.tensor,
+                                self.split.sequence)
+        ns = {(k.op, k.name): seconds_to_ns(self.roofline.seconds(k)) for k in kernels if k.gemm is not None}
+        forward = ("QKV", "out projection", "MLP up", "MLP down")
+        return tuple(ns["F", name] for name in forward), tuple(ns["I", name] for name in reversed(forward))
 
     def _vocab_passes(self, stage: int) -> dict[str, int]:
         """The S and T pass times and stash of the stage's vocabulary shard (empty under the naive placement)."""
@@ -355,7 +364,8 @@ class AnalyticCosts(PerStageCache):
         if stage == num_stages - 1 and self.vocab is None:
             parts.append(("output", 1, output_kernels(self.model, self.microbatch_size, self.precision, t, sp)))
         if self.memory_bandwidth:
-            parts.append(("optimizer", 1, optimizer_kernels(self._params(stage, num_stages, n), self.precision)))
+            params = -(-self._params(stage, num_stages, n) // self.optimizer_shards)
+            parts.append(("optimizer", 1, optimizer_kernels(params, self.precision, self.grad_bytes)))
         return parts
 
     def stage_kernels(self, stage: int, num_stages: int) -> list[dict]:
@@ -366,9 +376,7 @@ class AnalyticCosts(PerStageCache):
         if self.vocab is not None and self.vocab.owns(stage):  # the device's S and T passes, under their own names
             parts += [("vocab shard", 1, kernels, op) for op, kernels in self.vocab.pass_kernels().items()]
         for component, count, kernels, op in parts:
-            rows += [{"component": component, "kernel": k.name, "pass": op or k.op, "count": count,
-                      "flops": float(count * k.flops), "bytes": int(count * k.nbytes),
-                      "time_s": count * roofline.seconds(k), "bound": roofline.bound(k)} for k in kernels]
+            rows += [_kernel_row(component, count, k, op, roofline) for k in kernels]
         return rows
 
     def kernel_report(self, num_stages: int) -> list[dict]:
@@ -390,3 +398,16 @@ class AnalyticCosts(PerStageCache):
 
     def notes(self) -> list[str]:
         return []
+
+
+def _kernel_row(component: str, count: int, kernel: Kernel, op: str | None, roofline: Roofline) -> dict:
+    """One row of ``kernels``: a matmul also says its shape ([batch, rows, cols, inner]) and every kernel with FLOPs
+    its efficiency (model FLOPs per second over the peak)."""
+    row = {"component": component, "kernel": kernel.name, "pass": op or kernel.op, "count": count,
+           "flops": float(count * kernel.flops), "bytes": int(count * kernel.nbytes),
+           "time_s": count * roofline.seconds(kernel), "bound": roofline.bound(kernel),
+           "efficiency": roofline.efficiency(kernel)}
+    if kernel.gemm is not None:
+        g = kernel.gemm
+        row["shape"] = [g.batch, g.rows, g.cols, g.inner]
+    return row

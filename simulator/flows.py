@@ -134,7 +134,9 @@ class FlowFabric:
     def __post_init__(self) -> None:
         self.names = list(self.graph.edges)
         self.edge_ids = {edge: i for i, edge in enumerate(self.names)}
-        self.capacity = [self.graph.edges[e]["bandwidth"] / 1e9 for e in self.names]
+        # what NCCL's transfers reach of each link (its line rate times its efficiency, docs/topologies.md)
+        self.capacity = [self.graph.edges[e]["bandwidth"] * self.graph.edges[e].get("efficiency", 1.0) / 1e9
+                         for e in self.names]
         self._capacity = np.asarray(self.capacity, dtype=np.float64)
         self.latency = [float(self.graph.edges[e]["latency_ns"]) for e in self.names]
         # Every node is routable, a GPU whose links all failed too: it is just unreachable.

@@ -2,9 +2,9 @@
 timeline of what ops stash and free (activations, deferred-W inputs, recompute inputs, p2p buffers).
 
 Byte counts per parameter (ZeRO paper's accounting, Adam):
-  bf16/fp16 mixed precision: weights 2 (each extra stashed version 2 more), gradients 2 (4 under the default
-  ``memory.runtime: megatron``, its fp32 main_grad), optimizer 12 (fp32 master copy 4 + momentum 4 + variance 4)
-  -> 16 bytes per parameter (18 under megatron).
+  bf16/fp16 mixed precision: weights 2 (each extra stashed version 2 more), gradients 2 (4 for bf16 under the
+  default ``memory.runtime: megatron``, its fp32 main_grad), optimizer 12 (fp32 master copy 4 + momentum 4 +
+  variance 4) -> 16 bytes per parameter (18 for bf16 under megatron).
   fp32: weights 4 (+4 per extra version), gradients 4, optimizer 8 (momentum + variance) -> 16.
 """
 
@@ -35,12 +35,14 @@ class StaticMemory:
         return self.weights + self.gradients + self.optimizer
 
 
-def static_memory(params: int, versions: int, precision: str, runtime: str = "megatron") -> StaticMemory:
+def static_memory(params: int, versions: int, precision: str, runtime: str = "megatron",
+                  optimizer_shards: int = 1) -> StaticMemory:
     """Weights times the versions held, one gradient buffer (in the runtime's precision: ``memory_runtime``), Adam
-    state."""
+    state (a distributed optimizer's shard of it: 1 / ``optimizer_shards``; the gradients stay whole, as Megatron's
+    reduce-scatter fills a full-size buffer)."""
     bytes_per = PRECISIONS[precision]  # simulator/models.py: the one precision table
-    return StaticMemory(params * bytes_per.weight_bytes * versions, params * grad_bytes(runtime, bytes_per.grad_bytes),
-                        params * bytes_per.optimizer_bytes)
+    return StaticMemory(params * bytes_per.weight_bytes * versions, params * grad_bytes(runtime, precision),
+                        -(-params * bytes_per.optimizer_bytes // optimizer_shards))
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ class OpArrays:
     end: np.ndarray
     activation: np.ndarray  # M_B
     weight_grad: np.ndarray  # M_W
-    stage_input: np.ndarray
+    stage_input: np.ndarray  # what F keeps under full recompute
+    rebuilt: np.ndarray  # what a backward rebuilds under full recompute
 
 
 def op_memory_events(ops: OpArrays, recompute: bool, chunks: int) -> MemoryEvents:
@@ -80,13 +83,13 @@ def op_memory_events(ops: OpArrays, recompute: bool, chunks: int) -> MemoryEvent
 
     The memory effect of each compute kind, in one place: F stashes M_B (only the stage input under recompute);
     I turns it into M_W; W frees M_W;
-    a fused B frees everything. Under recompute a backward first rebuilds M_B.
+    a fused B frees everything. Under recompute a backward first rebuilds M_B (``StageCost.rebuilt``).
     """
     unit = 1.0 / chunks
     kept = ops.stage_input if recompute else ops.activation
     forward, weight, input_grad = ops.kind == KIND_CODE[K.F], ops.kind == KIND_CODE[K.W], ops.kind == KIND_CODE[K.I]
     backward = input_grad | (ops.kind == KIND_CODE[K.B])
-    rebuilt = ops.activation if recompute else np.zeros_like(ops.activation)
+    rebuilt = ops.rebuilt if recompute else np.zeros_like(ops.activation)
     residue = np.where(input_grad, ops.weight_grad, 0)
     parts = [
         events(ops.device[forward], ops.start[forward], kept[forward], unit),
@@ -128,10 +131,13 @@ K = ActionKind
 
 
 def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], precision: str,
-           runtime: str = "megatron", gradient_buffers: int = 1) -> tuple[list[DeviceMemory], list[int]]:
+           runtime: str = "megatron", gradient_buffers: int = 1, optimizer_shards: int = 1, overhead_bytes: int = 0
+           ) -> tuple[list[DeviceMemory], list[int]]:
     """Per device: static state plus what compute ops stash and p2p buffers hold, over the timeline; ``runtime``
     says which buffers are held how long (``simulator.memory_runtime``); ``gradient_buffers`` counts the gradients
-    that many times (2BW's deferred step keeps the next iteration's apart, ``lowering.add_optimizer_steps``).
+    that many times (2BW's deferred step keeps the next iteration's apart, ``lowering.add_optimizer_steps``);
+    ``optimizer_shards`` splits the optimizer state (a distributed optimizer over that many replicas);
+    ``overhead_bytes`` is what every device holds besides tensors (``simulator.memory_overheads``).
 
     Returns:
         (memory timeline per device, static bytes per device).
@@ -139,10 +145,10 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
     home = np.asarray(schedule.stage_to_device)
     params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
     tensors = np.bincount(home, [c.param_tensors for c in stage_costs], minlength=schedule.num_devices)
-    state = [static_memory(int(params[d]), schedule.versions(d), precision, runtime)
+    state = [static_memory(int(params[d]), schedule.versions(d), precision, runtime, optimizer_shards)
              for d in range(schedule.num_devices)]
     static = [s.total + (gradient_buffers - 1) * s.gradients + int(tensors[d]) * step_counter_bytes(runtime)
-              for d, s in enumerate(state)]
+              + overhead_bytes for d, s in enumerate(state)]
     stage, compute = records.stage, records.mask(Role.COMPUTE)
     at = stage[compute]
     ops = OpArrays(
@@ -151,6 +157,7 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
         activation=np.array([c.activation_bytes for c in stage_costs], dtype=np.int64)[at],
         weight_grad=np.array([c.weight_grad_bytes for c in stage_costs], dtype=np.int64)[at],
         stage_input=np.array([c.input_bytes for c in stage_costs], dtype=np.int64)[at],
+        rebuilt=np.array([c.rebuilt for c in stage_costs], dtype=np.int64)[at],
     )
     boundary = np.array([c.boundary_bytes for c in stage_costs], dtype=np.int64)
     parts = [op_memory_events(ops, schedule.recompute, schedule.chunks),

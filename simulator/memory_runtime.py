@@ -3,8 +3,8 @@
 Two training runtimes hold different buffers around the same program:
 
 - ``megatron`` (the default): a stage's output is freed once sent (``deallocate_output_tensor``), so only the
-  send's copy is held until the transfer arrives, and a received buffer until its consumer starts. Under mixed
-  precision the gradients are Megatron's fp32 ``main_grad``: 4 bytes per parameter, not 2.
+  send's copy is held until the transfer arrives, and a received buffer until its consumer starts. Under bf16 the
+  gradients are Megatron's fp32 ``main_grad``: 4 bytes per parameter, not 2.
 - ``torch`` (torch.distributed.pipelining's runtime, which pipescope's executor mirrors): a stage's output is kept
   until its backward, and everything a rank sends (outputs and input gradients) until the end of the step, where
   all sends are waited for. A receive buffer is taken when the receive is posted (its place in the device's list)
@@ -15,11 +15,12 @@ Two training runtimes hold different buffers around the same program:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipescope.simulator.ir import ActionKind, Role
+from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.program import KIND_CODE, RECEIVED_FROM, SENT_BY, ActionIndex
 from pipescope.simulator.timeline import Timeline
 
@@ -31,14 +32,23 @@ STEP_COUNTER_BYTES = 4  # torch AdamW's per-tensor ``step``, a float32 scalar
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """The ``memory`` section: ``runtime``, one of ``RUNTIMES``: whose buffers the ledger counts."""
+    """The ``memory`` section: ``runtime``, one of ``RUNTIMES``: whose buffers the ledger counts; ``cuda_context``
+    and ``nccl_communicator``: bytes of the CUDA context and of one NCCL communicator on each GPU (unset: the
+    measurements of ``simulator/memory_overheads.py``; analytic costs only)."""
 
     runtime: str = "megatron"
+    cuda_context: int | None = field(default=None, metadata={"unit": "size"})
+    nccl_communicator: int | None = field(default=None, metadata={"unit": "size"})
 
 
-def grad_bytes(runtime: str, precision_grad_bytes: int) -> int:
-    """Bytes per parameter of the gradient buffer the runtime keeps."""
-    return MAIN_GRAD_BYTES if runtime == "megatron" else precision_grad_bytes
+def grad_bytes(runtime: str, precision: str) -> int:
+    """Bytes per parameter of the gradient buffer the runtime keeps, which the data-parallel reduction also moves:
+    Megatron accumulates and all-reduces a bf16 model's gradients in fp32 (``megatron/arguments.py`` turns on
+    ``accumulate_allreduce_grads_in_fp32`` with ``--bf16``) and an fp16 model's in fp16; torch keeps the parameters'
+    precision."""
+    if runtime == "megatron" and precision == "bf16":
+        return MAIN_GRAD_BYTES
+    return PRECISIONS[precision].grad_bytes
 
 
 def step_counter_bytes(runtime: str) -> int:

@@ -45,16 +45,24 @@ def parse_recompute(value: object) -> str:
 class ParallelConfig:
     """The ``parallel`` section: ``tensor`` GPUs of one node per pipeline device (Megatron tensor parallelism, 1:
     none) and ``sequence`` parallelism over them (reduce-scatter and all-gather in place of the all-reduces, the layer
-    norms and dropouts split over t; needs tensor > 1). docs/cli.md, "parallel"."""
+    norms and dropouts split over t; needs tensor > 1); ``tp_comm_overlap``: those all-gathers and reduce-scatters
+    run in chunks behind the matmuls they feed or follow (Transformer Engine's userbuffers; needs sequence);
+    ``distributed_optimizer``: Megatron's distributed optimizer (ZeRO-1) over the data-parallel replicas, which
+    reduce-scatter the gradients, step their shard and all-gather the weights. docs/cli.md, "parallel"."""
 
     tensor: int = 1
     sequence: bool = False
+    tp_comm_overlap: bool = False
+    distributed_optimizer: bool = False
 
 
 def check_parallel(parallel: ParallelConfig, model: ModelSpec | None, gpus_per_node: int | None) -> None:
     """ValueError naming the key unless t divides the node's GPUs, the heads (so the hidden and MLP sizes) and, with
     sequence parallelism, the sequence; and sequence parallelism has t > 1. ``None``: that part is not checked."""
     t = parallel.tensor
+    if parallel.tp_comm_overlap and not parallel.sequence:
+        raise ValueError("parallel.tp_comm_overlap: got true without parallel.sequence, expected parallel.sequence "
+                         "true (the overlap splits sequence parallelism's all-gathers and reduce-scatters)")
     if parallel.sequence and t < 2:
         raise ValueError("parallel.sequence: got true with parallel.tensor = 1, expected parallel.tensor > 1 "
                          "(sequence parallelism splits over the tensor-parallel GPUs)")
@@ -100,6 +108,7 @@ class TensorSplit:
     sequence: bool = False
     selective: bool = False
     times: tuple[CollectiveTimes, ...] = ()
+    overlap: bool = False  # parallel.tp_comm_overlap: each layer collective runs behind its matmul
 
     def layer_work(self, model: ModelSpec, microbatch_size: int, precision: str, attention: str) -> LayerWork:
         """``models.layer_work`` with per-GPU bytes (FLOPs stay the whole layer's: the MFU convention's).
@@ -148,7 +157,8 @@ class TensorSplit:
             params += self.vocab_slice(model) * h + model.seq * h
         return params
 
-    def comm_ns(self, stage: int, layers: int, first: bool, last: bool) -> tuple[int, int]:
+    def comm_ns(self, stage: int, layers: int, first: bool, last: bool,
+                gemm_ns: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> tuple[int, int]:
         """(ns added to F, ns added to I) of ``stage`` for its tensor-parallel collectives.
 
         Per layer, F and I each run two all-reduces of the activation (after the row-parallel out projection and
@@ -156,6 +166,12 @@ class TensorSplit:
         and two reduce-scatters. The vocabulary-parallel embedding all-reduces (reduce-scatters) its output in F;
         the output layer all-reduces (reduce-scatters) the gradient of its input in I, all-gathers its input in
         F under sequence parallelism, and cross-entropy all-reduces three fp32 values per token in F.
+
+        With ``overlap`` (Transformer Engine's userbuffers, sequence parallelism only) each all-gather runs in chunks
+        behind the matmul it feeds and each reduce-scatter behind the matmul it follows: a layer's pass waits only
+        for what a collective takes beyond its matmul. ``gemm_ns`` gives one layer's four matmul times per pass
+        (F, I), in the order the collectives pair with them: all-gather, reduce-scatter, all-gather,
+        reduce-scatter.
         """
         if self.tensor < 2 or not self.times:
             return 0, 0
@@ -163,6 +179,10 @@ class TensorSplit:
         pair = 2 * (c.all_gather + c.reduce_scatter) if self.sequence else 2 * c.all_reduce
         to_whole = c.reduce_scatter if self.sequence else c.all_reduce
         forward = backward = layers * pair
+        if self.overlap:
+            collectives = (c.all_gather, c.reduce_scatter) * 2
+            forward, backward = (layers * sum(max(0, comm - gemm) for comm, gemm in zip(collectives, gemms))
+                                 for gemms in gemm_ns)
         if first:
             forward += to_whole
         if last:

@@ -34,10 +34,14 @@ class SyncError(ValueError):
 
 @dataclass(frozen=True)
 class GradSync:
-    """How replicas synchronise gradients: bucket size in bytes, overlapped with the backward or all at the end."""
+    """How replicas synchronise gradients: bucket size in bytes, overlapped with the backward or all at the end;
+    ``sharded``: Megatron's distributed optimizer (ZeRO-1), which reduce-scatters the gradients instead, steps its
+    shard and all-gathers the weights after the step (with ``overlap``, behind the next iteration's forwards, as
+    ``--overlap-param-gather`` does: not in this iteration)."""
 
     bucket_bytes: int = DDP_BUCKET_BYTES
     overlap: bool = True
+    sharded: bool = False
 
 
 @dataclass
@@ -50,7 +54,8 @@ class _Sync:
     blocks: list[int] = field(default_factory=list)  # base entries (later forwards) that wait for its end
 
 
-def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: list[int], sync: GradSync) -> Program:
+def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: list[int], sync: GradSync,
+                  weight_bytes: list[int] | None = None) -> Program:
     """The program of ``width`` replicas of ``base`` with bucketed gradient all-reduces (see the module doc).
 
     Args:
@@ -59,10 +64,29 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
         schedule: what ``base`` was compiled from (stage map, microbatches per iteration, weight-update rule).
         width: data-parallel replicas w >= 1.
         grad_bytes: per stage, the bytes of its gradients.
-        sync: bucket size and overlap.
+        sync: bucket size, overlap, and whether the optimizer is sharded.
+        weight_bytes: per stage, the bytes of its weights, which a sharded optimizer all-gathers after its step.
     """
     syncs = _syncs(base, schedule, width, grad_bytes, sync)
+    if sync.sharded and not sync.overlap and width > 1:
+        syncs += _weight_gathers(base, schedule, width, weight_bytes or [0] * len(grad_bytes), sync)
     return _replicate(base, width, syncs)
+
+
+def _weight_gathers(base: Program, schedule: Schedule, width: int, weight_bytes: list[int], sync: GradSync
+                    ) -> list[_Sync]:
+    """A sharded optimizer's all-gather of each stage's updated weights, in buckets, once its step ends (a flush
+    schedule's: the iteration waits for them)."""
+    cols, devices = base.columns, schedule.num_devices
+    steps = cols.kind == KIND_CODE[K.OPT]
+    found = []
+    for stage, nbytes in enumerate(weight_bytes):
+        group = tuple(r * devices + schedule.stage_to_device[stage] for r in range(width))
+        for step in np.flatnonzero(steps & (cols.stage == stage)).tolist():
+            for j, size in enumerate(_split(nbytes, sync.bucket_bytes) if nbytes > 0 else []):
+                collective = Collective(stage, K.ALL_GATHER, int(cols.microbatch[step]), group, size, j)
+                found.append(_Sync(step, base.duration[step], collective))
+    return found
 
 
 def _syncs(base: Program, schedule: Schedule, width: int, grad_bytes: list[int], sync: GradSync) -> list[_Sync]:
@@ -101,8 +125,9 @@ def _syncs(base: Program, schedule: Schedule, width: int, grad_bytes: list[int],
             blocks = [int(later.min())] if len(later) else []
             blocks += step.tolist()  # the optimizer step applies the reduced gradients
             last_microbatch = step_microbatch(update, m, g)
+            kind = K.REDUCE_SCATTER if sync.sharded else K.ALL_REDUCE
             for j, (size, offset) in enumerate(zip(buckets, offsets)):
-                collective = Collective(stage, K.ALL_REDUCE, last_microbatch, group, size, j)
+                collective = Collective(stage, kind, last_microbatch, group, size, j)
                 found.append(_Sync(trigger, offset, collective, blocks))
     return found
 

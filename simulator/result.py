@@ -13,6 +13,7 @@ import pandas as pd
 
 from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import ActionKind, Role, Schedule
+from pipescope.simulator.memory_overheads import NO_OVERHEADS, Overheads
 from pipescope.simulator.program import KIND_CODE
 from pipescope.simulator.memory import DeviceMemory, ledger
 from pipescope.simulator.timeline import Timeline, uncovered_ns
@@ -62,6 +63,7 @@ class SimResult:
     memory_capacity_bytes: int | None = None
     model_flops_per_iteration: float | None = None
     peak_flops_per_device: float | None = None
+    hardware_flops_per_iteration: float | None = None  # model FLOPs plus what recompute runs again
     warnings: list[str] = field(default_factory=list)
     config: Any = None
     links: list[dict] = field(default_factory=list)  # per directed edge that carried bytes (RoutedNetwork)
@@ -72,6 +74,7 @@ class SimResult:
     memory_runtime: str = "megatron"  # whose buffers the ledger counted (``simulator.memory_runtime``)
     gradient_buffers: int = 1  # 2 where steps are deferred (2BW with replicas, ``lowering.add_optimizer_steps``)
     kernels: list[dict] = field(default_factory=list)  # analytic costs: the roofline per kernel (docs/costs.md)
+    memory_overheads: Overheads = NO_OVERHEADS  # per GPU, besides tensors; in every device's static bytes
     cluster_name: str = ""  # the topology's own name (a file's ``name``), for the report's headline
 
     def __repr__(self) -> str:
@@ -98,10 +101,18 @@ class SimResult:
     @property
     def mfu(self) -> float | None:
         """Model FLOPs per second over the pipeline's peak, when the cost model knows both."""
-        if not self.model_flops_per_iteration or not self.peak_flops_per_device or not self.iteration_ns:
+        return self._utilization(self.model_flops_per_iteration)
+
+    @property
+    def hfu(self) -> float | None:
+        """Hardware FLOPs (the model's plus the forwards recompute runs again) per second over the pipeline's peak:
+        the convention of sources that count recompute, such as Megatron-LM's equation 3."""
+        return self._utilization(self.hardware_flops_per_iteration)
+
+    def _utilization(self, flops: float | None) -> float | None:
+        if not flops or not self.peak_flops_per_device or not self.iteration_ns:
             return None
-        achieved = self.model_flops_per_iteration / self.iteration_time_s
-        return achieved / (self.peak_flops_per_device * self.schedule.num_devices)
+        return flops / self.iteration_time_s / (self.peak_flops_per_device * self.schedule.num_devices)
 
     @property
     def data_parallel(self) -> int:
@@ -148,7 +159,9 @@ class SimResult:
             "bubble_rate": self.bubble_rate,
             "throughput_samples_per_s": self.throughput_samples_per_s,
             "mfu": self.mfu,
+            "hfu": self.hfu,
             "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_overheads": self.memory_overheads.as_dict(),
             "memory_capacity_bytes": self.memory_capacity_bytes,
             "oom": self.oom,
             "sim_wall_s": self.sim_wall_s,
@@ -219,7 +232,7 @@ def _busiest_union_ns(device: np.ndarray, start: np.ndarray, end: np.ndarray) ->
 
 def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], precision: str,
                  samples_per_iteration: int, memory_runtime: str = "megatron", gradient_buffers: int = 1,
-                 **extra: Any) -> SimResult:
+                 optimizer_shards: int = 1, memory_overheads: Overheads = NO_OVERHEADS, **extra: Any) -> SimResult:
     """Derive every statistic from the timeline's compute and collective rows and the memory ledger.
 
     Args:
@@ -230,6 +243,8 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
         precision: bytes per parameter and activation.
         memory_runtime: whose buffers the memory ledger counts (``simulator.memory_runtime``).
         gradient_buffers: gradient buffers per stage (2 where 2BW defers its steps).
+        optimizer_shards: the replicas a distributed optimizer shards its state over (1: none).
+        memory_overheads: what every GPU holds besides tensors (CUDA context, NCCL, workspace).
         samples_per_iteration: for throughput.
         **extra: further ``SimResult`` fields (memory capacity, MFU inputs, warnings, config, wall time).
     """
@@ -243,7 +258,8 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
     span = np.where(np.bincount(device, minlength=p) > 0, last - first, 0)
     max_span = int(span.max()) or 1
     replica0 = records if p == pipeline else records.subset(records.device < pipeline, pipeline)
-    memory, static = ledger(schedule, replica0, stage_costs, precision, memory_runtime, gradient_buffers)
+    memory, static = ledger(schedule, replica0, stage_costs, precision, memory_runtime, gradient_buffers,
+                            optimizer_shards, memory_overheads.total)
     comm = records.mask(Role.SEND) | records.mask(Role.RECV) | collective
     exposed_comm, exposed_allreduce = uncovered_ns(records, [comm, collective], compute)
     busy_ns, span_ns = busy.tolist(), span.tolist()  # Python numbers: a notebook shows 0.07, not np.float64(0.07)
@@ -259,7 +275,8 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
     bubble = 1.0 - int(busy.sum()) / (p * max_span)
     return SimResult(schedule, records, devices, memory, iteration, fill_drain, makespan, bubble,
                      samples_per_iteration, stage_costs=stage_costs, precision=precision,
-                     memory_runtime=memory_runtime, gradient_buffers=gradient_buffers, **extra)
+                     memory_runtime=memory_runtime, gradient_buffers=gradient_buffers,
+                     memory_overheads=memory_overheads, **extra)
 
 
 def with_timeline(result: SimResult, records: Timeline) -> SimResult:
@@ -267,6 +284,6 @@ def with_timeline(result: SimResult, records: Timeline) -> SimResult:
     ledger, from those times."""
     rebuilt = build_result(result.schedule, records, result.stage_costs, result.precision,
                            result.samples_per_iteration, result.memory_runtime, result.gradient_buffers,
-                           config=result.config, warnings=[])
+                           memory_overheads=result.memory_overheads, config=result.config, warnings=[])
     rebuilt.cluster_name = result.cluster_name
     return rebuilt

@@ -14,6 +14,7 @@ from pipescope.simulator.host_cores import SharedCores
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
 from pipescope.simulator.lowering import add_optimizer_steps, defers_steps, gradient_buffers, lower
+from pipescope.simulator.memory_runtime import grad_bytes
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.network import FifoLinks, Network
 from pipescope.simulator.program import Program, compile_program, op_durations
@@ -59,10 +60,13 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         # 2BW with replicas hides its all-reduce behind the next iteration (lowering.add_optimizer_steps)
         deferred = network is not None and defers_steps(schedule.weight_update, data_parallel)
         program, stage_costs = prepare(schedule, costs, deferred)
-        grads = [c.params * PRECISIONS[costs.precision].grad_bytes for c in stage_costs]
+        per_param = grad_bytes(extra.get("memory_runtime", "megatron"), costs.precision)
+        grads = [c.params * per_param for c in stage_costs]  # what the ledger holds is what the replicas reduce
+        weights = [c.params * PRECISIONS[costs.precision].weight_bytes for c in stage_costs]
         width = data_parallel if network is not None and any(grads) else 1
+        sync = grad_sync or GradSync()
         if width > 1:
-            program = replicas.data_parallel(program, schedule, width, grads, grad_sync or GradSync())
+            program = replicas.data_parallel(program, schedule, width, grads, sync, weights)
         if faults is not None:
             faults.apply(program)
         network = network or FifoLinks.fixed_delay(0)
@@ -75,7 +79,8 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         records = replay_timeline(program, times, schedule.num_devices * width, schedule.num_devices)
         result = build_result(schedule, records, stage_costs, costs.precision, samples,
                               warnings=costs.notes() + _run_notes(schedule),
-                              gradient_buffers=gradient_buffers(deferred), **extra)
+                              gradient_buffers=gradient_buffers(deferred),
+                              optimizer_shards=data_parallel if sync.sharded else 1, **extra)
     if isinstance(network, RoutedNetwork):
         result.links, result.network = network.link_stats(result.makespan_ns), network.counters()
         result.link_spans = network.busy_spans()

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from pipescope.simulator.ir import ActionKind
-from pipescope.simulator.models import PRECISIONS, Kernel, ModelSpec, output_activation_bytes, output_kernels
+from pipescope.simulator.kernels import Kernel, output_kernels
+from pipescope.simulator.models import PRECISIONS, ModelSpec, output_activation_bytes
 from pipescope.simulator.units import short_repr
 
 K = ActionKind

@@ -438,7 +438,9 @@ def test_any_corruption_loads_cleanly_or_fails_in_one_line(edits: list[tuple], m
             for stages in (1, 2, 3, 5):
                 for stage in range(stages):
                     cost = costs.stage_cost(stage, stages, 1)
-                    for value in dataclasses.astuple(cost):
+                    for name, value in vars(cost).items():
+                        if value is None and name in ("backward_ns", "rebuilt_bytes"):  # unmeasured: I + W, M_B
+                            continue
                         assert isinstance(value, int) and 0 <= value < 2**63, cost
             for nbytes in (0, 1, 4096, cost.boundary_bytes, 1 << 30):
                 link = costs.p2p_link(nbytes)

@@ -238,13 +238,15 @@ def test_hierarchical_beats_a_flat_ring_across_nodes_with_slow_nics():
 def test_dgx_h100_all_reduce_busbw_is_in_the_published_range():
     """nccl-tests all_reduce_perf on 8 H100 SXM: ~370 GB/s busbw with NCCL_ALGO=RING (NVLink 450 GB/s line rate
     less ~20% protocol overhead) and ~480 GB/s with NVLink SHARP, the default (NCCL's maintainer in
-    NVIDIA/nccl-tests#212; NVIDIA/nccl#1455 measures 365-370 GB/s ring on 8 H100). Our ring runs at line rate."""
+    NVIDIA/nccl-tests#212; NVIDIA/nccl#1455 measures 365-370 GB/s ring on 8 H100). Our ring runs at the NVLink
+    edges' NCCL efficiency (367.2 of 450 GB/s, measured on 8 H200 without SHARP; docs/topologies.md), less its
+    latency steps; line rate it ran at before, 448 GB/s, was above every ring measurement."""
     graph = load_topology("dgx-h100")
     network = RoutedNetwork(graph, gpu_nodes(graph))
     size = 1 << 30
     end = time_alone(network, collective=(K.ALL_REDUCE, list(range(8)), size))[0]
     busbw = size / (end / 1e9) * 2 * 7 / 8
-    assert 370 * GB <= busbw <= 480 * GB
+    assert 360 * GB <= busbw <= 367.2 * GB
 
 
 # Data parallelism ------------------------------------------------------------------------------------------------
@@ -345,7 +347,7 @@ def test_tensor_parallel_gpus_each_move_their_own_slice_through_the_nics_they_sh
     assert send_ns("dgx-h100", 2) < 0.6 * send_ns("dgx-h100", 1)
     for topology, sharing in (("pcie-box", 2), ("dgx-h100", 1)):
         run2 = result(topology, 2, 2, 1)  # two replicas of one stage, one per server: a 2-member ring per GPU
-        shard = run2.stage_costs[0].params * 2  # bf16 gradients of one GPU; the ring moves each once per link
+        shard = run2.stage_costs[0].params * 4  # Megatron's fp32 gradients of one GPU; the ring moves each once
         assert max(link["bytes"] for link in run2.links if link["kind"] == "nic") == sharing * shard
 
 

@@ -14,6 +14,7 @@ from pipescope.simulator.costs import StageCost, UniformCosts
 from pipescope.simulator.engine import Engine
 from pipescope.simulator.ir import ActionKind, Collective
 from pipescope.simulator.lowering import NORM_BYTES, add_optimizer_steps, lower
+from pipescope.simulator.memory_overheads import NCCL_COMMUNICATOR_BYTES
 from pipescope.simulator.oracle import Oracle
 from pipescope.simulator.replicas import GradSync, data_parallel
 from pipescope.simulator.schedules import build
@@ -215,5 +216,7 @@ def test_2bw_with_replicas_defers_its_step_and_keeps_a_second_gradient_buffer() 
     assert order[1].index("0OPT3") == order[1].index("0F4") + 1  # after iteration 0's last backward, among F4..
     assert order[2].index("0OPT3") == order[2].index("0F8") - 1  # just before iteration 2's first forward
     gradients = [c.params * 4 for c in alone.stage_costs]  # Megatron's fp32 main_grad under bf16
+    communicator = replicated.memory_overheads.nccl - alone.memory_overheads.nccl  # the data-parallel group's
+    assert communicator == NCCL_COMMUNICATOR_BYTES
     assert [d.static_memory_bytes for d in replicated.devices[:2]] == [
-        d.static_memory_bytes + g for d, g in zip(alone.devices, gradients)]
+        d.static_memory_bytes + g + communicator for d, g in zip(alone.devices, gradients)]

@@ -39,7 +39,8 @@ def test_bounds_hold_against_simulation(name: str) -> None:
         if name not in ("2bw", "pipedream"):  # a flush schedule runs no faster on a free network (plan.refine)
             assert simulate(built.schedule, built.costs).makespan_ns <= result.iteration_time_s * 1e9 + 1
         buffers = 2 if name == "2bw" and dp > 1 else 1  # 2BW with replicas keeps a second gradient buffer
-        bounds = memory_lower_bounds(built.schedule, costs, built.config.model.precision, gradient_buffers=buffers)
+        bounds = memory_lower_bounds(built.schedule, costs, built.config.model.precision, gradient_buffers=buffers,
+                                     overhead_bytes=built.overheads.total)
         peaks = [row["peak_memory_bytes"] for row in result.summary()["per_device"]]
         assert all(b <= peak for b, peak in zip(bounds, peaks))
         assert all(b >= 0.9 * peak for b, peak in zip(bounds, peaks))  # and close: only p2p buffers are left out

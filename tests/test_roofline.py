@@ -14,18 +14,10 @@ import pytest
 from pipescope import load_config, run
 from pipescope.config import ConfigError
 from pipescope.calibration.profile_io import write_table
-from pipescope.simulator.costs import AnalyticCosts, Roofline, UniformCostsConfig, seconds_to_ns
-from pipescope.simulator.models import (
-    ATTENTIONS,
-    PASSES,
-    Kernel,
-    layer_kernels,
-    layer_work,
-    optimizer_kernels,
-    output_kernels,
-    output_layer_flops,
-    preset,
-)
+from pipescope.simulator.costs import AnalyticCosts, UniformCostsConfig, seconds_to_ns
+from pipescope.simulator.gpu_rates import Roofline
+from pipescope.simulator.kernels import PASSES, Kernel, layer_kernels, optimizer_kernels, output_kernels
+from pipescope.simulator.models import ATTENTIONS, layer_work, output_layer_flops, preset
 from pipescope.simulator.profile_schema import ProfileError
 from pipescope.simulator.profiled import ProfiledCosts
 from pipescope.topologies.devices import DEVICES
@@ -66,7 +58,7 @@ def test_a_kernel_waits_for_compute_or_memory_whichever_is_slower() -> None:
     costs = h100_costs()
     roofline = costs.roofline
     kernels = {(k.name, k.op): k for k in layer_kernels(MODEL, 1, "bf16")}
-    qkv, gelu = kernels["QKV", "F"], kernels["GeLU", "F"]
+    qkv, gelu = kernels["QKV", "F"], kernels["bias-GeLU", "F"]
     assert roofline.seconds(qkv) == qkv.flops / (989e12 * 0.5) and roofline.bound(qkv) == "compute"
     assert roofline.seconds(gelu) == gelu.nbytes / (3350e9 * 0.8) and roofline.bound(gelu) == "memory"
     assert gelu.nbytes == 8 * 1024 * 2048 * 2  # reads and writes the 4h-wide activation in bf16
@@ -234,7 +226,7 @@ def test_bad_values_are_one_line_errors(setting: str, message: str, cli) -> None
 
 
 def test_roofline_without_memory_rate_times_flops_only() -> None:
-    roofline = Roofline(1e12, None)
+    roofline = Roofline(1e12, 1.0, None)
     kernel = Kernel("x", "F", 2e12, 1e15)
     assert roofline.seconds(kernel) == 2.0 and roofline.bound(kernel) == "compute"
     assert roofline.seconds(Kernel("add", "F", 0, 1e9)) == 0.0

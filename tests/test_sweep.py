@@ -462,6 +462,6 @@ def test_bad_flags_are_one_line_errors(cli, tmp_path, flags: list[str], named: s
 def test_an_error_without_a_message_is_still_an_error_row() -> None:
     """An exception that says nothing made an ok row with error "" (and, now that rows are checked, a damaged one
     that ran again forever): its type stands in for the message."""
-    assert sweep._one_line(RuntimeError()) == "RuntimeError" and sweep._one_line(ValueError("  ")) == "ValueError"
-    row = sweep._row("id", {}, None, sweep._one_line(KeyError()), 0.1)
+    assert sweep.one_line(RuntimeError()) == "RuntimeError" and sweep.one_line(ValueError("  ")) == "ValueError"
+    row = sweep._row("id", {}, None, sweep.one_line(KeyError()), 0.1)
     assert (row["status"], row["error"]) == ("error", "KeyError")

@@ -1,4 +1,5 @@
-"""Datasheet numbers of the GPUs the machines are built of: dense peak per precision, HBM size.
+"""Datasheet numbers of the GPUs the machines are built of, and the public measurements of what their kernels reach
+(docs/costs.md, "Rates", has each source).
 
 A precision the GPU cannot run at tensor-core speed is absent from its ``peak_flops``: V100 has fp16 tensor cores
 but no bf16 at all (it would run emulated, far below any datasheet number), so a bf16 run on V100 is refused
@@ -9,14 +10,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipescope.simulator.gpu_rates import FlashRates
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
-    """Datasheet numbers: dense tensor-core peak per precision (FLOP/s), HBM bandwidth and size."""
+    """A GPU: its datasheet (dense tensor-core peak per precision in FLOP/s, HBM bandwidth and size, SM count) and
+    what real kernels reach on it, each a fraction of the datasheet's number (so a ``cluster.peak_flops`` or
+    ``memory_bandwidth`` given for another part scales them): ``gemm_efficiency`` of the peak that large GEMMs reach
+    in cuBLAS, ``memory_efficiency`` of the HBM bandwidth a streaming kernel reaches, ``flash`` FlashAttention's
+    measured forward+backward rates."""
 
     name: str
     peak_flops: dict[str, float]
     memory_bandwidth: float
     memory_bytes: int
+    sms: int
+    gemm_efficiency: float
+    memory_efficiency: float
+    flash: FlashRates
 
     @property
     def default_precision(self) -> str:
@@ -25,9 +37,38 @@ class DeviceSpec:
 
 
 GiB = 1 << 30
+SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _flash(tflops: dict[int, tuple[float, ...]], peak: float) -> FlashRates:
+    """FlashRates from TFLOP/s at ``SEQS`` per head dimension, measured on a GPU of dense ``peak`` FLOP/s."""
+    return FlashRates(tuple((d, tuple(zip(SEQS, (r * 1e12 / peak for r in rates)))) for d, rates in tflops.items()))
+
+
+# FlashAttention-2 (Dao 2023, arXiv 2307.08691), forward+backward under a causal mask, TFLOP/s read off the bars of
+# its Fig. 4 (A100 80GB SXM4) and Fig. 7 (H100 80GB SXM5): Dao-AILab/flash-attention,
+# assets/flash2_a100_fwd_bwd_benchmark.png and flash2_h100_fwd_bwd_benchmark.png (commit 4f285b35).
+_FLASH2_A100_TFLOPS = {64: (88, 119, 140, 156, 165, 171), 128: (99, 133, 155, 173, 182, 189)}
+_FLASH2_H100_TFLOPS = {64: (141, 192, 232, 257, 273, 284), 128: (163, 221, 265, 294, 308, 328)}
+# FlashAttention does not run on V100 (sm70) and no V100 rate was published: an estimate, the A100 curve scaled by
+# the two fp16 peaks.
+_FLASH_V100_TFLOPS = {d: tuple(r * 125 / 312 for r in rates) for d, rates in _FLASH2_A100_TFLOPS.items()}
+FLASH_V100, FLASH_A100 = _flash(_FLASH_V100_TFLOPS, 125e12), _flash(_FLASH2_A100_TFLOPS, 312e12)
+FLASH_H100 = _flash(_FLASH2_H100_TFLOPS, 989e12)
+
 DEVICES: dict[str, DeviceSpec] = {
-    "v100": DeviceSpec("V100-SXM2-32GB", {"fp16": 125e12, "fp32": 15.7e12}, 900e9, 32 * GiB),
-    "a100": DeviceSpec("A100-SXM4-80GB", {"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, 2039e9, 80 * GiB),
-    "h100": DeviceSpec("H100-SXM5-80GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 3350e9, 80 * GiB),
-    "h200": DeviceSpec("H200-SXM-141GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 4800e9, 141 * 10**9),
+    # GEMM: 95 of 125 TFLOP/s fp16 (mli/transformers-benchmarks, README "Micro-Benchmarking Summary"); HBM: its
+    # VectorMul at 784 GB/s of 900 (same table).
+    "v100": DeviceSpec("V100-SXM2-32GB", {"fp16": 125e12, "fp32": 15.7e12}, 900e9, 32 * GiB, sms=80,
+                       gemm_efficiency=0.76, memory_efficiency=0.87, flash=FLASH_V100),
+    # GEMM: 271.2 of 312 TFLOP/s bf16, Stas Bekman's maximum achievable matmul FLOPS (stas00/ml-engineering,
+    # compute/accelerator/README.md); HBM: 1.616 TB/s of 2.039 (mli/transformers-benchmarks VectorMul).
+    "a100": DeviceSpec("A100-SXM4-80GB", {"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, 2039e9, 80 * GiB,
+                       sms=108, gemm_efficiency=0.869, memory_efficiency=0.79, flash=FLASH_A100),
+    # GEMM: 794.5 of 989 TFLOP/s bf16 (the same table, "H200 is the same"); HBM: 3.98 TB/s of 4.8 on H200
+    # (NVIDIA/cccl PR #2086, babelstream mul over 2^28 bytes), no H100 measurement found: the H200's fraction.
+    "h100": DeviceSpec("H100-SXM5-80GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 3350e9, 80 * GiB,
+                       sms=132, gemm_efficiency=0.803, memory_efficiency=0.83, flash=FLASH_H100),
+    "h200": DeviceSpec("H200-SXM-141GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 4800e9, 141 * 10**9,
+                       sms=132, gemm_efficiency=0.803, memory_efficiency=0.83, flash=FLASH_H100),
 }

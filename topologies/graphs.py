@@ -54,8 +54,10 @@ LEAF_PORTS = 32  # NICs per fat-tree leaf: a 64-port switch with 32 ports down a
 
 @dataclass(frozen=True)
 class Link:
-    """One physical link, both directions: ``a -> b`` at ``bandwidth`` (bytes/s) and ``latency_ns``; ``b -> a`` the
-    same unless ``reverse_bandwidth`` / ``reverse_latency_ns`` say otherwise."""
+    """One physical link, both directions: ``a -> b`` at ``bandwidth`` (bytes/s, the line rate) and ``latency_ns``;
+    ``b -> a`` the same unless ``reverse_bandwidth`` / ``reverse_latency_ns`` say otherwise. ``efficiency`` is the
+    fraction of the line rate NCCL's transfers reach on it (nccl-tests' bus bandwidth over the line rate;
+    docs/topologies.md), 1 where none was measured."""
 
     a: str
     b: str
@@ -64,6 +66,7 @@ class Link:
     latency_ns: float
     reverse_bandwidth: float | None = None
     reverse_latency_ns: float | None = None
+    efficiency: float = 1.0
 
     def directed(self, prefix: str = "") -> tuple[tuple[str, str, dict], tuple[str, str, dict]]:
         """The two directed edges, with ``prefix`` before both node ids."""
@@ -71,6 +74,8 @@ class Link:
         back_ns = self.latency_ns if self.reverse_latency_ns is None else self.reverse_latency_ns
         forward = {"bandwidth": self.bandwidth, "latency_ns": self.latency_ns, "kind": self.kind}
         backward = {"bandwidth": back_bw, "latency_ns": back_ns, "kind": self.kind}
+        if self.efficiency != 1.0:
+            forward["efficiency"] = backward["efficiency"] = self.efficiency
         return (prefix + self.a, prefix + self.b, forward), (prefix + self.b, prefix + self.a, backward)
 
 
@@ -90,6 +95,7 @@ class Server:
     nic_latency_ns: float = NIC_NS
     switch_latency_ns: float = SWITCH_NS
     leaf_ports: int = LEAF_PORTS
+    nic_efficiency: float = 1.0  # the fraction of the NIC's line rate NCCL reaches (``Link.efficiency``)
 
     @property
     def nics(self) -> list[str]:
@@ -143,7 +149,8 @@ def _add_fabric(graph: nx.DiGraph, server: Server, nodes: int, fabric: str, rati
         for i, nic in enumerate(nics):
             leaf = i if fabric == "rail" else (k * len(nics) + i) // server.leaf_ports
             down[leaf] += server.nic_bandwidth
-            link = Link(f"n{k}.{nic}", f"leaf{leaf}", "nic", server.nic_bandwidth, server.nic_latency_ns)
+            link = Link(f"n{k}.{nic}", f"leaf{leaf}", "nic", server.nic_bandwidth, server.nic_latency_ns,
+                        efficiency=server.nic_efficiency)
             nic_edges.extend(link.directed())
     graph.add_edges_from(nic_edges)
     graph.add_edges_from(e for j in range(leaves) for s in range(spines)
@@ -175,16 +182,18 @@ def _host(gpus: int, per_switch: int, pcie: float, cpu_link: float) -> tuple[lis
     return parts, links
 
 
-def _nvswitch_box(name: str, device: str, nvswitch: float, pcie: float, cpu_link: float, nic: float) -> Server:
+def _nvswitch_box(name: str, device: str, nvswitch: float, pcie: float, cpu_link: float, nic: float,
+                  nvswitch_efficiency: float, nic_efficiency: float) -> Server:
     """DGX/HGX: 8 GPUs on NVSwitch (one node with each GPU's aggregate), two GPUs per PCIe switch, one NIC per GPU,
     rail-optimised. NIC i hangs off GPU i's PCIe port (GPUDirect RDMA under their shared switch): NCCL pins each
     GPU to its own NIC, and a graph where both NICs of a switch were equally near would let ECMP put two GPUs'
     traffic on one NIC, which NCCL never does. Other GPUs reach NIC i through GPU i (NVSwitch first, as PXN)."""
     parts, host = _host(8, 2, pcie, cpu_link)
     parts = [("nvswitch0", "nvswitch"), *parts, *((f"nic{i}", "nic") for i in range(8))]
-    links = [Link(f"gpu{i}", "nvswitch0", "nvswitch", nvswitch, NVSWITCH_NS) for i in range(8)] + host
+    links = [Link(f"gpu{i}", "nvswitch0", "nvswitch", nvswitch, NVSWITCH_NS, efficiency=nvswitch_efficiency)
+             for i in range(8)] + host
     links += [Link(f"gpu{i}", f"nic{i}", "pcie", pcie, PCIE_NS) for i in range(8)]
-    return Server(name, device, 8, tuple(parts), tuple(links), nic, "rail")
+    return Server(name, device, 8, tuple(parts), tuple(links), nic, "rail", nic_efficiency=nic_efficiency)
 
 
 def _cube_mesh_box(name: str, memory: int | None, cpu_link: float, nic: float) -> Server:
@@ -202,10 +211,16 @@ def _pcie_box() -> Server:
     return Server("pcie-box", "a100", 8, (*parts, ("nic0", "nic")), tuple(links), 100 * GBIT, "fat-tree")
 
 
+# What NCCL reaches of the line rates (docs/topologies.md, "NCCL's share of a link"): an 8-GPU all-reduce's bus
+# bandwidth over the GPU's NVLink rate, 234.89 of 300 GB/s on DGX A100 and 367.2 of 450 on 8 H200 without NVLink
+# SHARP (stas00/ml-engineering network/README.md); per NIC, 24 of 25 GB/s for HDR (NVIDIA/nccl-tests#160) and 47 of
+# 50 for NDR (NVIDIA/nccl-tests#290: "46-48GB/s per NIC").
+NVLINK3_NCCL, NVLINK4_NCCL, HDR_NCCL, NDR_NCCL = 0.783, 0.816, 0.96, 0.94
+
 BUILTINS: dict[str, Server] = {s.name: s for s in (
-    _nvswitch_box("dgx-a100", "a100", 300 * GB, PCIE[4], 144 * GB, 200 * GBIT),
-    _nvswitch_box("dgx-h100", "h100", 450 * GB, PCIE[5], 128 * GB, 400 * GBIT),
-    _nvswitch_box("hgx-h200", "h200", 450 * GB, PCIE[5], 128 * GB, 400 * GBIT),
+    _nvswitch_box("dgx-a100", "a100", 300 * GB, PCIE[4], 144 * GB, 200 * GBIT, NVLINK3_NCCL, HDR_NCCL),
+    _nvswitch_box("dgx-h100", "h100", 450 * GB, PCIE[5], 128 * GB, 400 * GBIT, NVLINK4_NCCL, NDR_NCCL),
+    _nvswitch_box("hgx-h200", "h200", 450 * GB, PCIE[5], 128 * GB, 400 * GBIT, NVLINK4_NCCL, NDR_NCCL),
     _cube_mesh_box("p3.16xlarge", parse_size("16GiB"), 38.4 * GB, 25 * GBIT),
     _cube_mesh_box("p3dn.24xlarge", None, 62.4 * GB, 100 * GBIT),
     _pcie_box(),

@@ -236,7 +236,7 @@ def _identifier(value: object, what: str) -> str:
 
 def _link(entry: object, what: str, declared: dict[str, str], kinds: tuple[str, ...]) -> Link:
     """One ``edges`` entry: a physical link between two declared nodes, with an optional differing ``reverse``."""
-    entry = _fields(entry, what, ("a", "b", "kind", "bandwidth"), ("latency", "latency_ns", "reverse"))
+    entry = _fields(entry, what, ("a", "b", "kind", "bandwidth"), ("latency", "latency_ns", "reverse", "efficiency"))
     for end in ("a", "b"):
         if not isinstance(entry[end], str) or entry[end] not in declared:
             raise ValueError(f"{what}: {end}: {short_repr(entry[end])} is not a declared node (dangling edge)")
@@ -251,7 +251,15 @@ def _link(entry: object, what: str, declared: dict[str, str], kinds: tuple[str, 
         back = _fields(entry["reverse"], f"{what}: reverse", ("bandwidth",), ("latency", "latency_ns"))
         reverse_bw = _bandwidth(back["bandwidth"], f"{what}: reverse: bandwidth")
         reverse_ns = _latency_ns(back, f"{what}: reverse")
-    return Link(entry["a"], entry["b"], role, bandwidth, latency, reverse_bw, reverse_ns)
+    efficiency = _efficiency(entry.get("efficiency", 1.0), f"{what}: efficiency")
+    return Link(entry["a"], entry["b"], role, bandwidth, latency, reverse_bw, reverse_ns, efficiency)
+
+
+def _efficiency(value: object, what: str) -> float:
+    """A fraction of a line rate: a number in (0, 1]."""
+    if not (_is_number(value) and 0 < value <= 1):
+        raise ValueError(f"{what}: got {short_repr(value)}, expected a fraction of the line rate in (0, 1]")
+    return float(value)
 
 
 def _links(raw: object, where: str, declared: dict[str, str], kinds: tuple[str, ...], cap: int) -> list[Link]:
@@ -272,7 +280,7 @@ def _links(raw: object, where: str, declared: dict[str, str], kinds: tuple[str, 
 
 SERVER_KEYS = ("device", "gpus", "parts", "edges")
 SERVER_OPTIONAL = ("name", "memory", "default_fabric", "fabric")
-SERVER_FABRIC_KEYS = ("nic_latency", "switch_latency", "leaf_ports")
+SERVER_FABRIC_KEYS = ("nic_latency", "switch_latency", "leaf_ports", "nic_efficiency")
 
 
 def _server(raw: object, where: str, stem: str) -> Server:
@@ -329,6 +337,8 @@ def _server_fabric(raw: object, where: str, has_nics: bool) -> dict:
             fields[f"{key}_ns"] = _latency_ns({"latency": raw[key]}, f"{what}: {key}")
     if "leaf_ports" in raw:
         fields["leaf_ports"] = _integer(raw["leaf_ports"], f"{what}: leaf_ports", 1, 4096)
+    if "nic_efficiency" in raw:
+        fields["nic_efficiency"] = _efficiency(raw["nic_efficiency"], f"{what}: nic_efficiency")
     return fields
 
 
@@ -478,8 +488,10 @@ def _check_edges(graph: nx.DiGraph, where: str) -> None:
     for a, b, data in graph.edges(data=True):
         bandwidth, latency, back = data.get("bandwidth"), data.get("latency_ns"), adjacency[b].get(a)
         role, ends = data.get("kind"), tuple(sorted((kind[a], kind[b])))
+        efficiency = data.get("efficiency", 1.0)
         if not (a != b and type(bandwidth) in (float, int) and low <= bandwidth <= high
                 and type(latency) in (float, int) and 0 <= latency <= MAX_LATENCY_NS
+                and type(efficiency) in (float, int) and 0 < efficiency <= 1
                 and back is not None and role in EDGE_KINDS and back.get("kind") == role and ends in EDGE_ENDS[role]):
             what = f"{where}: edge {short_repr(a)} -> {short_repr(b)}"
             _check_edge(a, b, data, back, what)
@@ -496,6 +508,7 @@ def _check_edge(a: str, b: str, data: dict, back: dict | None, what: str) -> Non
     latency = data.get("latency_ns")
     if not (_is_number(latency) and 0 <= latency <= MAX_LATENCY_NS):
         raise ValueError(f"{what}: latency_ns: got {short_repr(latency)}, expected 0 to 1e9 (1 s)")
+    _efficiency(data.get("efficiency", 1.0), f"{what}: efficiency")
     if back is None:
         raise ValueError(f"{what}: no reverse edge {short_repr(b)} -> {short_repr(a)}, expected every link in "
                          f"both directions")
@@ -533,7 +546,8 @@ def _contract_copy(graph: nx.DiGraph) -> nx.DiGraph:
         clean.graph["oversubscription"] = float(clean.graph["oversubscription"])
     clean.add_nodes_from((v, {k: d[k] for k in NODE_ATTRS if k in d}) for v, d in graph.nodes(data=True))
     clean.add_edges_from((a, b, {"bandwidth": float(d["bandwidth"]), "latency_ns": float(d["latency_ns"]),
-                                 "kind": d["kind"]}) for a, b, d in graph.edges(data=True))
+                                 "kind": d["kind"], **({"efficiency": float(d["efficiency"])} if "efficiency" in d
+                                                       else {})}) for a, b, d in graph.edges(data=True))
     return clean
 
 
@@ -545,6 +559,8 @@ def _to_yaml(graph: nx.DiGraph) -> str:
             continue
         done.add((a, b))
         entry = {"a": a, "b": b, "kind": data["kind"], "bandwidth": data["bandwidth"], "latency_ns": data["latency_ns"]}
+        if "efficiency" in data:
+            entry["efficiency"] = data["efficiency"]
         back = graph.adj[b][a]
         if (back["bandwidth"], back["latency_ns"]) != (data["bandwidth"], data["latency_ns"]):
             entry["reverse"] = {"bandwidth": back["bandwidth"], "latency_ns": back["latency_ns"]}
@@ -569,10 +585,14 @@ def server_yaml(server: Server, header: str = "") -> str:
             back = link.directed()[1][2]
             entry["reverse"] = {"bandwidth": _bandwidth_text(back["bandwidth"]),
                                 "latency": _time_text(back["latency_ns"])}
+        if link.efficiency != 1.0:
+            entry["efficiency"] = link.efficiency
         edges.append(entry)
     fabric = {"nic_bandwidth": _bandwidth_text(server.nic_bandwidth, ("Gbit/s", "GB/s")),
               "nic_latency": _time_text(server.nic_latency_ns), "switch_latency": _time_text(server.switch_latency_ns),
               "leaf_ports": server.leaf_ports}
+    if server.nic_efficiency != 1.0:
+        fabric["nic_efficiency"] = server.nic_efficiency
 
     def dump(data: dict, flow: bool | None) -> str:
         return yaml.safe_dump(data, sort_keys=False, default_flow_style=flow, width=200)

@@ -1,0 +1,121 @@
+"""How fast a GPU runs each kind of kernel (docs/costs.md, "Rates"). A kernel takes the longer of its compute and
+its memory time (the roofline):
+
+- a matmul computes at the fraction of the dense peak that large GEMMs reach in cuBLAS, times the share of its
+  tiles' work that is useful: a GEMM is cut into output tiles, and the GPU runs them in waves of one tile per SM, so
+  a last wave that does not fill the SMs, or tiles that overhang the matrix, waste their part (``Tiling``);
+- a flash-attention kernel computes at FlashAttention's measured rate for its sequence length and head dimension
+  (``FlashRates``), on FlashAttention's own FLOP count (``kernels.Flash``);
+- every kernel streams its bytes at the fraction of the HBM bandwidth a streaming kernel reaches.
+
+The rates come from the GPU's datasheet and public measurements (``topologies/devices.py`` names them). Stdlib
+only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipescope.simulator.kernels import PASSES, Kernel
+
+# The large tiles cuBLAS runs big bf16/fp16 GEMMs with on Ampere and Hopper (cuBLASLt's TILE_256x128 and
+# TILE_128x256), one per SM at a time; the heuristic takes the orientation that wastes less.
+LARGE_TILES = ((256, 128), (128, 256))
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Tile and wave quantization of a GEMM on a GPU with ``sms`` streaming multiprocessors."""
+
+    sms: int
+    tiles: tuple[tuple[int, int], ...] = LARGE_TILES
+
+    def efficiency(self, batch: int, rows: int, cols: int) -> float:
+        """The useful share of the work the GPU does for ``batch`` products of ``rows`` x ``cols`` outputs: the
+        outputs over the outputs of every tile of the waves run (a partial wave takes as long as a full one)."""
+        useful = batch * rows * cols
+        best = 0.0
+        for tile_rows, tile_cols in self.tiles:
+            tiles = batch * math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols)
+            waves = math.ceil(tiles / self.sms)
+            best = max(best, useful / (waves * self.sms * tile_rows * tile_cols))
+        return best
+
+
+@dataclass(frozen=True)
+class FlashRates:
+    """FlashAttention's measured forward+backward rate on one GPU under a causal mask, as a fraction of its dense
+    peak: per head dimension, (sequence length, fraction) points. Between points the fraction is interpolated on
+    log2 of the sequence length; outside them it is held at the nearest point; a head dimension not measured takes
+    the nearest one's."""
+
+    points: tuple[tuple[int, tuple[tuple[int, float], ...]], ...]
+
+    def fraction(self, seq: int, head_dim: int) -> float:
+        curve = min(self.points, key=lambda entry: (abs(entry[0] - head_dim), entry[0]))[1]
+        if seq <= curve[0][0]:
+            return curve[0][1]
+        for (s0, r0), (s1, r1) in zip(curve, curve[1:]):
+            if seq <= s1:
+                share = (math.log2(seq) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+                return r0 + share * (r1 - r0)
+        return curve[-1][1]
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """A kernel's time is max(compute time, memory time): whichever of the two it waits for.
+
+    ``peak_flops`` x ``gemm_efficiency`` is what a large, well-tiled matmul reaches; ``tiling`` (None: none)
+    scales it by the GEMM's quantization; ``flash`` (None: flash kernels like any other FLOPs) times flash
+    attention; ``memory_rate`` (None: memory traffic is not timed) is the bytes/s a streaming kernel reaches.
+    """
+
+    peak_flops: float
+    gemm_efficiency: float
+    memory_rate: float | None
+    tiling: Tiling | None = None
+    flash: FlashRates | None = None
+
+    @property
+    def compute_rate(self) -> float:
+        """FLOP/s of a large, well-tiled matmul."""
+        return self.peak_flops * self.gemm_efficiency
+
+    def flop_rate(self, kernel: Kernel) -> float:
+        """The FLOP/s ``kernel`` computes at, in its own FLOP count (a flash kernel's: ``Flash.flops``)."""
+        if kernel.flash is not None and self.flash is not None:
+            return self.peak_flops * self.flash.fraction(kernel.flash.seq, kernel.flash.head_dim)
+        if kernel.gemm is not None and self.tiling is not None:
+            g = kernel.gemm
+            return self.compute_rate * self.tiling.efficiency(g.batch, g.rows, g.cols)
+        return self.compute_rate
+
+    def times(self, kernel: Kernel) -> tuple[float, float]:
+        """(compute seconds, memory seconds) of ``kernel``."""
+        memory = kernel.nbytes / self.memory_rate if self.memory_rate else 0.0
+        flops = kernel.flash.flops if kernel.flash is not None and self.flash is not None else kernel.flops
+        return (flops / self.flop_rate(kernel) if flops else 0.0), memory
+
+    def seconds(self, kernel: Kernel) -> float:
+        return max(self.times(kernel))
+
+    def bound(self, kernel: Kernel) -> str:
+        """``compute`` or ``memory``: which term sets the kernel's time (a kernel without FLOPs: memory)."""
+        compute, memory = self.times(kernel)
+        return "compute" if kernel.flops and compute >= memory else "memory"
+
+    def efficiency(self, kernel: Kernel) -> float | None:
+        """The kernel's FLOPs per second over the peak (None for a kernel without FLOPs), in its own count: a flash
+        kernel's is FlashAttention's (the causal half), so it stays below 1."""
+        seconds = self.seconds(kernel)
+        flops = kernel.flash.flops if kernel.flash is not None and self.flash is not None else kernel.flops
+        return flops / seconds / self.peak_flops if kernel.flops and seconds else None
+
+    def pass_seconds(self, kernels: list[Kernel]) -> dict[str, float]:
+        """Seconds of each pass (``kernels.PASSES``): the sum of its kernels' times."""
+        totals = dict.fromkeys(PASSES, 0.0)
+        for kernel in kernels:
+            totals[kernel.op] += self.seconds(kernel)
+        return totals
