@@ -1,6 +1,6 @@
 """Weights, gradients and the optimizer of one pipeline stage, for the executor and its one-process reference.
 
-The update rule follows the schedule's ``WeightUpdate`` (/work/shared/SCHEDULES.md sections 1-3):
+The update rule follows the schedule's ``WeightUpdate`` (docs/schedules.md sections 1-3):
 - flush: one version; every forward uses it; one step per iteration after the whole program, with the gradient norm
   clipped over the whole pipeline (an all-reduce of squared norms over the ranks, as Megatron does);
 - PipeDream (``async-stash``): a forward uses the newest version and stashes it, so the microbatch's backward uses

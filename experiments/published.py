@@ -25,8 +25,8 @@ MEASURES = ("iteration_time_s", "tflops_per_gpu", "samples_per_gpu_per_s", "peak
 FLOPS_CONVENTIONS = ("megatron-eq3",)
 MEMORY_MEASURES = ("allocated", "nvidia-smi")
 GRAD_SYNC = ("overlapped", "after-backward")
-SOFTWARE_KEYS = {"precision": str, "attention": str, "grad_sync": str, "distributed_optimizer": bool,
-                 "tp_comm_overlap": bool}
+SOFTWARE_KEYS = {"precision": str, "attention": str, "grad_sync": str, "bucket_size": str,
+                 "distributed_optimizer": bool, "tp_comm_overlap": bool}
 SOFTWARE_DEFAULTS = {"precision": "bf16", "attention": "flash", "grad_sync": "overlapped",
                      "distributed_optimizer": False, "tp_comm_overlap": False}
 SOURCE_KEYS = {"cite", "settings", "hardware", "flops", "memory_measure", "software", "note"}
@@ -317,6 +317,8 @@ def config_of(run: PublishedRun, chosen: dict[str, int]) -> dict[str, Any]:
     cluster: dict[str, Any] = {"topology": run.machine, "nodes": _nodes(run), "data_parallel": run.data_parallel}
     if sw["grad_sync"] == "after-backward":  # one all-reduce of the whole gradient once the backward ends
         cluster |= {"bucket_size": "1PiB", "overlap_grad_sync": False}
+    elif "bucket_size" in sw:
+        cluster["bucket_size"] = sw["bucket_size"]
     parallel = {"tensor": run.tensor, "sequence": run.sequence_parallel,
                 "distributed_optimizer": sw["distributed_optimizer"], "tp_comm_overlap": sw["tp_comm_overlap"]}
     return {"schedule": schedule, "model": model, "cluster": cluster, "parallel": parallel}

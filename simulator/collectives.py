@@ -6,14 +6,15 @@ modelled in bulk: each link of the ring or tree carries all the bytes it carries
 links of a phase move in lockstep at one rate (one flow over all their edges in the fair share), and the phase
 ends ``steps`` path latencies after it started draining plus its bytes' time, so a ring all-reduce on equal links
 takes 2(n-1)/n * S/B + 2(n-1) latencies, the textbook figure, and a link that others share slows the whole
-collective down.
+collective down. Each collective runs under the NCCL protocol that makes it faster: Simple pays NCCL's own time
+per step (``NCCL_STEP_NS``), LL twice the bytes (``LL_WIRE_FACTOR``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipescope.simulator.flows import FlowFabric, NetworkError, max_min_rates, part_key
 from pipescope.simulator.ir import ActionKind
@@ -21,14 +22,25 @@ from pipescope.simulator.network import Clock
 
 K = ActionKind
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
+# NCCL moves a collective with one of its protocols, the one its tuner expects to be faster (docs/network.md,
+# "Protocols"). Simple, for large buffers, runs at the links' bandwidth and adds to each step beyond the path's
+# latency what its chunk handshakes take: nccl-tests' all_reduce_perf on 8 A100s takes a median 185 us beyond its
+# bytes at the 234.89 GB/s bus bandwidth it plateaus at, over 16 MiB to 16 GiB (stas00/ml-engineering
+# network/README.md, "Real network throughput"); the ring's 14 steps of 1.5 us paths leave (185 - 21) / 14.
+NCCL_STEP_NS = 11_700
+# LL, for small buffers, adds nothing per step but sends each 8 bytes of data in a 16-byte line with its flags:
+# twice the bytes on the wire (NCCL src/include/device.h's ncclLLFifoLine; its tuner takes busBw * .5 for LL).
+LL_WIRE_FACTOR = 2
 
 
 @dataclass(frozen=True)
 class Phase:
-    """Transfers (src device, dst device, bytes) that run together; ``steps`` latency-bound steps."""
+    """Transfers (src device, dst device, bytes) that run together; ``steps`` latency-bound steps, each adding
+    ``step_ns`` to its path's latency (the protocol's, ``Collectives.protocols``)."""
 
     transfers: tuple[tuple[int, int, int], ...]
     steps: int
+    step_ns: int = 0
 
 
 def _ring_pairs(group: Sequence[int]) -> list[tuple[int, int]]:
@@ -105,28 +117,40 @@ class Collectives:
     one server) falls back to the ring.
     """
 
-    def __init__(self, fabric: FlowFabric, algorithm: str = "auto", lanes: Sequence[Sequence[int]] | None = None):
+    def __init__(self, fabric: FlowFabric, algorithm: str = "auto", lanes: Sequence[Sequence[int]] | None = None,
+                 step_ns: int = NCCL_STEP_NS):
         """``lanes``: per device, its GPUs' endpoints under tensor parallelism (``RoutedNetwork``); each runs its own
-        copy of the collective over the same GPU of every member, at once."""
+        copy of the collective over the same GPU of every member, at once. ``step_ns``: what each step adds to its
+        path's latency (0 on a graph of measured links, whose latencies hold NCCL's already)."""
         if algorithm not in ALGORITHMS:
             raise ValueError(f"got {algorithm!r}, expected one of {', '.join(ALGORITHMS)}")
-        self.fabric, self.algorithm, self.lanes = fabric, algorithm, lanes
+        self.fabric, self.algorithm, self.lanes, self.step_ns = fabric, algorithm, lanes, step_ns
         self.device_of = {end: d for d, ends in enumerate(lanes or ()) for end in ends}  # a lane's GPU -> its device
         self.server_of = [fabric.graph.nodes[node].get("node", 0) for node in fabric.endpoints]
         self._chosen: dict[tuple, tuple[str, list[Phase]]] = {}
 
     def choose(self, kind: ActionKind, group: Sequence[int], nbytes: int) -> tuple[str, list[Phase]]:
-        """(algorithm name, phases) for this collective."""
+        """(algorithm name, phases) for this collective: of the algorithms that apply (or the one forced), under
+        each protocol, the fastest on the idle network; an LL choice is named ``<algorithm>/LL``."""
         key = (kind, tuple(group), nbytes)
         known = self._chosen.get(key)
         if known is None:
             options = self.plans_of(kind, group, nbytes)
             if self.algorithm != "auto":
-                name = self.algorithm if self.algorithm in options else "ring"
-            else:
-                name = min(options, key=lambda a: (self.estimate_ns(options[a]), a))
-            known = self._chosen[key] = (name, options[name])
+                options = {name: phases for name, phases in options.items()
+                           if name == (self.algorithm if self.algorithm in options else "ring")}
+            timed = {name + suffix: phases for algorithm, plan in options.items()
+                     for suffix, phases in self.protocols(plan).items() for name in (algorithm,)}
+            name = min(timed, key=lambda a: (self.estimate_ns(timed[a]), a))
+            known = self._chosen[key] = (name, timed[name])
         return known
+
+    def protocols(self, phases: list[Phase]) -> dict[str, list[Phase]]:
+        """The phases under NCCL's Simple protocol (suffix '') and its LL protocol ('/LL')."""
+        simple = [replace(phase, step_ns=self.step_ns) for phase in phases]
+        ll = [replace(phase, transfers=tuple((a, b, n * LL_WIRE_FACTOR) for a, b, n in phase.transfers))
+              for phase in phases]
+        return {"": simple, "/LL": ll}
 
     def plans_of(self, kind: ActionKind, group: Sequence[int], nbytes: int) -> dict[str, list[Phase]]:
         """``plans`` of the group; with lanes, every GPU's copy, phase by phase merged into one (the copies run at
@@ -144,7 +168,8 @@ class Collectives:
         for phase in phases:
             paths = [self._path(src, dst, key, i) for i, (src, dst, _) in enumerate(phase.transfers)]
             rate = max_min_rates([[e for path, _ in paths for e in path]], self.fabric.capacity)[0]
-            total += max(nb for _, _, nb in phase.transfers) / rate + phase.steps * max(p[1] for p in paths)
+            total += max(nb for _, _, nb in phase.transfers) / rate + phase.steps * (max(p[1] for p in paths)
+                                                                                   + phase.step_ns)
         return total
 
     def _path(self, src: int, dst: int, key: int, index: int) -> tuple[tuple[int, ...], int]:
@@ -171,7 +196,7 @@ class Collectives:
         edges = tuple(e for path, _ in paths for e in path)
 
         def arrived(time: int) -> None:
-            end = time + (phase.steps - 1) * hop
+            end = time + (phase.steps - 1) * hop + phase.steps * phase.step_ns
             if rest:
                 clock.call_at(end, lambda: self.run(clock, end, key, rest, done))
             else:

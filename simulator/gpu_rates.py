@@ -3,7 +3,8 @@ its memory time (the roofline):
 
 - a matmul computes at the fraction of the dense peak that large GEMMs reach in cuBLAS, times the share of its
   tiles' work that is useful: a GEMM is cut into output tiles, and the GPU runs them in waves of one tile per SM, so
-  a last wave that does not fill the SMs, or tiles that overhang the matrix, waste their part (``Tiling``);
+  a last wave that does not fill the SMs, or tiles that overhang the matrix, waste their part; and each tile fills
+  its pipeline of k-slices before its first multiply, which a short inner dimension pays for (``Tiling``);
 - a flash-attention kernel computes at FlashAttention's measured rate for its sequence length and head dimension
   (``FlashRates``), on FlashAttention's own FLOP count (``kernels.Flash``);
 - every kernel streams its bytes at the fraction of the HBM bandwidth a streaming kernel reaches.
@@ -19,28 +20,35 @@ from dataclasses import dataclass
 
 from pipescope.simulator.kernels import PASSES, Kernel
 
-# The large tiles cuBLAS runs big bf16/fp16 GEMMs with on Ampere and Hopper (cuBLASLt's TILE_256x128 and
-# TILE_128x256), one per SM at a time; the heuristic takes the orientation that wastes less.
+# The large tiles big bf16/fp16 GEMMs run with on Ampere and Hopper (CUTLASS's default for SM80 tensor ops is a
+# 128 x 256 x 64 threadblock with 3 stages, include/cutlass/gemm/device/default_gemm_configuration.h; cuBLASLt
+# lists TILE_128x256 and TILE_256x128), one per SM at a time; the heuristic takes the orientation that wastes less.
 LARGE_TILES = ((256, 128), (128, 256))
+# Before its first multiply a tile loads (stages - 1) k-slices of 64: 128 elements of the inner dimension whose time
+# it waits for, once per tile.
+PIPELINE_FILL = 2 * 64
 
 
 @dataclass(frozen=True)
 class Tiling:
-    """Tile and wave quantization of a GEMM on a GPU with ``sms`` streaming multiprocessors."""
+    """Tile and wave quantization of a GEMM on a GPU with ``sms`` streaming multiprocessors, and each tile's
+    pipeline fill along the inner dimension."""
 
     sms: int
     tiles: tuple[tuple[int, int], ...] = LARGE_TILES
 
-    def efficiency(self, batch: int, rows: int, cols: int) -> float:
-        """The useful share of the work the GPU does for ``batch`` products of ``rows`` x ``cols`` outputs: the
-        outputs over the outputs of every tile of the waves run (a partial wave takes as long as a full one)."""
+    def efficiency(self, batch: int, rows: int, cols: int, inner: int | None = None) -> float:
+        """The useful share of the work the GPU does for ``batch`` products of ``rows`` x ``cols`` outputs over
+        ``inner``: the outputs over the outputs of every tile of the waves run (a partial wave takes as long as a
+        full one), times ``inner`` over ``inner`` plus the pipeline fill (None: an inner dimension too long to
+        matter)."""
         useful = batch * rows * cols
         best = 0.0
         for tile_rows, tile_cols in self.tiles:
             tiles = batch * math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols)
             waves = math.ceil(tiles / self.sms)
             best = max(best, useful / (waves * self.sms * tile_rows * tile_cols))
-        return best
+        return best if inner is None else best * inner / (inner + PIPELINE_FILL)
 
 
 @dataclass(frozen=True)
@@ -68,8 +76,9 @@ class Roofline:
     """A kernel's time is max(compute time, memory time): whichever of the two it waits for.
 
     ``peak_flops`` x ``gemm_efficiency`` is what a large, well-tiled matmul reaches; ``tiling`` (None: none)
-    scales it by the GEMM's quantization; ``flash`` (None: flash kernels like any other FLOPs) times flash
-    attention; ``memory_rate`` (None: memory traffic is not timed) is the bytes/s a streaming kernel reaches.
+    scales it by the GEMM's quantization and pipeline fill; ``flash`` (None: flash kernels like any other FLOPs)
+    times flash attention; ``memory_rate`` (None: memory traffic is not timed) is the bytes/s a streaming kernel
+    reaches.
     """
 
     peak_flops: float
@@ -89,7 +98,7 @@ class Roofline:
             return self.peak_flops * self.flash.fraction(kernel.flash.seq, kernel.flash.head_dim)
         if kernel.gemm is not None and self.tiling is not None:
             g = kernel.gemm
-            return self.compute_rate * self.tiling.efficiency(g.batch, g.rows, g.cols)
+            return self.compute_rate * self.tiling.efficiency(g.batch, g.rows, g.cols, g.inner)
         return self.compute_rate
 
     def times(self, kernel: Kernel) -> tuple[float, float]:

@@ -9,7 +9,7 @@ from itertools import count
 
 import networkx as nx
 
-from pipescope.simulator.collectives import Collectives
+from pipescope.simulator.collectives import NCCL_STEP_NS, Collectives
 from pipescope.simulator.flows import FlowFabric, NetworkError, part_key
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.network import Clock
@@ -34,13 +34,13 @@ class RoutedNetwork:
     """
 
     def __init__(self, graph: nx.DiGraph, endpoints: Sequence[str], seed: int = 0, algorithm: str = "auto",
-                 lanes: Sequence[Sequence[str]] = ()):
+                 lanes: Sequence[Sequence[str]] = (), step_ns: int = NCCL_STEP_NS):
         devices, width = len(endpoints), 1 + (len(lanes[0]) if lanes else 0)
         self.fabric = FlowFabric(graph, [*endpoints, *(gpu for more in lanes for gpu in more)], seed)
         # device d's GPUs as fabric endpoints: d itself, then its lanes after every device's first GPU
         self.lanes = [[d, *range(devices + d * (width - 1), devices + (d + 1) * (width - 1))]
                       for d in range(devices)] if width > 1 else None
-        self.collectives = Collectives(self.fabric, algorithm, self.lanes)
+        self.collectives = Collectives(self.fabric, algorithm, self.lanes, step_ns)
         self._src: list[int] = []
         self._dst: list[int] = []
         self._bytes: list[int] = []

@@ -83,3 +83,18 @@ def test_the_replay_loops_are_the_engine_and_the_oracle() -> None:
             if "heapq.heappop" in text or "env.run(" in text or ".env.run()" in text:
                 loops.add(str(path.relative_to(ROOT)))
     assert loops == {"simulator/engine.py", "simulator/oracle.py", "simulator/routed.py", "simulator/routing.py"}
+
+
+def test_nothing_in_the_repository_points_outside_it() -> None:
+    """Docs, code, configs and notebooks name files inside the repository only: no absolute path of the machine it
+    was written on, no ``../shared`` beside the checkout."""
+    suffixes = {".py", ".md", ".yaml", ".yml", ".ipynb", ".toml", ".cfg"}
+    offenders = []
+    for path in ROOT.rglob("*"):
+        parts = path.relative_to(ROOT).parts
+        if path.suffix not in suffixes or not path.is_file() or parts[0].startswith(".") or "sweeps" in parts or \
+                path == Path(__file__).resolve():  # this test names what it looks for
+            continue
+        text = path.read_text(errors="replace")
+        offenders += [f"{path.relative_to(ROOT)}: {needle}" for needle in ("/work/", "../shared") if needle in text]
+    assert offenders == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipescope.simulator.gpu_rates import FlashRates, Roofline, Tiling
+from pipescope.simulator.gpu_rates import PIPELINE_FILL, FlashRates, Roofline, Tiling
 from pipescope.simulator.kernels import Flash, Gemm, Kernel, layer_kernels
 from pipescope.simulator.models import ModelSpec
 from pipescope.topologies.devices import DEVICES
@@ -33,6 +33,21 @@ def test_a_partial_tile_wastes_its_overhang() -> None:
     assert A100.efficiency(4, 27 * 256 - 56, 128) == pytest.approx(full * (27 * 256 - 56) / (27 * 256))
 
 
+def test_a_short_inner_dimension_pays_the_pipeline_fill() -> None:
+    """Each tile loads two 64-wide k-slices before its first multiply (CUTLASS's SM80 default: 3 stages)."""
+    assert A100.efficiency(1, 256 * 108, 128, 128) == pytest.approx(0.5)
+    assert A100.efficiency(1, 256 * 108, 128, 1 << 20) == pytest.approx(1, rel=2e-4)
+
+
+def test_the_measured_gemm_is_given_back_at_its_own_shape() -> None:
+    """A GPU's large-GEMM efficiency is its benchmark's result divided by what the tiling takes there, so the model
+    reproduces the benchmark at the benchmarked shape (A100: 271.2 of 312 TFLOP/s at 1024 x 10240 x 5120)."""
+    for gpu in DEVICES.values():
+        model = gpu.gemm_efficiency * Tiling(gpu.sms).efficiency(1, *gpu.gemm_shape)
+        assert model == pytest.approx(gpu.gemm_measured)
+    assert DEVICES["a100"].gemm_measured == pytest.approx(271.2 / 312)
+
+
 def test_batched_products_share_the_waves() -> None:
     assert A100.efficiency(108, 256, 128) == 1.0
     assert A100.efficiency(4, 256 * 27, 128) == 1.0
@@ -52,7 +67,8 @@ def test_flash_rates_interpolate_on_log_sequence_and_hold_outside() -> None:
 def test_roofline_times_each_kind_at_its_rate() -> None:
     roof = Roofline(312e12, 0.869, 1.6e12, A100, FLASH)
     gemm = Kernel("mm", "F", 2.0 * 256 * 12 * 128 * 9 * 4096, 1.0, Gemm(1, 256 * 12, 128 * 9, 4096))
-    assert roof.seconds(gemm) == pytest.approx(gemm.flops / (312e12 * 0.869))
+    fill = 4096 / (4096 + PIPELINE_FILL)  # one wave of whole tiles: only the inner dimension's pipeline fill
+    assert roof.seconds(gemm) == pytest.approx(gemm.flops / (312e12 * 0.869 * fill))
     flash = Kernel("flash attention", "F", 8e12, 1.0, flash=Flash(4e12, 2048, 128))
     assert roof.seconds(flash) == pytest.approx(4e12 / (0.8 * 312e12))
     assert roof.efficiency(flash) == pytest.approx(0.8)  # FlashAttention's own count, below 1

@@ -4,7 +4,6 @@ what was expected; never a traceback, a hang or a silently wrong result. None of
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re

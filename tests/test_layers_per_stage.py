@@ -131,7 +131,8 @@ def test_a_run_follows_the_list_in_time_and_memory() -> None:
     assert abs(6 * f_uneven[2] - 9 * f_even[2]) <= 9  # each time rounded to 1 ns
     assert abs(6 * f_uneven[1] - 7 * f_even[1]) <= 7
     overhead = uneven.memory_overheads.total  # what the GPU holds besides tensors, the same for any split
-    assert (uneven.devices[2].static_memory_bytes - overhead) * 6 == (even.devices[2].static_memory_bytes - overhead) * 9
+    tensors = [result.devices[2].static_memory_bytes - overhead for result in (uneven, even)]
+    assert tensors[0] * 6 == tensors[1] * 9
     assert uneven.devices[1].peak_memory_bytes > even.devices[1].peak_memory_bytes
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from pipescope import load_config, run
 from pipescope.config import ConfigError
+from pipescope.simulator.collectives import NCCL_STEP_NS
 from pipescope.simulator.costs import AnalyticCosts
 from pipescope.simulator.engine import Engine
 from pipescope.simulator.flows import HOP_WEIGHT, MAX_ECMP_PATHS, max_min_rates, routing_weight
@@ -215,10 +216,10 @@ def test_the_router_on_built_in_clusters_matches_a_full_dijkstra(name, nodes, fa
 def test_ring_all_reduce_takes_the_textbook_time_and_busbw_is_the_link_bandwidth(n):
     size, bandwidth, hop = 1 << 30, 100 * GB, 2 * 1000
     end = time_alone(star(n, bandwidth), collective=(K.ALL_REDUCE, list(range(n)), size))[0]
-    expected = 2 * (n - 1) / n * size / bandwidth * 1e9 + 2 * (n - 1) * hop
+    expected = 2 * (n - 1) / n * size / bandwidth * 1e9 + 2 * (n - 1) * (hop + NCCL_STEP_NS)
     assert end == pytest.approx(expected, abs=2)
     busbw = size / (end / 1e9) * 2 * (n - 1) / n
-    assert 0.99 * bandwidth < busbw < bandwidth  # the latency steps cost the last 0.15%
+    assert 0.98 * bandwidth < busbw < bandwidth  # the latency steps cost the last 1%
 
 
 def test_hierarchical_beats_a_flat_ring_across_nodes_with_slow_nics():
@@ -243,10 +244,23 @@ def test_dgx_h100_all_reduce_busbw_is_in_the_published_range():
     latency steps; line rate it ran at before, 448 GB/s, was above every ring measurement."""
     graph = load_topology("dgx-h100")
     network = RoutedNetwork(graph, gpu_nodes(graph))
-    size = 1 << 30
+    size = 8 << 30  # the plateau, where nccl-tests' busbw is quoted
     end = time_alone(network, collective=(K.ALL_REDUCE, list(range(8)), size))[0]
     busbw = size / (end / 1e9) * 2 * 7 / 8
     assert 360 * GB <= busbw <= 367.2 * GB
+
+
+@pytest.mark.parametrize("size, measured_us", [(16 << 20, 276.6), (64 << 20, 684.6), (1 << 30, 8203.9)])
+def test_dgx_a100_all_reduce_follows_nccl_tests_from_16_mib_up(size: int, measured_us: float) -> None:
+    """nccl-tests all_reduce_perf on 8 A100s (stas00/ml-engineering network/README.md): 276.6 us at 16 MiB, 684.6 us
+    at 64 MiB, 8,203.9 us at 1 GiB. Under NCCL's Simple protocol each step pays NCCL_STEP_NS, under LL the bytes
+    double; the faster is taken, as NCCL's tuner does (LL below about 22 MiB here). Within 3%."""
+    graph = load_topology("dgx-a100")
+    network = RoutedNetwork(graph, gpu_nodes(graph))
+    end = time_alone(network, collective=(K.ALL_REDUCE, list(range(8)), size))[0]
+    assert end / 1e3 == pytest.approx(measured_us, rel=0.03)
+    name = network.collectives.choose(K.ALL_REDUCE, list(range(8)), size)[0]
+    assert name == ("ring/LL" if size < 20 << 20 else "ring")
 
 
 # Data parallelism ------------------------------------------------------------------------------------------------

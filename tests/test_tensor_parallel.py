@@ -12,6 +12,7 @@ import pytest
 
 from pipescope import ConfigError, load_config, run
 from pipescope.runner import prepare
+from pipescope.simulator.collectives import LL_WIRE_FACTOR, NCCL_STEP_NS
 from pipescope.simulator.costs import AnalyticCosts, seconds_to_ns
 from pipescope.simulator.kernels import PASSES, layer_kernels, output_kernels
 from pipescope.simulator.memory import static_memory
@@ -134,9 +135,11 @@ def path_between(graph: nx.DiGraph, a: str, b: str) -> tuple[float, float]:
 
 
 def ring_ns(kind: str, n: int, nbytes: int, rate: float, hop: float) -> float:
-    """The collective model's ring (docs/network.md): 2(n-1) steps of S/n for an all-reduce, n-1 otherwise."""
+    """The collective model's ring (docs/network.md): 2(n-1) steps of S/n for an all-reduce, n-1 otherwise, each
+    paying its path's latency, under NCCL's faster protocol: Simple adds its step time, LL moves twice the bytes."""
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    return steps * nbytes / n / rate + steps * hop
+    simple = steps * nbytes / n / rate + steps * (hop + NCCL_STEP_NS)
+    return min(simple, steps * nbytes * LL_WIRE_FACTOR / n / rate + steps * hop)
 
 
 def op_ns(result, kind: str, stage: int) -> int:

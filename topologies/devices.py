@@ -10,25 +10,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipescope.simulator.gpu_rates import FlashRates
+from pipescope.simulator.gpu_rates import FlashRates, Tiling
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
     """A GPU: its datasheet (dense tensor-core peak per precision in FLOP/s, HBM bandwidth and size, SM count) and
     what real kernels reach on it, each a fraction of the datasheet's number (so a ``cluster.peak_flops`` or
-    ``memory_bandwidth`` given for another part scales them): ``gemm_efficiency`` of the peak that large GEMMs reach
-    in cuBLAS, ``memory_efficiency`` of the HBM bandwidth a streaming kernel reaches, ``flash`` FlashAttention's
-    measured forward+backward rates."""
+    ``memory_bandwidth`` given for another part scales them): ``gemm_measured`` of the peak, the fastest matmul a
+    public benchmark found, at its shape ``gemm_shape`` (rows, columns, inner); ``memory_efficiency`` of the HBM
+    bandwidth a streaming kernel reaches; ``flash`` FlashAttention's measured forward+backward rates."""
 
     name: str
     peak_flops: dict[str, float]
     memory_bandwidth: float
     memory_bytes: int
     sms: int
-    gemm_efficiency: float
+    gemm_measured: float
+    gemm_shape: tuple[int, int, int]
     memory_efficiency: float
     flash: FlashRates
+
+    @property
+    def gemm_efficiency(self) -> float:
+        """The fraction of the peak a matmul with no quantization or pipeline fill reaches: the measurement over
+        what ``Tiling`` takes from the measured shape, so that the rate model gives back the measurement there."""
+        return self.gemm_measured / Tiling(self.sms).efficiency(1, *self.gemm_shape)
 
     @property
     def default_precision(self) -> str:
@@ -57,18 +64,23 @@ FLASH_V100, FLASH_A100 = _flash(_FLASH_V100_TFLOPS, 125e12), _flash(_FLASH2_A100
 FLASH_H100 = _flash(_FLASH2_H100_TFLOPS, 989e12)
 
 DEVICES: dict[str, DeviceSpec] = {
-    # GEMM: 95 of 125 TFLOP/s fp16 (mli/transformers-benchmarks, README "Micro-Benchmarking Summary"); HBM: its
-    # VectorMul at 784 GB/s of 900 (same table).
+    # GEMM: 95 of 125 TFLOP/s fp16, the best of square matmuls up to n = 8192 (mli/transformers-benchmarks, README
+    # "Micro-Benchmarking Summary"); HBM: its VectorMul at 784 GB/s of 900 (same table).
     "v100": DeviceSpec("V100-SXM2-32GB", {"fp16": 125e12, "fp32": 15.7e12}, 900e9, 32 * GiB, sms=80,
-                       gemm_efficiency=0.76, memory_efficiency=0.87, flash=FLASH_V100),
-    # GEMM: 271.2 of 312 TFLOP/s bf16, Stas Bekman's maximum achievable matmul FLOPS (stas00/ml-engineering,
-    # compute/accelerator/README.md); HBM: 1.616 TB/s of 2.039 (mli/transformers-benchmarks VectorMul).
+                       gemm_measured=95 / 125, gemm_shape=(8192, 8192, 8192), memory_efficiency=0.87,
+                       flash=FLASH_V100),
+    # GEMM: 271.2 of 312 TFLOP/s bf16 at 1024 x 10240 x 5120 (M x N x K), Stas Bekman's maximum achievable matmul
+    # FLOPS (stas00/ml-engineering, compute/accelerator/README.md); HBM: 1.616 TB/s of 2.039
+    # (mli/transformers-benchmarks VectorMul).
     "a100": DeviceSpec("A100-SXM4-80GB", {"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, 2039e9, 80 * GiB,
-                       sms=108, gemm_efficiency=0.869, memory_efficiency=0.79, flash=FLASH_A100),
-    # GEMM: 794.5 of 989 TFLOP/s bf16 (the same table, "H200 is the same"); HBM: 3.98 TB/s of 4.8 on H200
-    # (NVIDIA/cccl PR #2086, babelstream mul over 2^28 bytes), no H100 measurement found: the H200's fraction.
+                       sms=108, gemm_measured=271.2 / 312, gemm_shape=(1024, 10240, 5120), memory_efficiency=0.79,
+                       flash=FLASH_A100),
+    # GEMM: 794.5 of 989 TFLOP/s bf16 at 2048 x 2048 x 13312 (the same table, "H200 is the same"); HBM: 3.98 TB/s of
+    # 4.8 on H200 (NVIDIA/cccl PR #2086, babelstream mul over 2^28 bytes); no H100 measurement found: the H200's.
     "h100": DeviceSpec("H100-SXM5-80GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 3350e9, 80 * GiB,
-                       sms=132, gemm_efficiency=0.803, memory_efficiency=0.83, flash=FLASH_H100),
+                       sms=132, gemm_measured=794.5 / 989, gemm_shape=(2048, 2048, 13312), memory_efficiency=0.83,
+                       flash=FLASH_H100),
     "h200": DeviceSpec("H200-SXM-141GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 4800e9, 141 * 10**9,
-                       sms=132, gemm_efficiency=0.803, memory_efficiency=0.83, flash=FLASH_H100),
+                       sms=132, gemm_measured=794.5 / 989, gemm_shape=(2048, 2048, 13312), memory_efficiency=0.83,
+                       flash=FLASH_H100),
 }
