@@ -1,4 +1,4 @@
-"""The ``calibrate`` and ``calibrate-comms`` subcommands.
+"""The ``calibrate`` and ``calibrate-comms`` subcommands (and ``calibrate-gemms``, registered from ``gemms``).
 
 The main CLI calls ``register(subparsers)``; on a GPU box without the rest of pipescope,
 ``python -m pipescope.calibration.commands calibrate ...`` does the same. Values are checked here rather than by
@@ -25,6 +25,7 @@ from pipescope.calibration.args import (
     timing_config,
     usage_error,
 )
+from pipescope.calibration import gemms
 from pipescope.calibration.comms_args import add_comms_args, comms_config
 from pipescope.calibration.presets import PRECISIONS, PRESETS, harness_bytes, resolve
 
@@ -33,7 +34,7 @@ UNKNOWN_MEMORY_BYTES = 1 << 50  # the bound when the machine's memory cannot be 
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``calibrate`` and ``calibrate-comms`` to a CLI's subparsers."""
+    """Add ``calibrate``, ``calibrate-comms`` and ``calibrate-gemms`` to a CLI's subparsers."""
     cal = subparsers.add_parser("calibrate", help="time a model's layers on this machine and write a profile",
                                 description="Time F, I, W, B and recompute per transformer layer, the embedding, "
                                 "the output layer (and its vocabulary shards) and the optimizer step; count "
@@ -58,6 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                   "calibrate-comms).")
     add_comms_args(comms)
     comms.set_defaults(func=comms_command)
+    gemms.register(subparsers)
 
 
 def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
@@ -69,35 +71,52 @@ def calibration_config(args: argparse.Namespace, argv: list[str] | None = None):
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     microbatches = int_list("--microbatch-sizes", args.microbatch_sizes)
-    if args.precision is not None and args.precision not in PRECISIONS:
-        raise UsageError(f"--precision: got {args.precision!r}, expected one of {', '.join(PRECISIONS)}")
-    if args.device is not None and not re.fullmatch(r"cpu|cuda(:[0-9]{1,4})?", args.device):
-        raise UsageError(f"--device: got {args.device!r}, expected cuda, cuda:N or cpu")
-    if not args.out:
-        raise UsageError("--out: missing, expected a folder to write the profile to")
+    check_target_flags(args, "the profile")
     shards = integer("--vocab-shards", args.vocab_shards, 1, MAX_VOCAB_SHARDS)
     threads = thread_count(args.threads, os.cpu_count() or 1)
     timing = timing_config(args, remeasure=True)  # last of the flags: it needs torch
     import torch
 
+    device, precision = resolve_target(args, torch)
+    check_fits(shape, max(microbatches), shape.seq, precision, device, device_memory(torch, device))
+    check_writable(args.out)
+    from pipescope.calibration.calibrate import CalibrationConfig
+    from pipescope.calibration.env import command_line
+
+    return CalibrationConfig(shape=shape, seqs=seqs or (shape.seq,), microbatch_sizes=microbatches,
+                             precision=precision, device=device, out=Path(args.out), vocab_shards=shards,
+                             threads=threads, timing=timing, command=command_line(argv))
+
+
+def check_target_flags(args: argparse.Namespace, what: str) -> None:
+    """``--precision``, ``--device`` and ``--out`` (which must be given: a folder for ``what``), before torch loads."""
+    if args.precision is not None and args.precision not in PRECISIONS:
+        raise UsageError(f"--precision: got {args.precision!r}, expected one of {', '.join(PRECISIONS)}")
+    if args.device is not None and not re.fullmatch(r"cpu|cuda(:[0-9]{1,4})?", args.device):
+        raise UsageError(f"--device: got {args.device!r}, expected cuda, cuda:N or cpu")
+    if not args.out:
+        raise UsageError(f"--out: missing, expected a folder to write {what} to")
+
+
+def resolve_target(args: argparse.Namespace, torch) -> tuple[str, str]:  # noqa: ANN001 (torch, imported lazily)
+    """The device (cuda when torch sees one) and precision (bf16 on cuda, fp32 on cpu) unless given, checked
+    against the devices torch sees."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device: got {device!r}, expected cpu (torch sees no CUDA device here)")
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
         raise UsageError(f"--device: got {device!r}, expected cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    precision = args.precision or ("bf16" if device.startswith("cuda") else "fp32")
-    check_fits(shape, max(microbatches), shape.seq, precision, device, device_memory(torch, device))
-    from pipescope.calibration.calibrate import CalibrationConfig
-    from pipescope.calibration.env import command_line
+    return device, args.precision or ("bf16" if device.startswith("cuda") else "fp32")
+
+
+def check_writable(out: str) -> None:
+    """``--out`` made and proved writable, the last check before anything is measured."""
     from pipescope.calibration.profile_io import ensure_writable
 
     try:
-        ensure_writable(args.out)
+        ensure_writable(out)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return CalibrationConfig(shape=shape, seqs=seqs or (shape.seq,), microbatch_sizes=microbatches,
-                             precision=precision, device=device, out=Path(args.out), vocab_shards=shards,
-                             threads=threads, timing=timing, command=command_line(argv))
 
 
 def device_memory(torch, device: str) -> int | None:  # noqa: ANN001 (the torch module, imported lazily)
@@ -156,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipescope.calibration.commands calibrate|calibrate-comms ...``; returns the exit code."""
+    """``python -m pipescope.calibration.commands calibrate|calibrate-comms|calibrate-gemms ...``; the exit code."""
     args = build_parser().parse_args(argv)
     args.argv = argv
     return args.func(args)

@@ -365,7 +365,7 @@ def _register_calibration(sub: argparse._SubParsersAction) -> None:
         from pipescope.calibration.commands import register
     except ImportError as err:
         reason = str(err)
-        for name in ("calibrate", "calibrate-comms"):
+        for name in ("calibrate", "calibrate-comms", "calibrate-gemms"):
             p = sub.add_parser(name, help="(needs torch: pip install 'pipescope[calibration]')")
             p.set_defaults(func=lambda args, name=name, reason=reason: usage_error(
                 f"{name} needs torch: pip install 'pipescope[calibration]' ({reason})"))

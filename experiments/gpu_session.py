@@ -1,13 +1,14 @@
 """``python -m pipescope.experiments.gpu_session OUT``: what a lent GPU machine is for, in one command from a source
 tree (docs/validation.md, "A GPU session").
 
-For each model: the profile users simulate with (``calibrate``: bf16 on CUDA, every microbatch size and vocabulary
-shard count) into ``OUT/profiles/<device>/<model>``, then ``validate``: every stage timed on one GPU against the
-profile of the executor's own precision (fp32), and the pipeline too where there is a GPU per stage device, its JSON
-report in ``OUT/validation/<device>/<model>.json``. Each step
-is a subprocess with its output in ``OUT/logs``, so one that fails (say, out of memory) leaves the others; the exit
-code is 1 when any failed. A GPU box has torch, numpy, pandas and pyarrow; ``validate`` also needs PyYAML, SimPy and
-tqdm, which ``make gpu-site`` puts in ``.gpu-site`` to carry there (they are pure Python).
+First the GEMM sweep (``calibrate-gemms``: every (m, n, k) of ``--gemm-sizes``, bf16 on CUDA) into
+``OUT/profiles/<device>/gemms``; then for each model the profile users simulate with (``calibrate``: bf16 on CUDA,
+every microbatch size and vocabulary shard count) into ``OUT/profiles/<device>/<model>``, then ``validate``: every
+stage timed on one GPU against the profile of the executor's own precision (fp32), and the pipeline too where there
+is a GPU per stage device, its JSON report in ``OUT/validation/<device>/<model>.json``. Each step is a subprocess
+with its output in ``OUT/logs``, so one that fails (say, out of memory) leaves the others; the exit code is 1 when
+any failed. A GPU box has torch, numpy, pandas and pyarrow; ``validate`` also needs PyYAML, SimPy and tqdm, which
+``make gpu-site`` puts in ``.gpu-site`` to carry there (they are pure Python).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from pipescope.calibration.gemms import CPU_SIZES, DEFAULT_SIZES, MAX_SIZE
 from pipescope.experiments.processes import run_in_group
 
 MODELS = ("tiny", "gpt-355m", "gpt-1.3b")
@@ -37,10 +39,16 @@ def device_name(device: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
-def steps(models: list[str], device: str, out: Path, budget_s: str, iterations: str) -> list[tuple[str, list[str]]]:
-    """(name, pipescope arguments) of every step, in order."""
+def steps(models: list[str], device: str, out: Path, budget_s: str, iterations: str, gemms: bool = True,
+          gemm_sizes: str | None = None) -> list[tuple[str, list[str]]]:
+    """(name, pipescope arguments) of every step, in order: the GEMM sweep first (with ``gemms``; its sizes, or
+    calibrate-gemms' default for the device), then each model's calibration and validation."""
     name = device_name(device)
     todo = []
+    if gemms:
+        sizes = ["--sizes", gemm_sizes] if gemm_sizes else []
+        todo.append(("calibrate-gemms", ["calibrate-gemms", "--device", device, *sizes,
+                                         "--out", str(out / "profiles" / name / "gemms")]))
     for model in models:
         schedule, stages, microbatches = VALIDATION[model]
         todo.append((f"calibrate-{model}", ["calibrate", "--model", model, "--device", device, "--budget-s", budget_s,
@@ -85,7 +93,7 @@ def _last_line(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipescope.calibration.args import MAX_BUDGET_S, number
+    from pipescope.calibration.args import MAX_BUDGET_S, int_list, number
     from pipescope.experiments.cli import Parser, integer_flag, usage_error
     parser = Parser(prog="python -m pipescope.experiments.gpu_session",
                     description=__doc__.split("\n\n")[1].replace("\n", " "))
@@ -94,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default), or cpu to rehearse")
     parser.add_argument("--budget-s", default="2.0", help="calibrate's wall-time budget per op in seconds (default 2)")
     parser.add_argument("--iterations", default="10", help="validate's measured iterations (default 10)")
+    parser.add_argument("--gemm-sizes", help="calibrate-gemms' --sizes, every (m, n, k) of them timed first "
+                        f"(default {DEFAULT_SIZES} on cuda, {CPU_SIZES} on cpu)")
+    parser.add_argument("--no-gemms", action="store_true", help="skip the GEMM sweep (a second command on the box)")
     parser.add_argument("--step-timeout", default="540", help="seconds before a step is stopped (default 540: "
                         "the device tool gives a command 600)")
     args = parser.parse_args(argv)
@@ -101,13 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         number("--budget-s", args.budget_s, 0.0, MAX_BUDGET_S)
         integer_flag("--iterations", args.iterations, 1, 100)
         timeout_s = number("--step-timeout", args.step_timeout, 0.0, MAX_BUDGET_S)
+        if args.gemm_sizes is not None:
+            int_list("--gemm-sizes", args.gemm_sizes, "1024,4096", high=MAX_SIZE)
         _check_device(args.device)
     except ValueError as err:
         return usage_error(str(err))
     out = args.out.resolve()  # the steps run from the source tree
     try:
         results = [run_step(name, step, out, args.device, timeout_s)
-                   for name, step in steps(args.models, args.device, out, args.budget_s, args.iterations)]
+                   for name, step in steps(args.models, args.device, out, args.budget_s, args.iterations,
+                                           not args.no_gemms, args.gemm_sizes)]
     except KeyboardInterrupt:  # the running step is stopped already (run_in_group)
         print("gpu_session: interrupted", file=sys.stderr)
         return 130

@@ -103,7 +103,7 @@ def _bounded(candidate: Candidate, run: Run) -> Screened:
     costs = built.stage_costs()
     config = built.config
     buffers = gradient_buffers(defers_steps(built.schedule.weight_update, config.cluster.data_parallel))
-    shards = config.cluster.data_parallel if config.parallel.distributed_optimizer else 1
+    shards = config.parallel.optimizer_shards(config.cluster.data_parallel)
     memory = memory_lower_bounds(built.schedule, costs, config.model.precision, config.memory.runtime, buffers,
                                  shards, built.overheads.total)
     worst = max(range(len(memory)), key=memory.__getitem__)

@@ -1,5 +1,5 @@
 """``pipescope validate --published --plot FILE``: predicted against measured on log-log axes, one marker per
-source, the y = x line and a +-10% band; iteration time on the left, peak memory on the right when scored."""
+source, the y = x line and a ±10% band; iteration time on the left, peak memory on the right when scored."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 from pipescope.experiments.plots_charts import MARKERS
 from pipescope.experiments.plots_style import save_figure
@@ -37,7 +38,7 @@ def _panel(ax, rows: list[dict[str, Any]], quantity: str, sources: list[str]) ->
     predicted = np.array([row["predicted"] for row in rows]) * scale
     low, high = min(measured.min(), predicted.min()) / 1.3, max(measured.max(), predicted.max()) * 1.3
     line = np.geomspace(low, high, 50)
-    ax.fill_between(line, line * (1 - BAND), line * (1 + BAND), color="0.88", label=f"+-{BAND:.0%}")
+    ax.fill_between(line, line * (1 - BAND), line * (1 + BAND), color="0.88", label=f"\u00b1{BAND:.0%}")
     ax.plot(line, line, color="0.4", linewidth=1, label="y = x")
     for i, source in enumerate(sources):
         mine = [j for j, row in enumerate(rows) if row["source"] == source]
@@ -48,6 +49,10 @@ def _panel(ax, rows: list[dict[str, Any]], quantity: str, sources: list[str]) ->
     ax.set_yscale("log")
     ax.set_xlim(low, high)
     ax.set_ylim(low, high)
+    for axis in (ax.xaxis, ax.yaxis):  # 40 and 60, not 4 x 10^1; under a decade only minor ticks have labels
+        axis.set_major_formatter(FuncFormatter(_number))
+        if high / low < 10:
+            axis.set_minor_formatter(FuncFormatter(_number))
     ax.set_aspect("equal")
     ax.set_xlabel(f"measured {what} ({unit})")
     ax.set_ylabel(f"predicted {what} ({unit})")
@@ -61,3 +66,7 @@ def _panel(ax, rows: list[dict[str, Any]], quantity: str, sources: list[str]) ->
 def write_published_plot(rows: list[dict[str, Any]], path: str) -> None:
     """Draw ``published_figure`` to ``path`` (.png, .svg or .pdf), atomically."""
     save_figure(published_figure(rows), path)
+
+
+def _number(value: float, _position: int) -> str:
+    return f"{value:g}"

@@ -36,6 +36,7 @@ RUN_KEYS = {"name", "source", "machine", "model", "schedule", "recompute", "sequ
             "unstated", "measured", "note", *RUN_INTS, *SOFTWARE_KEYS}
 MODEL_KEYS = ("layers", "hidden", "heads", "seq", "vocab")
 MAX_RUNS = 1000
+MAX_SIMULATIONS = 4096  # every run times its unstated choices: a few thousand simulations is hours on two cores
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,10 @@ def load_corpus(path: str | Path | None = None) -> list[PublishedRun]:
     if not isinstance(runs, list) or not 0 < len(runs) <= MAX_RUNS:
         raise ConfigError(f"{where}: runs: expected a list of 1 to {MAX_RUNS:,} runs", key="--corpus")
     out = [_run(entry, f"{where}: runs[{i}]", sources, path.parent) for i, entry in enumerate(runs)]
+    simulations = sum(len(choices(run)) for run in out)
+    if simulations > MAX_SIMULATIONS:
+        raise ConfigError(f"{where}: runs: {simulations:,} simulations with their unstated choices, expected at most "
+                          f"{MAX_SIMULATIONS:,}", key="--corpus")
     names = [run.name for run in out]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
@@ -199,6 +204,10 @@ def _run(entry: Any, where: str, sources: dict[str, Source], folder: Path) -> Pu
         raise _fail(where, "gpus", run.gpus, f"a multiple of tensor x pipeline = {run.tensor * run.pipeline}")
     if run.quantity == "time" and source.flops is None and measure == "tflops_per_gpu":
         raise _fail(where, "measured", "tflops_per_gpu", f"a source with 'flops' (source {source.name} has none)")
+    if run.quantity == "memory" and source.memory_measure is None:
+        raise _fail(where, "measured", measure, f"a source with 'memory_measure' (source {source.name} has none)")
+    if device is not None and device >= run.pipeline:
+        raise _fail(where, "measured.device", device, f"a pipeline device from 0 to {run.pipeline - 1}")
     return run
 
 

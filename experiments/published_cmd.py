@@ -50,13 +50,14 @@ def run_published(runs: list[PublishedRun], executor: Executor | None = None, wo
             except ConfigError as err:
                 raise ConfigError(f"--published: {run.name}: {err}", key="--published") from None
             items.append((run, chosen, Run(run_id(config), config, {})))
+    # A time and a memory measurement of one run are one simulation; the largest first, so the last are short.
+    unique = list({item[2].run_id: item[2] for item in sorted(items, key=lambda item: -item[0].gpus)}.values())
     workers = workers or len(os.sched_getaffinity(0))
-    pool = executor or process_pool(min(workers, len(items)))
+    pool = executor or process_pool(min(workers, len(unique)))
     rows = MemoryLog()
-    try:  # the largest runs first, so the last to finish are the short ones
-        order = sorted(items, key=lambda item: -item[0].gpus)
-        lost = drain(pool, [[item[2]] for item in order], rows, 2 * workers,
-                     counted_bar(len(items), "published", "run", progress), task=simulate_chunk)
+    try:
+        lost = drain(pool, [[each] for each in unique], rows, 2 * workers,
+                     counted_bar(len(unique), "published", "run", progress), task=simulate_chunk)
     finally:
         if executor is None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -107,10 +108,7 @@ def _memory(run: PublishedRun, row: dict) -> int:
     measured it: ``nvidia-smi`` sees the whole process, torch's ``allocated`` only what its allocator handed out
     (not the CUDA context or NCCL's buffers)."""
     peaks = row["device_peaks"]
-    if run.device is not None and run.device >= len(peaks):
-        raise ConfigError(f"--published: {run.name}: measured.device {run.device} is not one of the "
-                          f"{len(peaks)} devices", key="--published")
-    peak = max(peaks) if run.device is None else peaks[run.device]
+    peak = max(peaks) if run.device is None else peaks[run.device]  # the loader checked it is a pipeline device
     if run.source.memory_measure == "allocated":
         peak -= row["overheads"]["cuda_context"] + row["overheads"]["nccl"]
     return peak
@@ -174,17 +172,17 @@ def as_json(rows: list[dict[str, Any]], summary: dict[str, Any], wall_s: float) 
 
 
 def cmd_published(args: argparse.Namespace, names: list[str], workers: int | None) -> int:
-    """Run the corpus (or the runs and sources ``names``), print the table or JSON, draw ``--plot``; exit 1 when
-    ``--max-error`` is exceeded by the worst time error, 2 on bad input."""
+    """Run the corpus (or the runs and sources ``names``), print the table or JSON, draw ``--plot``; exit 1 when a
+    run failed or the worst error, in time or memory, is above ``--max-error``; 2 on bad input."""
     started = time.perf_counter()
     runs = select(load_corpus(args.corpus), names)
     if args.dask is None:
-        rows = run_published(runs, workers=workers, progress=not args.json)
+        rows = run_published(runs, workers=workers)  # the bar is on stderr, beside the JSON too
     else:
         from pipescope.experiments.sweep import dask_executor
 
         with dask_executor(args.dask, workers) as (executor, threads):
-            rows = run_published(runs, executor, threads, progress=not args.json)
+            rows = run_published(runs, executor, threads)
     summary = summarize(rows)
     print(as_json(rows, summary, time.perf_counter() - started) if args.json else table(rows, summary))
     if args.plot:
@@ -192,5 +190,6 @@ def cmd_published(args: argparse.Namespace, names: list[str], workers: int | Non
 
         write_published_plot(rows, args.plot)
     limit = args.max_error
-    worst = (summary["time"] or {}).get("worst_abs_error", 0.0)
+    worst = max((summary[quantity]["worst_abs_error"] for quantity in ("time", "memory") if summary[quantity]),
+                default=0.0)
     return 1 if limit is not None and worst > limit or summary["failed"] else 0

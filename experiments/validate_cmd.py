@@ -91,7 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     published.add_argument("--dask", metavar="local|tcp://HOST:PORT", help="run on Dask instead of a process pool "
                            "(as 'pipescope sweep --dask'; the address is trusted input)")
     published.add_argument("--plot", metavar="FILE", help="predicted against measured on log-log axes, one marker "
-                           "per source, the y = x line and a +-10%% band (.png, .svg, .pdf)")
+                           "per source, the y = x line and a ±10%% band (.png, .svg, .pdf)")
     p.set_defaults(func=cmd_validate)
     PUBLISHED_OFF.update({name: p.get_default(name) for name in EXECUTOR_FLAGS})
 

@@ -344,8 +344,8 @@ def read_yaml(name: str) -> dict:
     return _files_beside(raw, path.parent)
 
 
-# Keys whose value may name a file: a CSV schedule (``csv:FILE``), a profile folder, a topology file.
-FILE_KEYS = {"schedule.name": "csv:", "costs.profile": "", "cluster.topology": ""}
+# Keys whose value may name a file: a CSV schedule (``csv:FILE``), a profile or GEMM table folder, a topology file.
+FILE_KEYS = {"schedule.name": "csv:", "costs.profile": "", "costs.gemms": "", "cluster.topology": ""}
 TOPOLOGY_FILES = (".yaml", ".yml", ".graphml")  # any other cluster.topology is a built-in's name
 
 

@@ -31,6 +31,7 @@ from pipescope.simulator.engine import Progress
 from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.gpu_rates import Tiling
+from pipescope.simulator.measured_gemms import MeasuredGemms, load_gemms
 from pipescope.simulator.memory_overheads import NO_OVERHEADS, Overheads, overheads
 from pipescope.simulator.memory_runtime import grad_bytes
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
@@ -308,7 +309,8 @@ def _peak(config: Config, cluster: Cluster) -> float:
 
 
 def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | None) -> None:
-    """The ``parallel`` section and ``schedule.recompute=selective`` against the model and the cost model."""
+    """The ``parallel`` section, ``schedule.recompute=selective`` and the memory overheads against the model and
+    the cost model."""
     kind, analytic = config.costs.kind, isinstance(config.costs, AnalyticCostsConfig)
     if not analytic and config.parallel.tensor > 1:
         raise ConfigError(f"parallel.tensor: got {config.parallel.tensor} under costs.kind {kind}, expected 1 (only "
@@ -319,6 +321,10 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
     if not analytic and config.schedule.recompute == "selective":
         raise ConfigError(f"schedule.recompute: got selective under costs.kind {kind}, expected none or full (only "
                           f"analytic costs separate the attention core)")
+    for key in ("cuda_context", "nccl_communicator"):
+        if not analytic and getattr(config.memory, key) is not None:
+            raise ConfigError(f"memory.{key}: got {getattr(config.memory, key)} under costs.kind {kind}, expected "
+                              f"unset (only analytic costs count what a GPU process holds besides tensors)")
     per_node = cluster.graph.graph["gpus_per_node"] if cluster is not None else None
     try:
         check_parallel(config.parallel, model, per_node)
@@ -346,15 +352,17 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
     if isinstance(c, UniformCostsConfig):
         return c.costs(m.precision)
     if isinstance(c, AnalyticCostsConfig):
-        gpu, p = cluster.device_spec, config.parallel
-        return AnalyticCosts(model, _peak(config, cluster), m.microbatch_size, m.precision,
+        gpu, p, peak = cluster.device_spec, config.parallel, _peak(config, cluster)
+        gemms = _measured_gemms(c, m.precision, peak, cluster) if c.gemms else None
+        return AnalyticCosts(model, peak, m.microbatch_size, m.precision,
                              c.efficiency or gpu.gemm_efficiency, layers_per_stage=m.layers_per_stage,
                              memory_bandwidth=config.cluster.memory_bandwidth or gpu.memory_bandwidth,
                              memory_efficiency=c.memory_efficiency or gpu.memory_efficiency, attention=m.attention,
                              split=_tensor_split(config, cluster, model, schedule), tiling=Tiling(gpu.sms),
-                             flash=gpu.flash, grad_bytes=grad_bytes(config.memory.runtime, m.precision),
+                             flash=gpu.flash, gemms=gemms, warnings=_gemms_note(gemms, cluster),
+                             grad_bytes=grad_bytes(config.memory.runtime, m.precision),
                              checkpoint_layers=config.memory.runtime == "megatron",
-                             optimizer_shards=config.cluster.data_parallel if p.distributed_optimizer else 1)
+                             optimizer_shards=p.optimizer_shards(config.cluster.data_parallel))
     if not c.profile:
         raise ConfigError("costs.profile: missing, expected a profile folder written by 'pipescope calibrate'")
     try:
@@ -365,6 +373,33 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
         raise ConfigError(f"costs.profile: {c.profile!r}: {message}") from None
     costs.warnings += _device_note(costs, cluster)
     return costs
+
+
+def _measured_gemms(c: AnalyticCostsConfig, precision: str, peak: float, cluster: Cluster) -> MeasuredGemms:
+    """``costs.gemms``'s table, refused when it says a matmul ran faster than the cluster GPU's peak (a table of
+    another GPU or precision would price every matmul wrong) or beside ``costs.efficiency``, which it replaces."""
+    if c.efficiency is not None:
+        raise ConfigError(f"costs.efficiency: got {c.efficiency} with costs.gemms, expected one of the two (the "
+                          "table's measured rates replace the large-GEMM efficiency)")
+    try:
+        gemms = load_gemms(c.gemms, precision)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"costs.gemms: {c.gemms!r}: {str(err).removeprefix('costs.gemms: ')}") from None
+    shape, rate = gemms.fastest()
+    if rate > peak:
+        raise ConfigError(f"costs.gemms: {c.gemms!r} measured {' x '.join(map(str, shape))} at {rate / 1e12:.4g} "
+                          f"TFLOP/s, above the {precision} peak of cluster.topology {cluster.name}'s GPU "
+                          f"({peak / 1e12:.4g}); expected a table measured on that GPU (or set cluster.peak_flops)")
+    return gemms
+
+
+def _gemms_note(gemms: MeasuredGemms | None, cluster: Cluster) -> tuple[str, ...]:
+    """A warning when the GEMM table was measured on another device than the cluster's GPU."""
+    gpu = cluster.graph.graph["device"]
+    if gemms is None or gpu.lower() in gemms.device_name.lower().replace(" ", ""):
+        return ()
+    return (f"costs.gemms: measured on {short_repr(gemms.device_name)}, the cluster's GPUs are {gpu}s: matmuls run "
+            "at the table's rates",)
 
 
 def _device_note(costs: ProfiledCosts, cluster: Cluster) -> list[str]:

@@ -139,8 +139,8 @@ class Collectives:
             if self.algorithm != "auto":
                 options = {name: phases for name, phases in options.items()
                            if name == (self.algorithm if self.algorithm in options else "ring")}
-            timed = {name + suffix: phases for algorithm, plan in options.items()
-                     for suffix, phases in self.protocols(plan).items() for name in (algorithm,)}
+            timed = {algorithm + suffix: phases for algorithm, plan in options.items()
+                     for suffix, phases in self.protocols(plan).items()}
             name = min(timed, key=lambda a: (self.estimate_ns(timed[a]), a))
             known = self._chosen[key] = (name, timed[name])
         return known

@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 from pipescope.simulator.gpu_rates import FlashRates, Roofline, Tiling
+from pipescope.simulator.measured_gemms import MeasuredGemms
 from pipescope.simulator.kernels import (
     PASSES,
     Kernel,
@@ -164,11 +165,14 @@ DEFAULT_MEMORY_EFFICIENCY = 0.8
 class AnalyticCostsConfig:
     """``costs.kind: analytic``: a roofline per kernel; matmuls at ``efficiency`` of the datasheet peak FLOP/s (less
     their tile and wave quantization), memory traffic at ``memory_efficiency`` of its bandwidth; unset, each is
-    what the GPU was measured to reach (``topologies/devices.py``; docs/costs.md, "Rates")."""
+    what the GPU was measured to reach (``topologies/devices.py``; docs/costs.md, "Rates"). ``gemms``: a
+    ``pipescope calibrate-gemms`` folder whose measured matmul rates replace the large-GEMM rate ("Measured
+    GEMMs")."""
 
     kind: CostKind = CostKind.ANALYTIC
     efficiency: float | None = None
     memory_efficiency: float | None = None
+    gemms: str | None = None
 
 
 TOKEN_ID_BYTES = 8  # the first stage's input: int64 token ids, not an activation
@@ -276,6 +280,8 @@ class AnalyticCosts(PerStageCache):
     vocab: VocabShards | None = None  # None: naive placement; else vocabulary parallelism (simulator/vocab.py)
     tiling: Tiling | None = None  # the GPU's SMs, for a GEMM's tile and wave quantization
     flash: FlashRates | None = None  # the GPU's measured flash-attention rates
+    gemms: MeasuredGemms | None = None  # measured matmul rates in place of ``efficiency`` (calibrate-gemms)
+    warnings: tuple[str, ...] = ()  # about the inputs (a GEMM table from another device), for the result
     grad_bytes: int | None = None  # per gradient, as the runtime keeps them (None: the precision's)
     checkpoint_layers: bool = False  # full recompute keeps each block's input and rebuilds one block at a time
     optimizer_shards: int = 1  # a distributed optimizer steps 1 / shards of the stage's parameters
@@ -287,17 +293,18 @@ class AnalyticCosts(PerStageCache):
     @property
     def roofline(self) -> Roofline:
         memory = self.memory_bandwidth * self.memory_efficiency if self.memory_bandwidth else None
-        return Roofline(self.peak_flops, self.efficiency, memory, self.tiling, self.flash)
+        return Roofline(self.peak_flops, self.efficiency, memory, self.tiling, self.flash, self.gemms)
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
         n = self._layers_of(stage, num_stages, self.model.layers)
         work = self.split.layer_work(self.model, self.microbatch_size, self.precision, self.attention)
         seconds, layers_forward = dict.fromkeys(PASSES, 0.0), 0.0
         for component, count, kernels in self._parts(stage, num_stages):
-            for op, value in self.roofline.pass_seconds(kernels).items():
+            passes = self.roofline.pass_seconds(kernels)
+            for op, value in passes.items():
                 seconds[op] += count * value
             if component == "layer":
-                layers_forward = count * self.roofline.pass_seconds(kernels)["F"]
+                layers_forward = count * passes["F"]
         stash = n * work.activation_bytes
         output = self.split.output_bytes(self.model, self.microbatch_size, self.precision) \
             if stage == num_stages - 1 and self.vocab is None else 0
@@ -305,7 +312,8 @@ class AnalyticCosts(PerStageCache):
         block_input = self.split.stage_input_bytes(self.model, self.microbatch_size, self.precision)
         kept = (n * block_input + output) if self.checkpoint_layers else block_input if stage \
             else self.microbatch_size * self.model.seq * TOKEN_ID_BYTES  # the first stage keeps its token ids
-        comm_f, comm_i = self.split.comm_ns(stage, n, stage == 0, stage == num_stages - 1, self._layer_gemm_ns())
+        gemm_ns = self._layer_gemm_ns()
+        comm_f, comm_i = self.split.comm_ns(stage, n, stage == 0, stage == num_stages - 1, gemm_ns)
         vocab = self._vocab_passes(stage)
         return StageCost(
             forward_ns=seconds_to_ns(seconds["F"]) + comm_f,
@@ -313,8 +321,7 @@ class AnalyticCosts(PerStageCache):
             weight_grad_ns=seconds_to_ns(seconds["W"]),
             # full recompute re-runs the blocks' forwards with their collectives, not the output layer (Megatron
             # checkpoints the transformer blocks only)
-            recompute_ns=seconds_to_ns(layers_forward) + self.split.comm_ns(stage, n, False, False,
-                                                                             self._layer_gemm_ns())[0],
+            recompute_ns=seconds_to_ns(layers_forward) + self.split.comm_ns(stage, n, False, False, gemm_ns)[0],
             boundary_bytes=work.boundary_bytes,
             activation_bytes=stash,
             weight_grad_bytes=n * work.weight_grad_bytes,
@@ -397,7 +404,7 @@ class AnalyticCosts(PerStageCache):
         return list(groups.values())
 
     def notes(self) -> list[str]:
-        return []
+        return list(self.warnings)
 
 
 def _kernel_row(component: str, count: int, kernel: Kernel, op: str | None, roofline: Roofline) -> dict:

@@ -18,7 +18,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from pipescope.simulator.kernels import PASSES, Kernel
+
+if TYPE_CHECKING:  # measured_gemms builds on Tiling
+    from pipescope.simulator.measured_gemms import MeasuredGemms
 
 # The large tiles big bf16/fp16 GEMMs run with on Ampere and Hopper (CUTLASS's default for SM80 tensor ops is a
 # 128 x 256 x 64 threadblock with 3 stages, include/cutlass/gemm/device/default_gemm_configuration.h; cuBLASLt
@@ -78,7 +83,7 @@ class Roofline:
     ``peak_flops`` x ``gemm_efficiency`` is what a large, well-tiled matmul reaches; ``tiling`` (None: none)
     scales it by the GEMM's quantization and pipeline fill; ``flash`` (None: flash kernels like any other FLOPs)
     times flash attention; ``memory_rate`` (None: memory traffic is not timed) is the bytes/s a streaming kernel
-    reaches.
+    reaches; ``gemms`` (None: none) are measured matmul rates, which replace ``gemm_efficiency`` for matmuls.
     """
 
     peak_flops: float
@@ -86,6 +91,7 @@ class Roofline:
     memory_rate: float | None
     tiling: Tiling | None = None
     flash: FlashRates | None = None
+    gemms: MeasuredGemms | None = None
 
     @property
     def compute_rate(self) -> float:
@@ -96,15 +102,21 @@ class Roofline:
         """The FLOP/s ``kernel`` computes at, in its own FLOP count (a flash kernel's: ``Flash.flops``)."""
         if kernel.flash is not None and self.flash is not None:
             return self.peak_flops * self.flash.fraction(kernel.flash.seq, kernel.flash.head_dim)
+        if kernel.gemm is not None and self.gemms is not None:
+            return self.gemms.flop_rate(kernel.gemm, self.tiling)
         if kernel.gemm is not None and self.tiling is not None:
             g = kernel.gemm
             return self.compute_rate * self.tiling.efficiency(g.batch, g.rows, g.cols, g.inner)
         return self.compute_rate
 
+    def work(self, kernel: Kernel) -> float:
+        """The FLOPs its rate is measured in: FlashAttention's own count for a flash kernel timed at flash rates."""
+        return kernel.flash.flops if kernel.flash is not None and self.flash is not None else kernel.flops
+
     def times(self, kernel: Kernel) -> tuple[float, float]:
         """(compute seconds, memory seconds) of ``kernel``."""
         memory = kernel.nbytes / self.memory_rate if self.memory_rate else 0.0
-        flops = kernel.flash.flops if kernel.flash is not None and self.flash is not None else kernel.flops
+        flops = self.work(kernel)
         return (flops / self.flop_rate(kernel) if flops else 0.0), memory
 
     def seconds(self, kernel: Kernel) -> float:
@@ -119,8 +131,7 @@ class Roofline:
         """The kernel's FLOPs per second over the peak (None for a kernel without FLOPs), in its own count: a flash
         kernel's is FlashAttention's (the causal half), so it stays below 1."""
         seconds = self.seconds(kernel)
-        flops = kernel.flash.flops if kernel.flash is not None and self.flash is not None else kernel.flops
-        return flops / seconds / self.peak_flops if kernel.flops and seconds else None
+        return self.work(kernel) / seconds / self.peak_flops if kernel.flops and seconds else None
 
     def pass_seconds(self, kernels: list[Kernel]) -> dict[str, float]:
         """Seconds of each pass (``kernels.PASSES``): the sum of its kernels' times."""

@@ -127,7 +127,7 @@ def _attention(x: _Shape, op: str, attention: str) -> list[Kernel]:
     sbh, scores = x.sbh, x.scores * x.act
     mask = x.scores  # the attention dropout's 1-byte mask
     if attention == "flash":  # one fused kernel: Q, K, V in, O out (I: dO, O in; dQ, dK, dV out); stats only
-        forward = core / 2  # FlashAttention's count: 4 s^2 d per head and sample, halved by the causal mask
+        forward = core  # FlashAttention's count: 4 s^2 d per head and sample (2 core), halved by the causal mask
         if op == "F":
             return [Kernel("flash attention", "F", 2 * core, 4 * sbh + x.stats,
                            flash=Flash(forward, x.seq, x.head_dim))]

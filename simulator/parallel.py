@@ -3,7 +3,7 @@ stage's t GPUs holds and sends, and the time of its tensor-parallel collectives.
 
 A simulated device is a pipeline device: with ``parallel.tensor`` t > 1 it stands for t GPUs of one node that split
 each layer's matmuls (column-parallel QKV and MLP up, row-parallel out projection and MLP down) and the vocabulary
-layers. The analytic kernels divide by t where Megatron splits (``models.layer_kernels``); this module gives the
+layers. The analytic kernels divide by t where Megatron splits (``kernels.layer_kernels``); this module gives the
 per-GPU bytes (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"; docs/memory.md,
 "Tensor parallelism") and the collectives each op runs, priced on the idle network of the stage's GPU group and
 added to the op's time (docs/network.md, "Tensor parallelism").
@@ -54,6 +54,11 @@ class ParallelConfig:
     sequence: bool = False
     tp_comm_overlap: bool = False
     distributed_optimizer: bool = False
+
+    def optimizer_shards(self, data_parallel: int) -> int:
+        """How many shards each GPU's optimizer state and step are cut into: the replicas under the distributed
+        optimizer, else 1."""
+        return data_parallel if self.distributed_optimizer else 1
 
 
 def check_parallel(parallel: ParallelConfig, model: ModelSpec | None, gpus_per_node: int | None) -> None:
@@ -180,6 +185,8 @@ class TensorSplit:
         to_whole = c.reduce_scatter if self.sequence else c.all_reduce
         forward = backward = layers * pair
         if self.overlap:
+            if len(gemm_ns) != 2 or any(len(gemms) != 4 for gemms in gemm_ns):  # zip would drop the collectives
+                raise ValueError(f"gemm_ns: got {gemm_ns!r}, expected four matmul times for F and four for I")
             collectives = (c.all_gather, c.reduce_scatter) * 2
             forward, backward = (layers * sum(max(0, comm - gemm) for comm, gemm in zip(collectives, gemms))
                                  for gemms in gemm_ns)

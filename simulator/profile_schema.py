@@ -26,6 +26,11 @@ SCHEMA_VERSION = 1
 
 COMPUTE_META = "profile.json"
 COMMS_META = "comms.json"
+GEMMS_META = "gemms.json"
+# Each metadata file's kind, the command that writes it and the config key that names its folder.
+META_KINDS = {COMPUTE_META: ("compute", "pipescope calibrate", "costs.profile"),
+              COMMS_META: ("comms", "pipescope calibrate-comms", "costs.profile"),
+              GEMMS_META: ("gemms", "pipescope calibrate-gemms", "costs.gemms")}
 
 # Components and ops of the timings table (see the README for what each one times).
 LAYER, EMBEDDING, OUTPUT, OUTPUT_SHARD, OPTIMIZER = "layer", "embedding", "output", "output_shard", "optimizer"
@@ -64,7 +69,13 @@ COMMS_FIT_RULES: dict[str, tuple[str, ...] | str] = {
     "collective": COLLECTIVES, "world_size": "positive", "lo_bytes": "count", "hi_bytes": "count",
     "latency_ns": "ns", "bandwidth": "rate", "points": "positive",
 }
-COLUMN_RULES = {"timings": TIMING_RULES, "memory": MEMORY_RULES, "comms_fit": COMMS_FIT_RULES}
+# At most this many matmul shapes per GEMM table (16 sizes cubed): calibrate-gemms writes no more, and the cost model
+# looks each matmul up in all of them.
+MAX_GEMM_SHAPES = 4_096
+# One matmul shape, (m x k) times (k x n), and its time: "duration" is "ns" above 0, since a rate divides by it.
+GEMM_RULES: dict[str, tuple[str, ...] | str] = {"m": "positive", "n": "positive", "k": "positive",
+                                                "median_ns": "duration"}
+COLUMN_RULES = {"timings": TIMING_RULES, "memory": MEMORY_RULES, "comms_fit": COMMS_FIT_RULES, "gemms": GEMM_RULES}
 
 # Table name -> columns every reader relies on, in the order writers put them first.
 TIMING_COLUMNS = tuple(TIMING_RULES)
@@ -78,6 +89,7 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
     "memory": MEMORY_COLUMNS,
     "comms": COMMS_COLUMNS,
     "comms_fit": COMMS_FIT_COLUMNS,
+    "gemms": tuple(GEMM_RULES),  # calibrate-gemms adds the spread and TFLOP/s, for people
 }
 TABLE_SUFFIXES = (".parquet", ".csv")
 
@@ -119,16 +131,16 @@ def read_metadata(profile_dir: str | os.PathLike, name: str = COMPUTE_META) -> d
 
     Args:
         profile_dir: the folder ``pipescope calibrate --out`` wrote.
-        name: ``profile.json`` (compute) or ``comms.json``.
+        name: ``profile.json`` (compute), ``comms.json`` or ``gemms.json`` (``META_KINDS``).
 
     Raises:
         ProfileError: the file is missing, too large, not UTF-8 JSON, holds NaN/Infinity or an out-of-range
             number, is not an object, has another schema version or a malformed key.
     """
     path = Path(profile_dir) / name
+    kind, writer, key = META_KINDS[name]
     if not path.is_file():
-        writer = "pipescope calibrate" if name == COMPUTE_META else "pipescope calibrate-comms"
-        raise ProfileError(f"costs.profile: {str(profile_dir)!r} has no {name}; expected a {writer} output")
+        raise ProfileError(f"{key}: {str(profile_dir)!r} has no {name}; expected a {writer} output")
     try:
         size = path.stat().st_size
         if size > MAX_METADATA_BYTES:
@@ -143,7 +155,6 @@ def read_metadata(profile_dir: str | os.PathLike, name: str = COMPUTE_META) -> d
         raise ProfileError(f"{path}: a JSON {type(meta).__name__}; expected a JSON object of metadata")
     check_version(meta, str(path))
     check_metadata(meta, str(path))
-    kind = "compute" if name == COMPUTE_META else "comms"
     if meta.get("kind", kind) != kind:  # absent in hand-made profiles: the file name says which it is
         raise ProfileError(f"{path}: kind={short_repr(meta['kind'])}; expected {kind!r}")
     return meta

@@ -104,6 +104,7 @@ _EXPECTED = {
     "positive": f"a whole number from 1 to {_MAX}",
     "point": f"a measured size, a whole number from 1 to {_MAX}",
     "ns": f"a time in ns from 0 to {MAX_OP_SECONDS * 1e9:g} (MAX_OP_SECONDS = {MAX_OP_SECONDS:g} s)",
+    "duration": f"a time in ns above 0 and at most {MAX_OP_SECONDS * 1e9:g} (MAX_OP_SECONDS = {MAX_OP_SECONDS:g} s)",
     "bytes": f"a number of bytes from 0 to {_MAX}",
     "bytes?": f"a number of bytes from 0 to {_MAX}, or NaN (not measured)",
     "rate": f"a bandwidth in bytes/s above 0 and at most {_MAX}",
@@ -182,6 +183,8 @@ def _within(x: np.ndarray, rule: str, unmeasured: np.ndarray) -> np.ndarray:
             return whole & ((x >= 1) | (unmeasured & (x == 0)))
         if rule == "ns":
             return finite & (x >= 0) & (x <= MAX_OP_SECONDS * 1e9)
+        if rule == "duration":
+            return finite & (x > 0) & (x <= MAX_OP_SECONDS * 1e9)
         if rule == "bytes":
             return finite & (x >= 0)
         if rule == "bytes?":

@@ -79,7 +79,7 @@ class VocabShards:
     """One device's vocabulary shard under a sharded method: its S and T kernels, parameters and stash.
 
     The shard is ``padded_vocab / p`` rows of both the embedding and the output projection. Its passes are the
-    output layer's kernels (``models.output_kernels``, the one home of them) at the shard's vocabulary: forward
+    output layer's kernels (``kernels.output_kernels``, the one home of them) at the shard's vocabulary: forward
     kernels go to S, weight-gradient kernels to T, and the input-gradient kernels (d logits, the grad-X product)
     to T under vocab-1 and interlaced, to S under vocab-2 (its S pass computes softmax'(Y)W and G*W). The final
     layer norm stays with the last transformer stage and is left out here (two memory-bound kernels over b*s*h).

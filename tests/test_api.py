@@ -86,8 +86,8 @@ def test_the_results_config_says_what_ran_where_the_config_left_it_unset() -> No
 def test_a_result_prints_as_one_line_and_equals_only_itself() -> None:
     """A notebook cell ending in a result shows one line, not the schedule and timeline (100 KB)."""
     result = pipescope.run(pipescope.Config())
-    assert repr(result) == ("<SimResult 1f1b p=4 m=8 v=1: iteration 67.457 ms, bubble rate 34.85%, peak memory "
-                            "8.42 GiB, 168 actions>")
+    assert repr(result) == ("<SimResult 1f1b p=4 m=8 v=1: iteration 69.346 ms, bubble rate 37.43%, peak memory "
+                            "10.21 GiB, 168 actions>")
     assert result == result and result != pipescope.run(pipescope.Config())  # no array comparison raising
     assert type(result.devices[0].busy_s) is float and type(result.devices[0].peak_memory_bytes) is int
     uniform = pipescope.run(pipescope.Config(costs=pipescope.UniformCostsConfig()))
@@ -174,7 +174,7 @@ def demo_in_python() -> pipescope.Config:
     return pipescope.Config(schedule=pipescope.ScheduleConfig("1f1b", stages=4, microbatches=8),
                             model=pipescope.ModelConfig("gpt-1.3b", microbatch_size=4, precision="bf16"),
                             cluster=pipescope.ClusterConfig("dgx-h100", nodes=1),
-                            costs=pipescope.AnalyticCostsConfig(efficiency=0.5))
+                            costs=pipescope.AnalyticCostsConfig())
 
 
 # What a new user passed; each raised nothing, or a TypeError or AttributeError from deep inside the run.

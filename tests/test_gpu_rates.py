@@ -91,3 +91,16 @@ def test_every_gpu_has_its_measured_rates(name: str) -> None:
     rates = [gpu.flash.fraction(seq, 128) for seq in (512, 2048, 16384)]
     assert rates == sorted(rates) and all(0 < r < 1 for r in rates)
     assert gpu.flash.fraction(2048, 64) < gpu.flash.fraction(2048, 128)  # FlashAttention-2's smaller heads: slower
+
+
+def test_a_flash_kernel_carries_flashattentions_causal_count() -> None:
+    """FlashAttention counts 4 s^2 d per head and sample for a forward, halved under the causal mask, and 2.5 times
+    that for the backward: for the whole microbatch that is 2 t s h in F, the MFU convention's 4 t s h halved."""
+    from pipescope.simulator.kernels import layer_kernels
+    from pipescope.simulator.models import PRESETS
+
+    model = PRESETS["gpt-1.3b"]
+    t = 2 * model.seq
+    flash = {k.op: k for k in layer_kernels(model, 2, "bf16") if k.flash is not None}
+    assert flash["F"].flash.flops == 2 * t * model.seq * model.hidden == flash["F"].flops / 2
+    assert flash["I"].flash.flops == 2.5 * flash["F"].flash.flops

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import itertools
 import importlib.util
 import json
 import math
@@ -17,6 +18,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from pipescope.experiments.gpu_session import CARRIED
+from pipescope.simulator.measured_gemms import load_gemms
 
 pytest.importorskip("torch")
 
@@ -75,11 +77,15 @@ def test_gpu_session_runs_from_the_source_tree_with_only_the_gpu_boxs_packages(t
     assert bare.returncode != 0 and "No module named 'yaml'" in bare.stderr  # the box really lacks them
     out = tmp_path / "out"
     done = subprocess.run([str(python), "-m", "pipescope.experiments.gpu_session", str(out), "--device", "cpu",
-                           "--models", "tiny", "--budget-s", "0.05", "--iterations", "2"], cwd=ROOT, env=env,
+                           "--models", "tiny", "--budget-s", "0.05", "--iterations", "2", "--gemm-sizes", "64,128"],
+                          cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:] + "".join(p.read_text()[-2000:] for p in (out / "logs").glob(
         "*.err"))
-    assert "gpu_session: calibrate-tiny ok" in done.stderr and "gpu_session: validate-tiny ok" in done.stderr
+    assert all(f"gpu_session: {step} ok" in done.stderr for step in ("calibrate-gemms", "calibrate-tiny",
+                                                                     "validate-tiny"))
+    gemms = load_gemms(out / "profiles" / "cpu" / "gemms", "fp32")  # what costs.gemms reads
+    assert sorted(point[:3] for point in gemms.points) == sorted(itertools.product((64, 128), repeat=3))
     profile = json.loads((out / "profiles" / "cpu" / "tiny" / "profile.json").read_text())
     assert profile["model"]["name"] == "tiny" and profile["microbatch_sizes"] == [1, 2, 4, 8]
     report = json.loads((out / "validation" / "cpu" / "tiny.json").read_text())

@@ -80,6 +80,12 @@ def test_overlapped_tensor_collectives_cost_only_what_outlasts_their_matmul() ->
 
 # What a GPU holds besides tensors ---------------------------------------------------------------------------------
 
+def test_overheads_are_refused_where_no_gpu_process_is_modelled() -> None:
+    with pytest.raises(ConfigError, match=r"^memory\.nccl_communicator: got 1048576 under costs\.kind uniform, "
+                       r"expected unset"):
+        small("costs.kind=uniform", "memory.nccl_communicator=1MiB")
+
+
 def test_every_gpu_holds_its_cuda_context_nccl_communicators_and_workspace() -> None:
     """2 stages x 2 replicas: a pipeline, a data-parallel and a model-parallel communicator; the keys replace the
     measured defaults and count in every device's static bytes."""
