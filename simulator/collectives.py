@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pipescope.simulator.flows import FlowFabric, NetworkError, max_min_rates, part_key
 from pipescope.simulator.ir import ActionKind
@@ -107,6 +107,11 @@ def plans(kind: ActionKind, group: Sequence[int], nbytes: int, server_of: Sequen
     return found
 
 
+def _under(phases: list[Phase], factor: int, step_ns: int) -> list[Phase]:
+    """The phases under a protocol: each transfer's bytes times ``factor``, each step ``step_ns`` longer."""
+    return [Phase(tuple((a, b, n * factor) for a, b, n in phase.transfers), phase.steps, step_ns) for phase in phases]
+
+
 class Collectives:
     """Runs collectives as flows on a ``FlowFabric`` with a chosen or forced algorithm.
 
@@ -139,18 +144,20 @@ class Collectives:
             if self.algorithm != "auto":
                 options = {name: phases for name, phases in options.items()
                            if name == (self.algorithm if self.algorithm in options else "ring")}
-            timed = {algorithm + suffix: phases for algorithm, plan in options.items()
-                     for suffix, phases in self.protocols(plan).items()}
-            name = min(timed, key=lambda a: (self.estimate_ns(timed[a]), a))
-            known = self._chosen[key] = (name, timed[name])
+            timed = {}  # name -> (estimate, phases); a plan's paths and rates are found once for both protocols
+            for algorithm, plan in options.items():
+                idle = [self._idle(phase) for phase in plan]
+                for suffix, (factor, step_ns) in self.protocols().items():
+                    estimate = sum(factor * bytes_s + steps * (hop + step_ns) for bytes_s, hop, steps in idle)
+                    timed[algorithm + suffix] = (estimate, _under(plan, factor, step_ns))
+            name = min(timed, key=lambda a: (timed[a][0], a))
+            known = self._chosen[key] = (name, timed[name][1])
         return known
 
-    def protocols(self, phases: list[Phase]) -> dict[str, list[Phase]]:
-        """The phases under NCCL's Simple protocol (suffix '') and its LL protocol ('/LL')."""
-        simple = [replace(phase, step_ns=self.step_ns) for phase in phases]
-        ll = [replace(phase, transfers=tuple((a, b, n * LL_WIRE_FACTOR) for a, b, n in phase.transfers))
-              for phase in phases]
-        return {"": simple, "/LL": ll}
+    def protocols(self) -> dict[str, tuple[int, int]]:
+        """NCCL's Simple protocol (suffix '': the bytes as they are, each step ``step_ns`` more) and its LL protocol
+        ('/LL': twice the bytes on the wire, no step time beyond the path's latency): (bytes factor, step ns)."""
+        return {"": (1, self.step_ns), "/LL": (LL_WIRE_FACTOR, 0)}
 
     def plans_of(self, kind: ActionKind, group: Sequence[int], nbytes: int) -> dict[str, list[Phase]]:
         """``plans`` of the group; with lanes, every GPU's copy, phase by phase merged into one (the copies run at
@@ -162,15 +169,12 @@ class Collectives:
         return {name: [Phase(tuple(t for phase in same for t in phase.transfers), same[0].steps)
                        for same in zip(*(copy[name] for copy in copies))] for name in copies[0]}
 
-    def estimate_ns(self, phases: list[Phase], key: int = 0) -> float:
-        """The phases' time on an otherwise idle network (each phase one lockstep flow, as ``run`` runs it)."""
-        total = 0.0
-        for phase in phases:
-            paths = [self._path(src, dst, key, i) for i, (src, dst, _) in enumerate(phase.transfers)]
-            rate = max_min_rates([[e for path, _ in paths for e in path]], self.fabric.capacity)[0]
-            total += max(nb for _, _, nb in phase.transfers) / rate + phase.steps * (max(p[1] for p in paths)
-                                                                                   + phase.step_ns)
-        return total
+    def _idle(self, phase: Phase) -> tuple[float, int, int]:
+        """A phase on an otherwise idle network, as ``run`` runs it (one lockstep flow): the ns its largest
+        transfer's bytes take at the flow's rate, its slowest path's latency and its steps."""
+        paths = [self._path(src, dst, 0, i) for i, (src, dst, _) in enumerate(phase.transfers)]
+        rate = max_min_rates([[e for path, _ in paths for e in path]], self.fabric.capacity)[0]
+        return max(nb for _, _, nb in phase.transfers) / rate, max(p[1] for p in paths), phase.steps
 
     def _path(self, src: int, dst: int, key: int, index: int) -> tuple[tuple[int, ...], int]:
         path = self.fabric.route(src, dst, part_key(key, index))

@@ -174,8 +174,8 @@ def test_bad_published_flags_are_one_line_exit_2(cli, args: list[str], expected:
 
 @pytest.mark.benchmark
 def test_the_whole_corpus_against_the_targets() -> None:
-    """Every run of the corpus (22 minutes on two cores with one worker: the largest are 3,072 GPUs). Holds the
-    errors near where they are today (time 13.9% mean, 25.0% worst; memory 10.7%, 32.9%); docs/costs.md, "Against
+    """Every run of the corpus (16 minutes on two cores with one worker: the largest are 3,072 GPUs). Holds the
+    errors near where they are today (time 13.7% mean, 24.2% worst; memory 10.7%, 32.9%); docs/costs.md, "Against
     published runs", records them against the issue's targets."""
     rows = run_published(RUNS, progress=True)
     summary = summarize(rows)
