@@ -420,7 +420,8 @@ def drain(executor: Executor, chunks: list[list[Run]], log: RunLog, window: int,
     (default ``run_chunk``) runs one chunk in a worker; the planner passes its own, and an in-memory ``log``. A chunk
     whose task failed (a worker died) is lost, not logged, so running the sweep again retries it. On Ctrl-C the
     chunks already running are waited for and logged; a second Ctrl-C stops our own pool's workers at once, and
-    their chunks are not logged."""
+    their chunks are not logged. With an in-memory ``log`` (the planner's) nothing would keep those rows, so the
+    first Ctrl-C stops the workers at once."""
     pending: dict[Future, list[Run]] = {}
     queue, lost = iter(chunks), []
     with bar:
@@ -435,16 +436,24 @@ def drain(executor: Executor, chunks: list[list[Run]], log: RunLog, window: int,
                     return lost
                 _collect(wait(pending, return_when=FIRST_COMPLETED)[0], pending, log, bar, lost)
         except KeyboardInterrupt:
+            if isinstance(log, MemoryLog):  # nothing outlives this process to keep their rows: stop them now
+                _kill_own(executor)
+                raise
             running = {future: chunk for future, chunk in pending.items() if not future.cancel()}
             bar.write(f"pipescope: stopping: logging the {len(running)} chunks still running (Ctrl-C again to "
                       f"stop them unlogged)", file=sys.stderr)
             try:
                 _collect(wait(running)[0], running, log, bar, lost)
             except KeyboardInterrupt:  # the second: the workers stop now, their chunks unlogged (a re-run runs them)
-                if isinstance(executor, WorkerPool):
-                    executor.kill()
+                _kill_own(executor)
                 raise
             raise
+
+
+def _kill_own(executor: Executor) -> None:
+    """Stop the workers of our own pool at once (a caller's executor, a Dask cluster's, is left to its owner)."""
+    if isinstance(executor, WorkerPool):
+        executor.kill()
 
 
 def _collect(finished: set[Future], pending: dict[Future, list[Run]], log: RunLog, bar, lost: list) -> None:
