@@ -18,6 +18,7 @@ from pipescope.config import RANGES, Config, ConfigError, load_config, read_yaml
 from pipescope.experiments.figure_formats import FORMATS
 
 if TYPE_CHECKING:
+    from pipescope.simulator.training_cost import TrainingGoal
     from pipescope.simulator.result import SimResult
 from pipescope.simulator.ir import ScheduleError
 from pipescope.simulator.units import counted, short_repr
@@ -151,9 +152,48 @@ def _check_writable(flag: str, path: str) -> None:
         os.remove(path)
 
 
+def add_training_goal_args(p: argparse.ArgumentParser) -> None:
+    """``--train-tokens`` and ``--gpu-hour-price`` (``simulate`` and ``plan``)."""
+    p.add_argument("--train-tokens", metavar="N", help="tokens to train on (e.g. 1T, 300B, 2e12): adds the time to "
+                   "train and its GPU-hours at the simulated speed")
+    p.add_argument("--gpu-hour-price", metavar="PRICE", help="price of one GPU-hour in any currency (e.g. 2.49), "
+                   "with --train-tokens: adds what the training run costs")
+
+
+def training_goal(args: argparse.Namespace) -> TrainingGoal | None:
+    """The goal ``--train-tokens`` and ``--gpu-hour-price`` ask for (None without them); ConfigError naming the
+    flag otherwise."""
+    from pipescope.simulator.training_cost import TrainingGoal
+    from pipescope.simulator.units import parse_count
+
+    if args.train_tokens is None:
+        if args.gpu_hour_price is not None:
+            raise ConfigError(f"--gpu-hour-price: got {short_repr(args.gpu_hour_price)} without --train-tokens, "
+                              "expected --train-tokens N too (the price is of the training run's GPU-hours)")
+        return None
+    try:
+        tokens = parse_count(args.train_tokens)
+        price = None if args.gpu_hour_price is None else _price(args.gpu_hour_price)
+        return TrainingGoal(tokens, price)
+    except ValueError as err:
+        message = str(err)
+        raise ConfigError(message if message.startswith("--") else f"--train-tokens: {message}") from None
+
+
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"--gpu-hour-price: got {short_repr(text)}, expected a number such as 2.49") from None
+    if value != value:  # nan passes every range check
+        raise ValueError(f"--gpu-hour-price: got {short_repr(text)}, expected a number such as 2.49")
+    return value
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pipescope.runner import run
     check_output_names(args)
+    goal = training_goal(args)
     config = config_from_args(args)
     if args.csv and config.schedule.vocab in SHARDED:
         raise ConfigError(f"--csv: schedule.vocab {config.schedule.vocab} adds S/T passes and collectives, which "
@@ -161,11 +201,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     with progress_bar("simulate", "op") as progress:
         result = run(config, progress)
     _write_outputs(result, args)
+    estimate = goal.estimate(result.tokens_per_s, result.gpus) if goal else None
     if args.json:
-        print(json.dumps(result.summary()))
+        print(json.dumps(result.summary() | ({"training": estimate} if estimate else {})))
     else:
         from pipescope.experiments.report import table
-        print(table(result))
+        print(table(result, estimate=estimate))
         for label, path in (("gantt", args.gantt), ("trace", args.trace), ("csv", args.csv),
                             ("timeline", args.timeline)):
             if path:
@@ -324,6 +365,7 @@ def build_parser() -> Parser:
     p.add_argument("--timeline", metavar="FILE", help="write the op timeline (.parquet or .csv)")
     p.add_argument("--allow-oom", action="store_true", help=f"exit 0 when a device runs out of memory (default: "
                    f"report it and exit {EXIT_OOM})")
+    add_training_goal_args(p)
     p.set_defaults(func=cmd_simulate)
     p = sub.add_parser("schedules", help="list the schedules pipescope can simulate",
                        description="List every schedule name simulate --schedule takes: the generators with their "

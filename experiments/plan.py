@@ -23,9 +23,11 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
+import sys
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -38,7 +40,8 @@ from pipescope.experiments.plan_space import (
     PlanRequest,
     candidates,
     check_request,
-    gpu_count,
+    file_keys_searched,
+    planned_cluster,
 )
 from pipescope.experiments.sweep import (MemoryLog, Run, counted_bar, drain, process_pool, run_chunk, run_id,
                                          validated_config)
@@ -76,6 +79,9 @@ class PlanReport:
     simulated: int
     wall_s: float
     best: dict[str, Any] | None = field(default=None)
+    planned_for: str = ""  # the model, the machines and their GPUs (plan_space.planned_cluster)
+    would_fit: dict[str, Any] | None = None  # nothing fits: what would (``_what_would_fit``)
+    file_keys_searched: dict[str, Any] = field(default_factory=dict)  # base keys every candidate set for itself
 
 
 def screen(request: PlanRequest, candidate: Candidate) -> Screened:
@@ -116,6 +122,13 @@ def _bounded(candidate: Candidate, run: Run) -> Screened:
     return Screened(candidate, run, built.samples_per_iteration / (floor / 1e9), memory[worst])
 
 
+def _grad_bytes(config) -> int:
+    """Bytes per gradient the replicas reduce: the ledger's, from one function (``memory_runtime.grad_bytes``)."""
+    from pipescope.simulator.memory_runtime import grad_bytes
+
+    return grad_bytes(config.memory.runtime, config.model.precision)
+
+
 _RATES: dict[tuple, float] = {}  # per worker process: (cluster, GPU ranks) -> the all-reduce's ns per byte
 
 
@@ -145,7 +158,7 @@ def _allreduce_floor(built, costs: list) -> int:
             _RATES[key] = max(0, two - one) / RATE_PROBE_BYTES
         return _RATES[key]
 
-    groups = allreduce_floor_ns(built.schedule, costs, config.model.precision, config.cluster.data_parallel,
+    groups = allreduce_floor_ns(built.schedule, costs, _grad_bytes(config), config.cluster.data_parallel,
                                 ns_per_byte)
     # A flush schedule's iteration holds all its all-reduces; a run of several (2BW, PipeDream) may end before a
     # shared NIC's backlog binds (docs/planner.md, "Steady state"), so the server floor bounds flush schedules only
@@ -166,7 +179,7 @@ def _server_floor(built, costs: list, network) -> int:
     server = collectives.server_of
     devices, width = built.schedule.num_devices, built.config.cluster.data_parallel
     entering: dict[int, float] = {}
-    for d, nbytes in enumerate(gradient_bytes_per_iteration(built.schedule, costs, built.config.model.precision)):
+    for d, nbytes in enumerate(gradient_bytes_per_iteration(built.schedule, costs, _grad_bytes(built.config))):
         group = [r * devices + d for r in range(width)]
         per_byte = [_ingress(phases, server) for phases in
                     collectives.plans_of(ActionKind.ALL_REDUCE, group, RATE_PROBE_BYTES).values()]
@@ -228,18 +241,49 @@ def plan(request: PlanRequest, executor: Executor | None = None, workers: int | 
     """
     started = time.perf_counter()
     check_request(request)
-    gpus = gpu_count(request.base)
+    gpus, planned_for = planned_cluster(request.base)
     points = candidates(request, gpus)
     workers = workers or len(os.sched_getaffinity(0))
     pool = executor or process_pool(workers)
     try:
         screened = _screen_all(pool, request, points, workers, progress)
         ranked, rejected, simulated = _simulate_in_bound_order(pool, request, screened, workers, progress)
+        would_fit = None if ranked else _what_would_fit(pool, request, workers, progress)
     finally:
         if executor is None:
             pool.shutdown(wait=True, cancel_futures=True)
     return PlanReport(ranked, rejected, gpus, len(points), simulated, time.perf_counter() - started,
-                      best=ranked[0] if ranked else None)
+                      best=ranked[0] if ranked else None, planned_for=planned_for,
+                      file_keys_searched=file_keys_searched(request.base), would_fit=would_fit)
+
+
+NODE_FACTORS = (1, 2, 4, 8, 16, 32, 64)  # the cluster's nodes times these, tried in turn when nothing fits
+LEAST_MEMORY = {"recompute": ("full",), "microbatch_sizes": (1,)}  # the searched settings that hold the least
+
+
+def _what_would_fit(pool: Executor, request: PlanRequest, workers: int, progress: bool) -> dict[str, Any] | None:
+    """When nothing fits: the fastest plan, simulated, of the fewest nodes (the cluster's, then 2x, 4x ... 64x)
+    at which the search with its least-memory settings (full recompute, microbatch 1) has one that fits; None if
+    none does up to 64x."""
+    if progress:
+        print("plan: nothing fits; looking for what would (full recompute, microbatch 1, more nodes)",
+              file=sys.stderr)
+    nodes = validated_config(request.base, {}).cluster.nodes
+    searched = "full" in request.recompute and 1 in request.microbatch_sizes  # then 1x is the search just run
+    for factor in NODE_FACTORS[1:] if searched else NODE_FACTORS:
+        base = copy.deepcopy(request.base)
+        base["cluster"]["nodes"] = nodes * factor
+        wider = dataclasses.replace(request, base=base, top=1, **LEAST_MEMORY)
+        try:
+            gpus, _ = planned_cluster(base)
+            points = candidates(wider, gpus)
+        except ConfigError:  # a topology of fixed size, say: no more nodes to try
+            return None
+        screened = _screen_all(pool, wider, points, workers, False)
+        ranked, _, _ = _simulate_in_bound_order(pool, wider, screened, workers, False)
+        if ranked:
+            return {**ranked[0], "nodes": nodes * factor, "gpus": gpus}
+    return None
 
 
 def _screen_all(pool: Executor, request: PlanRequest, points: list[Candidate], workers: int,
@@ -254,7 +298,7 @@ def _simulate_in_bound_order(pool: Executor, request: PlanRequest, screened: lis
     """Simulate survivors a round at a time, best bound first, until the next bound cannot enter the top. A bound
     is refined (``refine``) before its candidate is simulated: a round whose best bounds are not refined yet refines
     them, puts them back in order and looks again."""
-    rejected = [_rejection(s.candidate, s.reason) for s in screened if s.reason]
+    rejected = [_rejection(s.candidate, s.reason, s.memory_bound_bytes) for s in screened if s.reason]
     queue = sorted((s for s in screened if not s.reason), key=lambda s: -s.bound_samples_per_s)
     ranked: list[dict] = []
     simulated, round_size = 0, max(2 * workers, request.top)
@@ -340,16 +384,19 @@ def _file(screened: Screened, row: dict, ranked: list[dict], rejected: list[dict
     elif row["oom"]:
         over = row["peak_memory_bytes"] - row["memory_capacity_bytes"]
         rejected.append(_rejection(candidate, f"OOM by {over:,} bytes once simulated (peak "
-                                              f"{row['peak_memory_bytes']:,}, has {row['memory_capacity_bytes']:,})"))
+                                              f"{row['peak_memory_bytes']:,}, has {row['memory_capacity_bytes']:,})",
+                                   row["peak_memory_bytes"]))
     else:
         ranked.append({**candidate.as_dict(), "microbatches": row["schedule.microbatches"],
-                       **{key: row[key] for key in ("throughput_samples_per_s", "iteration_time_s",
-                                                    "peak_memory_bytes", "bubble_rate", "mfu")},
+                       **{key: row[key] for key in ("throughput_samples_per_s", "tokens_per_s",
+                                                    "tokens_per_s_per_gpu", "tflops_per_gpu", "iteration_time_s",
+                                                    "peak_memory_bytes", "bubble_rate", "mfu", "hfu")},
                        "bound_samples_per_s": screened.bound_samples_per_s})
 
 
-def _rejection(candidate: Candidate, reason: str | None) -> dict[str, Any]:
-    return {**candidate.as_dict(), "reason": reason}
+def _rejection(candidate: Candidate, reason: str | None, needs_bytes: int = 0) -> dict[str, Any]:
+    """A rejected candidate; an OOM one with the bytes it needs (a lower bound if screened, the peak if simulated)."""
+    return {**candidate.as_dict(), "reason": reason, **({"needs_bytes": needs_bytes} if needs_bytes else {})}
 
 
 class _Quiet:

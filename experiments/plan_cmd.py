@@ -9,10 +9,12 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pipescope.config import ConfigError
-from pipescope.experiments.cli import as_flag, choice_flag, integer_flag, usage_error
+from pipescope.experiments.cli import (add_training_goal_args, as_flag, choice_flag, integer_flag, training_goal,
+                                       usage_error)
 from pipescope.experiments.processes import sigterm_as_ctrl_c
 from pipescope.experiments.sweep_cmd import DASK_ADDRESS, MAX_WORKERS
-from pipescope.simulator.units import parse_size, short_repr
+from pipescope.simulator.units import (format_bytes, format_count, format_duration, format_time, parse_size,
+                                       short_repr)
 
 if TYPE_CHECKING:  # the simulator loads when a plan runs, not for every 'pipescope --help'
     from pipescope.experiments.plan import PlanReport
@@ -36,10 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "run or cannot fit are rejected with their reason before anything is simulated; the rest are "
                     "simulated in order of a throughput bound, until no bound can beat the top N "
                     "(docs/planner.md).")
-    p.add_argument("--model", default="gpt-1.3b", help="model.preset (default gpt-1.3b)")
-    p.add_argument("--topology", default="dgx-h100", help="cluster.topology: a built-in machine or a topology file "
-                   "(default dgx-h100; see 'pipescope topology')")
-    p.add_argument("--nodes", default="1", help="cluster.nodes: machines in the cluster (default 1)")
+    p.add_argument("--model", help="model.preset (default: the --config file's model, else gpt-1.3b)")
+    p.add_argument("--topology", help="cluster.topology: a built-in machine or a topology file (default: the "
+                   "--config file's, else dgx-h100; see 'pipescope topology')")
+    p.add_argument("--nodes", help="cluster.nodes: machines in the cluster (default: the --config file's, else 1)")
     p.add_argument("--global-batch", required=True, help="samples per optimizer step, over all replicas")
     p.add_argument("--memory-cap", help="bytes per GPU, e.g. 16GiB (default: the GPU's memory)")
     p.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES), help="comma-separated schedule names "
@@ -59,8 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "and v-half, not with t > 1; default all)")
     p.add_argument("--recompute", default="none,selective,full", help="comma-separated: none, selective (the "
                    "attention core only), full (default all three)")
-    p.add_argument("--config", metavar="FILE.yaml", help="a config whose other sections (costs, model precision, "
-                   "cluster fabric, ...) every candidate shares; the flags above take precedence")
+    p.add_argument("--config", metavar="FILE.yaml", help="a config every candidate starts from (model, cluster, "
+                   "costs, ...); a flag given overrides its key, and the keys the search sets (schedule, stages, "
+                   "microbatches, tensor width, ...) are the search's, which the output says")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override one dotted key of that config (repeatable)")
     p.add_argument("--top", default="10", help="rows of the ranked table, all of them exact (default 10)")
@@ -68,6 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dask", metavar="local|tcp://HOST:PORT", help="run on Dask as 'pipescope sweep' does (a tcp "
                    "address is trusted input: Dask unpickles what its scheduler sends)")
     p.add_argument("--json", action="store_true", help="print one JSON object: best, ranked, rejected")
+    add_training_goal_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.set_defaults(func=cmd_plan)
 
@@ -76,6 +80,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Check the flags, plan, print the table or JSON; exit 2 on bad input."""
     try:
         request, workers = _request(args)
+        goal = training_goal(args)
         with sigterm_as_ctrl_c():  # a killed plan shuts its pool down, as Ctrl-C does
             report = _plan(request, workers, args)
     except (ConfigError, ValueError) as err:
@@ -83,6 +88,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return usage_error(as_flag(str(err), flags))  # cluster.memory from --config stays its key
     except OSError as err:  # worker processes that cannot start, say; dask_executor names --dask itself (a ConfigError)
         return usage_error(f"plan: {err}")
+    if goal is not None:  # every candidate uses every GPU, so ranking by cost is ranking by speed
+        for row in report.ranked:
+            row.update(goal.estimate(row["tokens_per_s"], report.gpus))
     print(json.dumps(as_json(report)) if args.json else summary(report, request.top))
     return 0 if report.best is not None else EXIT_NOTHING_FITS
 
@@ -128,8 +136,8 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
         key = item.split("=", 1)[0].strip()
         if key in SEARCHED_BY:
             raise ValueError(f"--set: {key} is what the planner searches, expected {SEARCHED_BY[key]} instead")
-    base = base_config(args.model, args.topology, integer_flag("--nodes", args.nodes, 1, 4096), cap,
-                       config_tree(args.config, args.sets))
+    nodes = None if args.nodes is None else integer_flag("--nodes", args.nodes, 1, 4096)
+    base = base_config(args.model, args.topology, nodes, cap, config_tree(args.config, args.sets))
     request = PlanRequest(
         base, integer_flag("--global-batch", args.global_batch, 1, MAX_GLOBAL_BATCH),
         schedules=tuple(_names("--schedules", args.schedules)),
@@ -160,15 +168,20 @@ def as_json(report: PlanReport) -> dict:
     """``best`` (schedule, tensor, width, depth, microbatch_size, recompute and its metrics), ``ranked``,
     ``rejected`` (each with ``reason``) and the counts."""
     return {"best": report.best, "ranked": report.ranked, "rejected": report.rejected, "gpus": report.gpus,
-            "candidates": report.candidates, "simulated": report.simulated, "plan_wall_s": report.wall_s}
+            "candidates": report.candidates, "simulated": report.simulated, "plan_wall_s": report.wall_s,
+            "planned_for": report.planned_for, "file_keys_searched": report.file_keys_searched,
+            "would_fit": report.would_fit}
 
 
 def summary(report: PlanReport, top: int) -> str:
     """The ranked table, then rejections grouped by reason."""
-    lines = [f"plan: {report.candidates} candidates on {report.gpus} GPUs: {report.simulated} simulated, "
-             f"{len(report.ranked)} fit, {len(report.rejected)} rejected; {report.wall_s:.1f} s"]
+    lines = [f"plan: {report.planned_for}: {report.candidates} candidates, {report.simulated} simulated, "
+             f"{len(report.ranked)} fit, {len(report.rejected)} rejected; {format_time(report.wall_s)}"]
+    if report.file_keys_searched:
+        lines.append("not used from the config (the search sets them): " + ", ".join(
+            f"{key}={value}" for key, value in report.file_keys_searched.items()))
     if report.best is None:
-        lines.append("nothing fits: every candidate was rejected (reasons below)")
+        lines += ["nothing fits: every candidate was rejected (reasons below)", *_what_would_fit(report)]
     else:
         lines.append(_ranked_table(report.ranked[:top]))
         b = report.best
@@ -194,15 +207,44 @@ NO_FLUSH = {"pipedream": "trains asynchronously: no flush, each microbatch's bac
                    "versions, no flush"}
 
 
+def _what_would_fit(report: PlanReport) -> list[str]:
+    """The OOM candidate that needs the least memory, and the fewest nodes at which a plan fits."""
+    lines = []
+    ooms = [r for r in report.rejected if "needs_bytes" in r]
+    if ooms:
+        closest = min(ooms, key=lambda r: r["needs_bytes"])
+        lines.append(f"closest to fitting: {_label(closest)}: {closest['reason']}")
+    fit = report.would_fit
+    if fit is None:
+        lines.append("no plan fits even on 64x the nodes with full recompute and microbatch 1: the model needs "
+                     "memory that pipelining and recompute do not split (the embedding and output layer, say)")
+    else:
+        lines.append(f"would fit: {fit['nodes']} nodes ({fit['gpus']} GPUs) with full recompute and microbatch 1, "
+                     f"best {_label(fit)}: {fit['throughput_samples_per_s']:.1f} samples/s, peak "
+                     f"{format_bytes(fit['peak_memory_bytes'])} (pipescope plan --nodes {fit['nodes']} "
+                     f"--recompute full --microbatch-sizes 1 ...)")
+    return lines
+
+
 def _ranked_table(rows: list[dict]) -> str:
+    goal = bool(rows) and "time_to_train_s" in rows[0]
+    priced = goal and rows[0]["cost"] is not None
     head = (f"{'#':>3} {'schedule':<12}{'t':>3}{'sp':>4}{'w':>4}{'d':>4}{'mb':>4}{'m':>5} {'recompute':<10}"
-            f"{'vocab':<13}{'samples/s':>11}{'iteration':>12}{'peak GiB':>10}{'bubble':>8}")
+            f"{'vocab':<13}{'samples/s':>10}{'tokens/s':>10}{'MFU':>7}{'iteration':>12}{'peak GiB':>9}{'bubble':>7}"
+            + (f"{'to train':>12}" if goal else "") + (f"{'cost':>12}" if priced else ""))
     body = [f"{i:>3} {r['schedule']:<12}{r['tensor']:>3}{'yes' if r['sequence'] else '-':>4}{r['width']:>4}"
             f"{r['depth']:>4}{r['microbatch_size']:>4}{r['microbatches']:>5} {r['recompute']:<10}"
-            f"{r['vocab']:<13}{r['throughput_samples_per_s']:>11.1f}"
-            f"{r['iteration_time_s'] * 1e3:>10.1f}ms{r['peak_memory_bytes'] / 2**30:>10.2f}{r['bubble_rate']:>8.1%}"
+            f"{r['vocab']:<13}{r['throughput_samples_per_s']:>10.1f}{_or_dash(r['tokens_per_s'], format_count):>10}"
+            f"{_or_dash(r['mfu'], '{:.1%}'.format):>7}{format_time(r['iteration_time_s']):>12}"
+            f"{r['peak_memory_bytes'] / 2**30:>9.2f}{r['bubble_rate']:>7.1%}"
+            + (f"{_or_dash(r['time_to_train_s'], format_duration):>12}" if goal else "")
+            + (f"{_or_dash(r['cost'], '{:,.0f}'.format):>12}" if priced else "")
             for i, r in enumerate(rows, 1)]
     return "\n".join([head, *body])
+
+
+def _or_dash(value: float | None, show) -> str:
+    return "-" if value is None else show(value)
 
 
 def _reason_class(reason: str) -> str:

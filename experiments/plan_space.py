@@ -11,6 +11,7 @@ from typing import Any
 from pipescope.config import ConfigError
 from pipescope.experiments.sweep import validated_config
 from pipescope.simulator.costs import CostKind
+from pipescope.simulator.schedules import named_generator
 from pipescope.simulator.units import short_repr
 
 # The 2BW paper's planner space plus the zero-bubble and V families (issue 14); PipeDream's weight stashing rarely
@@ -20,6 +21,9 @@ DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
 PLAN_KEYS = ("schedule", "tensor", "width", "depth", "microbatch_size", "recompute", "sequence", "vocab")
 RECOMPUTE = ("none", "selective", "full")  # schedule.recompute (simulator/parallel.py)
 VOCAB_METHODS = ("naive", "redistribute", "vocab-1", "vocab-2", "interlaced")  # simulator/vocab.py VocabMethod
+# What every candidate sets (``Candidate.overrides``), so a config file's value for one is not used
+CANDIDATE_KEYS = ("schedule.name", "schedule.stages", "schedule.microbatches", "schedule.recompute", "schedule.vocab",
+                  "model.microbatch_size", "cluster.data_parallel", "parallel.tensor", "parallel.sequence")
 
 
 @dataclass(frozen=True)
@@ -40,10 +44,13 @@ class Candidate:
         keys = {"schedule.name": self.schedule, "schedule.stages": self.depth,
                 "schedule.microbatches": global_batch // (self.width * self.microbatch_size),
                 "schedule.recompute": self.recompute, "model.microbatch_size": self.microbatch_size,
-                "cluster.data_parallel": self.width, "schedule.vocab": self.vocab}
-        if self.tensor != 1:
-            keys["parallel.tensor"] = self.tensor
-            keys["parallel.sequence"] = self.sequence
+                "cluster.data_parallel": self.width, "schedule.vocab": self.vocab,
+                "parallel.tensor": self.tensor, "parallel.sequence": self.sequence}
+        # A base key the search does not vary applies only where it means something (docs/planner.md)
+        if not self.sequence:
+            keys["parallel.tp_comm_overlap"] = False  # it splits sequence parallelism's collectives
+        if "iterations" in named_generator(self.schedule).options:
+            keys["parallel.distributed_optimizer"] = False  # a schedule without a flush steps no shard
         return keys
 
     def as_dict(self) -> dict[str, Any]:
@@ -71,17 +78,20 @@ class PlanRequest:
     top: int = 5
 
 
-def gpu_count(base: dict[str, Any]) -> int:
-    """GPUs of the cluster the base config names (its topology x nodes); ConfigError naming the key if it cannot."""
+def planned_cluster(base: dict[str, Any]) -> tuple[int, str]:
+    """(GPUs, what is planned for: ``gpt-355m on 2 x dgx-a100, 16 a100 GPUs``) of the base config's model on its
+    topology x nodes; ConfigError naming the key if it cannot be built."""
     from pipescope.topologies.cluster import gpu_nodes
     from pipescope.topologies.topology_io import load_topology
 
-    cluster = validated_config(base, {}).cluster
+    config = validated_config(base, {})
+    cluster = config.cluster
     try:
         graph = load_topology(cluster.topology, cluster.nodes, cluster.fabric, cluster.oversubscription)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return len(gpu_nodes(graph))
+    gpus = len(gpu_nodes(graph))
+    return gpus, f"{config.model.label} on {cluster.nodes} x {cluster.topology}, {gpus} {graph.graph['device']} GPUs"
 
 
 def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
@@ -216,8 +226,6 @@ def check_request(request: PlanRequest) -> None:
     bad = [r for r in request.recompute if r not in RECOMPUTE]
     if bad or not request.recompute:
         raise ConfigError(f"recompute: got {list(request.recompute)}, expected some of {', '.join(RECOMPUTE)}")
-    from pipescope.simulator.schedules import named_generator
-
     for name in request.schedules:  # a typo fails before any work, not once per candidate
         if name.startswith(("csv:", "torch:")):
             raise ConfigError(f"schedules: got {name!r}, expected generator names (a csv: or torch: schedule has "
@@ -230,13 +238,36 @@ def check_request(request: PlanRequest) -> None:
         raise ConfigError(f"top: got {request.top}, expected a positive integer")
 
 
-def base_config(model: str, topology: str, nodes: int, memory_cap: int | None,
+DEFAULT_TOPOLOGY = "dgx-h100"
+
+
+def base_config(model: str | None, topology: str | None, nodes: int | None, memory_cap: int | None,
                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config mapping of ``pipescope plan``'s flags, ``extra`` (a config file's sections) beneath them."""
+    """The config mapping of ``pipescope plan``'s flags over ``extra`` (a config file's sections): a flag given
+    (not None) overrides the file, a flag not given leaves the file's key, and a key in neither takes the default
+    (``gpt-1.3b``, ``DEFAULT_TOPOLOGY``, 1 node, the GPU's memory)."""
     base = copy.deepcopy(extra or {})
-    base.setdefault("model", {})["preset"] = model
-    cluster = base.setdefault("cluster", {})
-    cluster.update({"topology": topology, "nodes": nodes})
+    model_section, cluster = base.setdefault("model", {}), base.setdefault("cluster", {})
+    if not isinstance(model_section, dict) or not isinstance(cluster, dict):
+        return base  # the config's own check names the section
+    if model is not None:
+        model_section["preset"] = model
+    if topology is not None or "topology" not in cluster:
+        cluster["topology"] = topology or DEFAULT_TOPOLOGY
+    if nodes is not None or "nodes" not in cluster:
+        cluster["nodes"] = nodes or 1
     if memory_cap is not None:
         cluster["memory"] = memory_cap
     return base
+
+
+def file_keys_searched(base: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``base`` that every candidate sets for itself (``Candidate.overrides``), with the values they
+    had: the search's to set, so the plan says it did not use them."""
+    out = {}
+    for key in CANDIDATE_KEYS:
+        section, name = key.split(".")
+        values = base.get(section)
+        if isinstance(values, dict) and name in values:
+            out[key] = values[name]
+    return out

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from pipescope.simulator.costs import CostKind
 from pipescope.simulator.ir import Role
 from pipescope.simulator.result import SimResult
-from pipescope.simulator.units import format_bytes, format_time
+from pipescope.simulator.units import format_bytes, format_count, format_duration, format_time
 
 if TYPE_CHECKING:
     from pipescope.config import Config
@@ -41,8 +41,11 @@ def _options(config: Config) -> str:
 
 def _totals(result: SimResult) -> list[str]:
     lines = [f"iteration time {format_time(result.iteration_time_s)}   "
-             f"throughput {result.throughput_samples_per_s:.2f} samples/s   bubble rate {result.bubble_rate:.2%}"
-             + (f"   MFU {result.mfu:.1%}" if result.mfu is not None else "")]
+             f"throughput {result.throughput_samples_per_s:.2f} samples/s   bubble rate {result.bubble_rate:.2%}"]
+    if result.tokens_per_s is not None:
+        lines.append(f"{format_count(result.tokens_per_s)} tokens/s ({format_count(result.tokens_per_s_per_gpu)} "
+                     f"per GPU, {result.gpus:,} GPUs)   {result.tflops_per_gpu:.1f} TFLOP/s per GPU   "
+                     f"MFU {result.mfu:.1%}   HFU {result.hfu:.1%}")
     if result.schedule.iterations > 1:
         lines.append(f"steady state over {result.schedule.iterations} iterations; fill + drain "
                      f"{format_time(result.fill_drain_ns / 1e9)}; whole run {format_time(result.makespan_ns / 1e9)}")
@@ -71,8 +74,19 @@ def _device_rows(result: SimResult) -> list[str]:
     return rows
 
 
-def table(result: SimResult, max_rows: int = 16) -> str:
-    """Headline, totals and a per-device table (elided in the middle past ``max_rows`` devices)."""
+def training_line(estimate: dict) -> str:
+    """``to train on 1 T tokens: 12.3 days, 2.4 k GPU-hours, 5.9 k`` (``TrainingGoal.estimate``)."""
+    head = f"to train on {format_count(estimate['train_tokens'])} tokens"
+    if estimate["time_to_train_s"] is None:
+        return f"{head}: unknown (uniform costs know no model, so no tokens/s)"
+    cost = f", cost {estimate['cost']:,.0f}" if estimate["cost"] is not None else ""
+    return (f"{head}: {format_duration(estimate['time_to_train_s'])}, "
+            f"{estimate['gpu_hours']:,.0f} GPU-hours{cost}")
+
+
+def table(result: SimResult, max_rows: int = 16, estimate: dict | None = None) -> str:
+    """Headline, totals (with the training estimate, when given) and a per-device table (elided in the middle past
+    ``max_rows`` devices)."""
     rows = _device_rows(result)
     if len(rows) - 1 > max_rows:
         half = max_rows // 2
@@ -80,4 +94,5 @@ def table(result: SimResult, max_rows: int = 16) -> str:
     warnings = [f"warning: {w}" for w in result.warnings]
     ops, transfers = result.records.mask(Role.COMPUTE).sum(), result.records.mask(Role.SEND).sum()
     sim = f"simulated {ops} ops and {transfers} transfers in {result.sim_wall_s:.2f} s"
-    return "\n".join([_headline(result), *_totals(result), "", *rows, *warnings, sim])
+    goal = [training_line(estimate)] if estimate else []
+    return "\n".join([_headline(result), *_totals(result), *goal, "", *rows, *warnings, sim])

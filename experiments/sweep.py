@@ -61,7 +61,8 @@ MAX_DEFAULT_CHUNK = 64
 METRIC_KINDS: dict[str, tuple[type, bool]] = {
     "iteration_time_s": (float, False), "throughput_samples_per_s": (float, False), "bubble_rate": (float, False),
     "peak_memory_bytes": (int, False), "memory_capacity_bytes": (int, True), "oom": (bool, False),
-    "mfu": (float, True), "gpus": (int, False), "exposed_allreduce_s": (float, False)}
+    "mfu": (float, True), "hfu": (float, True), "tokens_per_s": (float, True), "tokens_per_s_per_gpu": (float, True),
+    "tflops_per_gpu": (float, True), "gpus": (int, False), "exposed_allreduce_s": (float, False)}
 METRICS = tuple(METRIC_KINDS)
 ROW_FIELDS = ("run_id", "status", "error", *METRICS, "run_wall_s")  # every row's columns besides its config's
 ROW_FIELD_SET = frozenset(ROW_FIELDS)
@@ -296,7 +297,9 @@ def _metrics(result: SimResult) -> dict[str, Any]:
     return {"iteration_time_s": result.iteration_time_s, "throughput_samples_per_s": result.throughput_samples_per_s,
             "bubble_rate": result.bubble_rate, "peak_memory_bytes": result.peak_memory_bytes,
             "memory_capacity_bytes": result.memory_capacity_bytes, "oom": bool(result.oom), "mfu": result.mfu,
-            "gpus": result.records.num_devices, "exposed_allreduce_s": result.exposed_allreduce_s}
+            "hfu": result.hfu, "tokens_per_s": result.tokens_per_s, "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu,
+            "tflops_per_gpu": result.tflops_per_gpu, "gpus": result.gpus,
+            "exposed_allreduce_s": result.exposed_allreduce_s}
 
 
 def _ignore_sigint() -> None:

@@ -125,8 +125,12 @@ def summary(plan: SweepPlan, report: SweepReport) -> str:
     if len(frame):
         lines.append(_table(frame, plan))
     errors = frame[frame["status"] != "ok"] if len(frame) else frame
-    lines += [f"error: run {row['run_id']}: {row['error']}" for _, row in errors.head(3).iterrows()]
-    lines += [f"lost: run {rid}: {why}" for rid, why in report.lost[:3]]
+    swept = [column for key in plan.keys for column in _columns_of(frame, key, plan)] if len(frame) else []
+    lines += [f"error: {_point(row, swept)} (run {row['run_id']}): {row['error']}"
+              for _, row in errors.head(3).iterrows()]
+    points = {run.run_id: run.overrides for run in plan.runs}
+    lines += [f"lost: {_point(points.get(rid, {}), list(points.get(rid, {})))} (run {rid}): {why}"
+              for rid, why in report.lost[:3]]
     if report.lost:
         lines.append("lost runs ran on no worker to the end; run the same command again to retry them")
     lines.append(f"wrote {os.path.join(report.out, 'results.parquet')} and results.csv (one line per run in "
@@ -142,6 +146,11 @@ def _columns_of(frame, key: str, plan: SweepPlan) -> list[str]:
     named = dict.fromkeys(f"{key}.{inner}" for run in plan.runs if isinstance(run.overrides.get(key), dict)
                           for inner in run.overrides[key])
     return [column for column in named if column in frame.columns]
+
+
+def _point(values, keys: list[str]) -> str:
+    """``schedule.name=zb-v, schedule.stages=8``: the swept keys and values of one run."""
+    return ", ".join(f"{key}={values[key]}" for key in keys) or "the base config"
 
 
 def _table(frame, plan: SweepPlan) -> str:

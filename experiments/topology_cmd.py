@@ -94,7 +94,7 @@ def table(summary: dict) -> str:
         ("GPUs", f"{s['gpus']} ({s['nodes']} x {s['gpus_per_node']} {s['device']})"),
         ("NICs / switches", f"{s['nics']} / {s['switches']}"),
         ("links", f"{s['links']}"),
-        ("per-GPU injection", f"{_gb(s['gpu_injection_bandwidth'])}  (sum of a GPU's links, smallest GPU)"),
+        ("per-GPU injection", f"{_gb(s['gpu_injection_bandwidth'])}  (NVLink + one PCIe port, smallest GPU)"),
         ("network injection", f"{_gb(s['network_injection_bandwidth'])} per GPU  (NIC line rate / GPUs)"),
         ("bisection", f"{_gb(s['bisection_bandwidth'])}  (min cut, first half of the ranks to the second)"),
     ]

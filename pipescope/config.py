@@ -26,7 +26,8 @@ from pipescope.simulator.parallel import ParallelConfig, parse_recompute
 from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.safe_yaml import MAX_INT_DIGITS, YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig, check_iterations
-from pipescope.simulator.units import format_bytes, parse_bandwidth, parse_flops, parse_size, parse_time, short_repr
+from pipescope.simulator.units import (did_you_mean, format_bytes, parse_bandwidth, parse_flops, parse_size, parse_time,
+                                       short_repr)
 from pipescope.simulator.vocab import VocabMethod, vocab_method
 from pipescope.simulator.faults import FaultsConfig
 from pipescope.simulator.memory_runtime import RUNTIMES, MemoryConfig
@@ -119,7 +120,9 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
         return ",".join(str(rank) for rank in _convert_ints(key, value))
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         if str(value) not in {m.value for m in kind}:
-            raise ValueError(f"got {short_repr(value)}, expected one of {', '.join(m.value for m in kind)}")
+            choices = [m.value for m in kind]
+            raise ValueError(f"got {short_repr(value)}, expected one of {', '.join(choices)}"
+                             f"{did_you_mean(value, choices)}")
         return kind(str(value))
     if kind is bool:
         if isinstance(value, bool):
@@ -204,7 +207,8 @@ def _build(cls: type, raw: Any, prefix: str, typed: bool = False) -> Any:
             raise ConfigError(f"{key}: a key of experiment files (a grid of runs), not of one config; run this file "
                               f"with pipescope sweep (docs/sweeps.md)")
         if name not in fields:
-            raise ConfigError(f"{key}: unknown key, expected one of {', '.join(prefix + f for f in fields)}")
+            raise ConfigError(f"{key}: unknown key, expected one of {', '.join(prefix + f for f in fields)}"
+                              f"{did_you_mean(key, [prefix + f for f in fields])}")
         kind, optional = _field_type(hints[name])
         if name == "costs" and cls is Config:
             values[name] = _build_costs(value, f"{key}.", typed)
@@ -250,12 +254,14 @@ def _build_costs(raw: Any, prefix: str, typed: bool = False) -> CostsConfig:
         raise ConfigError(f"costs: got {short_repr(raw)}, expected a mapping of keys")
     kind = str(raw.get("kind", CostKind.ANALYTIC))
     if kind not in COSTS_CONFIGS:
-        raise ConfigError(f"{prefix}kind: got {short_repr(kind)}, expected one of {', '.join(COSTS_CONFIGS)}")
+        raise ConfigError(f"{prefix}kind: got {short_repr(kind)}, expected one of {', '.join(COSTS_CONFIGS)}"
+                          f"{did_you_mean(kind, COSTS_CONFIGS)}")
     known = {f.name for cls in COSTS_CONFIGS.values() for f in dataclasses.fields(cls)}
     for name in raw:
         if name not in known:
             raise ConfigError(f"{_key(prefix, name)}: unknown key, expected one of "
-                              f"{', '.join(prefix + f for f in sorted(known))}")
+                              f"{', '.join(prefix + f for f in sorted(known))}"
+                              f"{did_you_mean(_key(prefix, name), [prefix + f for f in known])}")
     built = {}  # every value must be valid, also where another kind is in effect
     for name, cls in COSTS_CONFIGS.items():
         own = {f.name for f in dataclasses.fields(cls)} - {"kind"}
@@ -272,7 +278,8 @@ def _check_value(key: str, value: Any, unit: str | None = None) -> None:
                               f"{format_bytes(high)}{hint}")
         raise ConfigError(f"{key}: got {short_repr(value)}, expected an integer from {low:,} to {high:,}")
     if key in CHOICES and value not in CHOICES[key]:
-        raise ConfigError(f"{key}: got {short_repr(value)}, expected one of {', '.join(CHOICES[key])}")
+        raise ConfigError(f"{key}: got {short_repr(value)}, expected one of {', '.join(CHOICES[key])}"
+                          f"{did_you_mean(value, CHOICES[key])}")
     if key in FLOAT_RANGES and not FLOAT_RANGES[key][0] <= value <= FLOAT_RANGES[key][1]:
         low, high = FLOAT_RANGES[key]
         raise ConfigError(f"{key}: got {short_repr(value)}, expected a number from {low:g} to {high:g}")
@@ -340,7 +347,11 @@ def read_yaml(name: str) -> dict:
     if raw is None:  # an empty file is more likely a mistake than a wish for the defaults ({} asks for those)
         raise ConfigError(f"--config: {str(path)!r} is empty, expected a mapping of sections ({{}} for the defaults)")
     if not isinstance(raw, dict):
-        raise ConfigError(f"--config: {str(path)!r} holds {type(raw).__name__}, expected a mapping of sections")
+        suffix = path.suffix.lower()
+        what = (f"is a {suffix[1:].upper()} file, not a YAML config" if suffix not in ("", ".yaml", ".yml", ".json")
+                else f"holds {type(raw).__name__}")
+        raise ConfigError(f"--config: {str(path)!r} {what}, expected a YAML mapping of sections (schedule:, "
+                          f"model:, cluster:, ...; docs/cli.md)")
     return _files_beside(raw, path.parent)
 
 

@@ -178,6 +178,8 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
     if isinstance(costs, AnalyticCosts):
         result.kernels = costs.kernel_report(schedule.num_stages)
     result.cluster_name = cluster.name
+    result.gpus_per_device = config.parallel.tensor
+    result.tokens_per_sample = model.seq if analytic else None
     return result
 
 

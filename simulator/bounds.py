@@ -22,7 +22,6 @@ from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import ActionKind, Schedule
 from pipescope.simulator.lowering import step_group
 from pipescope.simulator.memory import OpArrays, device_timelines, op_memory_events, static_memory
-from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.program import KIND_CODE, op_durations
 
 
@@ -81,7 +80,7 @@ def _ordered_events(schedule: Schedule, stage_costs: Sequence[StageCost]):
     return op_memory_events(ops, schedule.recompute, schedule.chunks)
 
 
-def allreduce_floor_ns(schedule: Schedule, stage_costs: Sequence[StageCost], precision: str, width: int,
+def allreduce_floor_ns(schedule: Schedule, stage_costs: Sequence[StageCost], grad_bytes: int, width: int,
                        ns_per_byte: Callable[[list[int]], float]) -> int:
     """Per iteration, the time the data-parallel gradient all-reduce's bytes alone take on the busiest group.
 
@@ -96,13 +95,13 @@ def allreduce_floor_ns(schedule: Schedule, stage_costs: Sequence[StageCost], pre
         return 0
     devices = schedule.num_devices
     return max(int(nbytes * ns_per_byte([r * devices + d for r in range(width)]))
-               for d, nbytes in enumerate(gradient_bytes_per_iteration(schedule, stage_costs, precision)))
+               for d, nbytes in enumerate(gradient_bytes_per_iteration(schedule, stage_costs, grad_bytes)))
 
 
-def gradient_bytes_per_iteration(schedule: Schedule, stage_costs: Sequence[StageCost], precision: str) -> list[int]:
-    """Per device, the gradient bytes its data-parallel all-reduces move per iteration: its stages' gradients, once
+def gradient_bytes_per_iteration(schedule: Schedule, stage_costs: Sequence[StageCost], grad_bytes: int) -> list[int]:
+    """Per device, the gradient bytes its data-parallel all-reduces move per iteration: its stages' gradients
+    (``grad_bytes`` each: ``memory_runtime.grad_bytes``, what the ledger holds and the simulation reduces), once
     per optimizer step (once an iteration; once a microbatch under PipeDream)."""
-    grad_bytes = PRECISIONS[precision].grad_bytes
     per_device = [0] * schedule.num_devices
     for stage, device in enumerate(schedule.stage_to_device):
         per_device[device] += stage_costs[stage].params * grad_bytes

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.units import did_you_mean, short_repr
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,9 @@ class ModelSpec:
 # Shapes chosen so the parameter counts match the names (GPT-2 style, vocab 50257, seq 1024).
 PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec("tiny", layers=4, hidden=64, heads=4, seq=32, vocab=512),
+    # tiny at hidden 512: on a CPU its ops (2.6 ms a layer's forward) outweigh the interpreter's and gloo's
+    # per-op overheads, which tiny's (0.1-0.4 ms) do not; validate's default (docs/validation.md)
+    "tiny-512": ModelSpec("tiny-512", layers=4, hidden=512, heads=4, seq=32, vocab=512),
     "gpt-355m": ModelSpec("gpt-355m", layers=24, hidden=1024, heads=16, seq=1024, vocab=50257),
     "gpt-1.3b": ModelSpec("gpt-1.3b", layers=24, hidden=2048, heads=16, seq=1024, vocab=50257),
     "gpt-2.2b": ModelSpec("gpt-2.2b", layers=28, hidden=2560, heads=20, seq=1024, vocab=50257),
@@ -81,7 +84,7 @@ PRESETS: dict[str, ModelSpec] = {
 def preset(name: str, **overrides: int) -> ModelSpec:
     """A preset, optionally with some fields replaced; KeyError naming the choices if unknown."""
     if name not in PRESETS:
-        raise KeyError(f"model.preset(={name!r}) is not one of {', '.join(PRESETS)}")
+        raise KeyError(f"model.preset(={name!r}) is not one of {', '.join(PRESETS)}{did_you_mean(name, PRESETS)}")
     return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -211,10 +214,14 @@ class ModelConfig:
 
     @property
     def label(self) -> str:
-        """``gpt-1.3b``; ``gpt-1.3b with layers=4`` where dimensions differ from the preset's; ``custom with ...``
-        when every dimension is given and no preset is named."""
+        """``gpt-1.3b`` when the shape is the preset's; else the shape by its dimensions, those left unset named as
+        the preset's (``GPT layers=96, hidden=12288 (heads=16, seq=2048, vocab=50257 from gpt-1.3b)``), so a custom
+        shape never reads as a preset."""
         given = {key: getattr(self, key) for key in SHAPE_KEYS if getattr(self, key) is not None}
-        name = self.preset or ("custom" if len(given) == len(SHAPE_KEYS) else DEFAULT_PRESET)
+        name = self.preset or DEFAULT_PRESET
         base = PRESETS.get(name)
-        changed = [f"{key}={value}" for key, value in given.items() if base is None or getattr(base, key) != value]
-        return f"{name} with {', '.join(changed)}" if changed else name
+        if base is None or all(getattr(base, key) == value for key, value in given.items()):
+            return name
+        shape = ", ".join(f"{key}={value}" for key, value in given.items())
+        unset = [f"{key}={getattr(base, key)}" for key in SHAPE_KEYS if key not in given]
+        return f"GPT {shape}" + (f" ({', '.join(unset)} from {name})" if unset else "")

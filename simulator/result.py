@@ -76,6 +76,8 @@ class SimResult:
     kernels: list[dict] = field(default_factory=list)  # analytic costs: the roofline per kernel (docs/costs.md)
     memory_overheads: Overheads = NO_OVERHEADS  # per GPU, besides tensors; in every device's static bytes
     cluster_name: str = ""  # the topology's own name (a file's ``name``), for the report's headline
+    tokens_per_sample: int | None = None  # the sequence length, when the cost model knows the model
+    gpus_per_device: int = 1  # the tensor-parallel width: a pipeline device is that many GPUs
 
     def __repr__(self) -> str:
         """One line: the default would print the whole schedule and timeline (100 KB for a demo run)."""
@@ -108,6 +110,27 @@ class SimResult:
         """Hardware FLOPs (the model's plus the forwards recompute runs again) per second over the pipeline's peak:
         the convention of sources that count recompute, such as Megatron-LM's equation 3."""
         return self._utilization(self.hardware_flops_per_iteration)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the run uses: every replica's pipeline devices, each ``gpus_per_device`` GPUs."""
+        return self.records.num_devices * self.gpus_per_device
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Training tokens per second over all replicas (samples/s x sequence length), when the model is known."""
+        return self.throughput_samples_per_s * self.tokens_per_sample if self.tokens_per_sample else None
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float | None:
+        tokens = self.tokens_per_s
+        return tokens / self.gpus if tokens is not None else None
+
+    @property
+    def tflops_per_gpu(self) -> float | None:
+        """Model TFLOP/s each GPU achieves (MFU x the GPU's peak, in 10^12 FLOP/s), as Megatron-LM reports."""
+        mfu = self.mfu
+        return mfu * self.peak_flops_per_device / self.gpus_per_device / 1e12 if mfu is not None else None
 
     def _utilization(self, flops: float | None) -> float | None:
         if not flops or not self.peak_flops_per_device or not self.iteration_ns:
@@ -158,6 +181,10 @@ class SimResult:
             "makespan_s": self.makespan_ns / 1e9,
             "bubble_rate": self.bubble_rate,
             "throughput_samples_per_s": self.throughput_samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "gpus": self.gpus,
             "mfu": self.mfu,
             "hfu": self.hfu,
             "peak_memory_bytes": self.peak_memory_bytes,
@@ -286,4 +313,5 @@ def with_timeline(result: SimResult, records: Timeline) -> SimResult:
                            result.samples_per_iteration, result.memory_runtime, result.gradient_buffers,
                            memory_overheads=result.memory_overheads, config=result.config, warnings=[])
     rebuilt.cluster_name = result.cluster_name
+    rebuilt.gpus_per_device, rebuilt.tokens_per_sample = result.gpus_per_device, result.tokens_per_sample
     return rebuilt

@@ -6,8 +6,10 @@ was given and what is accepted; callers prefix the config key.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
+from collections.abc import Iterable
 from fractions import Fraction
 
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-zµ/]*)\s*$")
@@ -23,6 +25,7 @@ _SIZE_UNITS_FOLDED = {unit.lower(): scale for unit, scale in SIZE_UNITS.items()}
 BANDWIDTH_UNITS = {"": 1.0, "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
                    "Kbit/s": 1e3 / 8, "Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8, "Tbit/s": 1e12 / 8,
                    "Gbps": 1e9 / 8, "GiB/s": 2.0**30}
+COUNT_UNITS = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}  # B: billion, as tokens go
 FLOPS_UNITS = {"": 1.0, "FLOP/s": 1.0, "GFLOP/s": 1e9, "TFLOP/s": 1e12, "PFLOP/s": 1e15,
                "GFLOPS": 1e9, "TFLOPS": 1e12, "PFLOPS": 1e15}
 
@@ -35,6 +38,14 @@ def short_repr(value: object, limit: int = 60) -> str:
     except ValueError:  # an int over Python's 4,300-digit conversion limit
         text = f"<{type(value).__name__} too long to show>"
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def did_you_mean(value: object, choices: Iterable[str]) -> str:
+    """`` (did you mean zb-v?)`` when ``value`` is close to one of ``choices`` (ignoring case), else ``''``: the end
+    of an error message that lists the choices (the one helper for this)."""
+    by_folded = {str(choice).lower(): str(choice) for choice in choices}
+    close = difflib.get_close_matches(str(value).lower()[:100], list(by_folded), n=1, cutoff=0.6)
+    return f" (did you mean {by_folded[close[0]]}?)" if close else ""
 
 
 def _number_and_unit(value: object, what: str, example: str, pattern: re.Pattern, number: type) -> tuple:
@@ -109,6 +120,29 @@ def parse_bandwidth(value: object) -> float:
     return _parse(value, BANDWIDTH_UNITS, "bandwidth", "'25GB/s' or '100Gbit/s'")
 
 
+def parse_count(value: object) -> float:
+    """A count written the field's way: ``'1T'`` (10^12), ``'300B'`` (10^9, billion), ``'2.5M'``, ``'15k'``,
+    ``2e12``."""
+    return _parse(value, COUNT_UNITS, "count", "'1T', '300B' or 2e12")
+
+
+def format_count(n: float) -> str:
+    """``1.23 T``, ``456.7 B``, ``89.0 M``, ``12.3 k``: a count in the unit that reads best (B for billion)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.3g}"
+
+
+def format_duration(seconds: float) -> str:
+    """A long time in the unit that reads best: ``3.2 days``, ``5.1 h``, ``12.0 min``; shorter ones as
+    ``format_time``."""
+    for unit, scale in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if abs(seconds) >= 2 * scale:
+            return f"{seconds / scale:.1f} {unit}"
+    return format_time(seconds)
+
+
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """``1 device``, ``4 devices``: a count with its noun in the number it takes (``plural``: noun + s if None)."""
     return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
@@ -123,6 +157,7 @@ def format_bytes(n: float) -> str:
 
 
 def format_time(seconds: float) -> str:
+    """``47.189 s``, ``77.600 ms``, ``12.000 us``: the unit in which the time reads at least 1."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if abs(seconds) >= scale:
             return f"{seconds / scale:.3f} {unit}"

@@ -134,7 +134,7 @@ def test_summary_of_two_dgx_h100_worked_by_hand() -> None:
     s = summarize(load_topology("dgx-h100", nodes=2))
     assert {k: s[k] for k in ("gpus", "nics", "switches", "links")} == {
         "gpus": 16, "nics": 16, "switches": 2 * 5 + 8 + 4, "links": 2 * 29 + 16 + 32}
-    assert s["gpu_injection_bandwidth"] == 450 * GB + 2 * 64 * GB  # NVSwitch port + PCIe Gen5 x16 to switch and NIC
+    assert s["gpu_injection_bandwidth"] == 450 * GB + 64 * GB  # NVSwitch port + its one PCIe Gen5 x16 port, once
     assert s["network_injection_bandwidth"] == 50 * GB  # 400 Gbit/s per GPU
     assert s["bisection_bandwidth"] == 8 * 50 * GB  # node 0's eight NICs
     # one server: GPUs 0-3's NVSwitch ports, plus some of what their PCIe links and NICs carry to GPUs 4-7

@@ -30,8 +30,8 @@ def gpus_by_rank(graph: nx.DiGraph) -> list[str]:
 def summarize(graph: nx.DiGraph) -> dict:
     """Counts and bandwidths (bytes/s, per direction) of a valid topology graph.
 
-    ``gpu_injection_bandwidth`` is the smallest, over GPUs, sum of a GPU's out-edge bandwidths (NVLink or
-    NVSwitch plus PCIe); ``network_injection_bandwidth`` is the NICs' line rate over the GPUs;
+    ``gpu_injection_bandwidth`` is the smallest, over GPUs, of what a GPU can send at once (``gpu_injection``);
+    ``network_injection_bandwidth`` is the NICs' line rate over the GPUs;
     ``bisection_bandwidth`` is the minimum cut from the first half of the ranks to the second (None below 2 GPUs).
     """
     roles = Counter(d["kind"] for _, d in graph.nodes(data=True))
@@ -43,10 +43,19 @@ def summarize(graph: nx.DiGraph) -> dict:
         "gpus_per_node": graph.graph["gpus_per_node"], "gpus": len(gpus), "fabric": graph.graph.get("fabric"),
         "oversubscription": graph.graph.get("oversubscription", 1.0), "memory_bytes": graph.graph.get("memory_bytes"),
         "switches": sum(roles[k] for k in SWITCH_KINDS), "nics": roles["nic"], "links": graph.number_of_edges() // 2,
-        "gpu_injection_bandwidth": min(sum(bw for _, _, bw in graph.out_edges(g, data="bandwidth")) for g in gpus),
+        "gpu_injection_bandwidth": min(gpu_injection(graph, g) for g in gpus),
         "network_injection_bandwidth": network / len(gpus),
         "bisection_bandwidth": bisection_bandwidth(graph, gpus),
     }
+
+
+def gpu_injection(graph: nx.DiGraph, gpu: str) -> float:
+    """Bytes/s a GPU can send at once: its NVLink or NVSwitch links, plus its one PCIe interface once. A GPU's PCIe
+    edges (to its PCIe switch, and on rail machines to its NIC through that switch) share that one x16 port, so
+    adding them would count it twice."""
+    edges = list(graph.out_edges(gpu, data=True))
+    pcie = [d["bandwidth"] for _, _, d in edges if d["kind"] == "pcie"]
+    return sum(d["bandwidth"] for _, _, d in edges if d["kind"] != "pcie") + max(pcie, default=0.0)
 
 
 def bisection_bandwidth(graph: nx.DiGraph, gpus: list[str] | None = None) -> float | None:

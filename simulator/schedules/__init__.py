@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pipescope.simulator.csvio import read_csv
 from pipescope.simulator.ir import Schedule
 from pipescope.simulator.parallel import parse_recompute
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.units import did_you_mean, short_repr
 from pipescope.simulator.schedules.basic import gpipe, one_f_one_b
 from pipescope.simulator.schedules.interleaved import interleaved
 from pipescope.simulator.schedules.pipedream import pipedream, two_bw
@@ -59,8 +59,9 @@ register(Generator("v-min", v_min, "V-Min: V placement, 2 chunks, "
 
 
 def generator(name: str) -> Generator:
-    """The generator called ``name`` (aliases allowed); KeyError if none."""
-    return GENERATORS[ALIASES.get(name, name)]
+    """The generator called ``name`` (aliases allowed, any case: ``ZB-V`` is ``zb-v``); KeyError if none."""
+    folded = name.lower()
+    return GENERATORS[ALIASES.get(folded, folded)]
 
 
 def build(name: str, stages: int, microbatches: int, chunks: int | None = None, recompute: bool = False,
@@ -85,6 +86,8 @@ class ScheduleConfig:
     vertical_sync: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.name, str) and not self.name.startswith(("csv:", "torch:")):
+            object.__setattr__(self, "name", self.name.lower())  # names are matched without regard to case
         try:  # True/False still mean full/none
             object.__setattr__(self, "recompute", parse_recompute(self.recompute))
         except ValueError:
@@ -105,7 +108,8 @@ def named_generator(name: str) -> Generator:
         return generator(name)
     except KeyError:
         names = ", ".join(list(GENERATORS) + list(ALIASES) + ["torch:<Name>", "csv:<path>"])
-        raise ValueError(f"schedule.name: got {short_repr(name)}, expected one of {names}") from None
+        hint = did_you_mean(name, list(GENERATORS) + list(ALIASES))
+        raise ValueError(f"schedule.name: got {short_repr(name)}, expected one of {names}{hint}") from None
 
 
 def check_iterations(name: str, iterations: int | None) -> None:

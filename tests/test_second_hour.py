@@ -1,0 +1,167 @@
+"""A newcomer's second hour (issue 28): the planner plans what it was given, a custom shape is named by its
+dimensions, one gradient size everywhere, injection bandwidth counted once, the units people use, and what would
+fit when nothing does."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import pipescope
+from pipescope.experiments.plan import _allreduce_floor
+from pipescope.runner import prepare
+from pipescope.simulator.models import ModelConfig
+from pipescope.topologies.summary import summarize
+from pipescope.topologies.topology_io import load_topology
+
+ONE_CANDIDATE = ["--global-batch", "64", "--schedules", "1f1b", "--tensor", "1", "--depths", "1",
+                 "--microbatch-sizes", "4", "--recompute", "none", "--vocab", "naive", "--workers", "1",
+                 "--no-progress"]
+
+
+@pytest.fixture
+def planned_file(tmp_path: Path) -> Path:
+    path = tmp_path / "f.yaml"
+    path.write_text("model: {preset: gpt-355m}\ncluster: {topology: dgx-a100, nodes: 2}\n"
+                    "parallel: {tensor: 4, sequence: true}\n")
+    return path
+
+
+def test_plan_plans_the_files_model_and_cluster_and_says_which_keys_it_set(cli, planned_file: Path) -> None:
+    """The flags' defaults overrode the file (612 candidates on 8 GPUs of gpt-1.3b), and the file's tensor width
+    and sequence parallelism rejected every t = 1 candidate: the best plan disappeared."""
+    code, out, err = cli(["plan", "--config", str(planned_file), *ONE_CANDIDATE, "--json"])
+    report = json.loads(out)
+    assert code == 0, err
+    assert report["planned_for"] == "gpt-355m on 2 x dgx-a100, 16 a100 GPUs" and report["gpus"] == 16
+    assert report["best"]["tensor"] == 1 and report["best"]["width"] == 16
+    assert report["file_keys_searched"] == {"parallel.tensor": 4, "parallel.sequence": True}
+    code, out, _ = cli(["plan", "--config", str(planned_file), *ONE_CANDIDATE, "--nodes", "1"])
+    assert code == 0 and out.startswith("plan: gpt-355m on 1 x dgx-a100, 8 a100 GPUs: 1 candidates")
+    assert "not used from the config (the search sets them): parallel.tensor=4, parallel.sequence=True" in out
+
+
+def test_a_custom_shape_is_named_by_its_dimensions_not_as_the_preset() -> None:
+    custom = ModelConfig(layers=96, hidden=12288, heads=96)
+    assert custom.label == "GPT layers=96, hidden=12288, heads=96 (seq=1024, vocab=50257 from gpt-1.3b)"
+    assert ModelConfig(preset="gpt-355m").label == "gpt-355m"
+    assert ModelConfig(preset="gpt-355m", layers=24).label == "gpt-355m"  # the preset's own value
+    whole = ModelConfig(layers=2, hidden=64, heads=4, seq=32, vocab=100)
+    assert whole.label == "GPT layers=2, hidden=64, heads=4, seq=32, vocab=100"
+
+
+def test_the_planners_allreduce_floor_moves_the_gradient_bytes_the_ledger_holds() -> None:
+    """Megatron keeps (and reduces) a bf16 model's gradients in fp32; the floor counted 2 bytes a parameter."""
+    floors = {}
+    for runtime in ("megatron", "torch"):
+        built = prepare(pipescope.load_config(raw={
+            "model": {"preset": "gpt-355m", "layers": 4, "precision": "bf16"}, "memory": {"runtime": runtime},
+            "cluster": {"topology": "dgx-a100", "data_parallel": 2},
+            "schedule": {"name": "1f1b", "stages": 4, "microbatches": 4}}))
+        floors[runtime] = _allreduce_floor(built, built.stage_costs())
+    assert floors["torch"] > 0 and floors["megatron"] == pytest.approx(2 * floors["torch"], rel=1e-6)
+
+
+def test_injection_bandwidth_counts_a_gpus_pcie_port_once() -> None:
+    """dgx-h100's GPU has edges to its PCIe switch and to its NIC through that switch: 450 + 64, not + 64 + 64."""
+    assert summarize(load_topology("dgx-h100", 1, None, 1))["gpu_injection_bandwidth"] == 514e9
+
+
+def test_simulate_reports_tokens_tflops_and_the_cost_of_a_training_run(cli) -> None:
+    code, out, _ = cli(["simulate", "--config", "demo", "--json", "--train-tokens", "1T", "--gpu-hour-price", "2.5"])
+    s = json.loads(out)
+    seq = 1024  # demo.yaml: gpt-1.3b at its preset's sequence
+    assert code == 0 and s["gpus"] == 4
+    assert s["tokens_per_s"] == pytest.approx(s["throughput_samples_per_s"] * seq)
+    assert s["tokens_per_s_per_gpu"] == pytest.approx(s["tokens_per_s"] / 4)
+    assert s["tflops_per_gpu"] == pytest.approx(s["mfu"] * 989.4, rel=1e-3)  # H100 SXM dense bf16
+    training = s["training"]
+    assert training["time_to_train_s"] == pytest.approx(1e12 / s["tokens_per_s"])
+    assert training["gpu_hours"] == pytest.approx(training["time_to_train_s"] * 4 / 3600)
+    assert training["cost"] == pytest.approx(2.5 * training["gpu_hours"])
+    code, out, _ = cli(["simulate", "--config", "demo", "--train-tokens", "300B"])
+    days = 300e9 / s["tokens_per_s"] / 86400
+    assert code == 0 and f"to train on 300 B tokens: {days:.1f} days" in out and "cost" not in out
+    assert "TFLOP/s per GPU" in out and "tokens/s" in out
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--gpu-hour-price", "2"], "--gpu-hour-price: got '2' without --train-tokens, expected --train-tokens N too"),
+    (["--train-tokens", "1X"], "--train-tokens: got '1X': unknown unit 'X', expected one of k, K, M, B, G, T"),
+    (["--train-tokens", "0"], "--train-tokens: got 0, expected a count from 1 to 1e+16"),
+    (["--train-tokens", "1T", "--gpu-hour-price", "nan"], "--gpu-hour-price: got 'nan', expected a number"),
+    (["--train-tokens", "1T", "--gpu-hour-price", "-1"], "--gpu-hour-price: got -1, expected a price from 0"),
+])
+def test_bad_training_goals_are_one_line_usage_errors(cli, flags: list[str], expected: str) -> None:
+    code, out, err = cli(["simulate", "--config", "demo", *flags])
+    assert (code, out) == (2, "") and err.startswith(f"pipescope: error: {expected}") and err.count("\n") == 1
+
+
+def test_plan_ranks_with_tokens_mfu_and_the_runs_cost(cli) -> None:
+    code, out, _ = cli(["plan", "--model", "gpt-355m", "--topology", "dgx-a100", *ONE_CANDIDATE,
+                        "--train-tokens", "1T", "--gpu-hour-price", "2", "--json"])
+    best = json.loads(out)["best"]
+    assert code == 0 and best["tokens_per_s"] == pytest.approx(best["throughput_samples_per_s"] * 1024)
+    assert best["cost"] == pytest.approx(2 * 8 * 1e12 / best["tokens_per_s"] / 3600)
+    code, out, _ = cli(["plan", "--model", "gpt-355m", "--topology", "dgx-a100", *ONE_CANDIDATE,
+                        "--train-tokens", "1T"])
+    head = out.splitlines()[1]
+    assert code == 0 and all(column in head for column in ("tokens/s", "MFU", "to train")) and "cost" not in head
+    assert " ms " in out.splitlines()[2] or out.splitlines()[2].rstrip().endswith("days")
+
+
+def test_when_nothing_fits_the_plan_names_the_closest_and_what_would_fit(cli) -> None:
+    """It showed the first rejection of each kind (the worst as often as not) and said nothing of what would fit."""
+    code, out, _ = cli(["plan", "--model", "gpt-3.8b", "--topology", "dgx-a100", "--memory-cap", "8GiB",
+                        "--global-batch", "64", "--schedules", "1f1b", "--tensor", "1", "--recompute", "none",
+                        "--microbatch-sizes", "1,2", "--vocab", "naive", "--workers", "1", "--no-progress", "--json"])
+    report = json.loads(out)
+    assert code == 1 and report["best"] is None
+    needs = [r["needs_bytes"] for r in report["rejected"] if "needs_bytes" in r]
+    assert needs and min(needs) > 8 * 2**30
+    fit = report["would_fit"]
+    assert fit["nodes"] > 1 and fit["recompute"] == "full" and fit["microbatch_size"] == 1
+    assert fit["peak_memory_bytes"] <= 8 * 2**30 and fit["gpus"] == 8 * fit["nodes"]
+    code, out, _ = cli(["plan", "--model", "gpt-3.8b", "--topology", "dgx-a100", "--memory-cap", "8GiB",
+                        "--global-batch", "64", "--schedules", "1f1b", "--tensor", "1", "--recompute", "none",
+                        "--microbatch-sizes", "1,2", "--vocab", "naive", "--workers", "1", "--no-progress"])
+    closest = min((r for r in report["rejected"] if "needs_bytes" in r), key=lambda r: r["needs_bytes"])
+    assert f"closest to fitting: 1f1b w={closest['width']} d={closest['depth']}" in out
+    assert f"would fit: {fit['nodes']} nodes ({fit['gpus']} GPUs) with full recompute and microbatch 1" in out
+
+
+def test_a_failed_sweep_run_is_named_by_its_point(cli, tmp_path: Path) -> None:
+    """It printed only the run id, a hash the user never wrote."""
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("schedule: {name: 1f1b, stages: 4, microbatches: 8}\nsweep:\n  schedule.stages: [4, 64]\n")
+    code, out, _ = cli(["sweep", str(grid), "--out", str(tmp_path / "out"), "--workers", "1"])
+    assert code == 1 and "error: schedule.stages=64 (run " in out and "the run needs 64 GPUs" in out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--schedule", "zbv"], "schedule.name: got 'zbv', expected one of gpipe, "),
+    (["--set", "schedule.microbatchs=4"], "schedule.microbatchs: unknown key, expected one of schedule.name, "),
+    (["--set", "costs.eficiency=0.5"], "costs.eficiency: unknown key, expected one of costs.backward_input, "),
+    (["--set", "costs.kind=analitic"], "costs.kind: got 'analitic', expected one of analytic, uniform, profile"),
+    (["--set", "model.preset=gpt-1.3"], "model.preset: got 'gpt-1.3', expected one of tiny, "),
+])
+def test_a_near_miss_names_the_nearest_valid_choice(cli, args: list[str], expected: str) -> None:
+    code, out, err = cli(["simulate", *args])
+    nearest = {"zbv": "zb-v", "schedule.microbatchs=4": "schedule.microbatches", "costs.eficiency=0.5":
+               "costs.efficiency", "costs.kind=analitic": "analytic", "model.preset=gpt-1.3": "gpt-1.3b"}[args[1]]
+    assert (code, out) == (2, "") and err.startswith(f"pipescope: error: {expected}")
+    assert err.endswith(f" (did you mean {nearest}?)\n") and err.count("\n") == 1
+
+
+def test_schedule_names_are_matched_without_regard_to_case(cli) -> None:
+    code, out, _ = cli(["simulate", "--schedule", "ZB-V", "--json"])
+    assert code == 0 and json.loads(out)["schedule"] == "zb-v"
+
+
+def test_a_config_that_is_not_yaml_says_so(cli, tmp_path: Path) -> None:
+    table = tmp_path / "results.csv"
+    table.write_text("a,b,c\n1,2,3\n")
+    code, out, err = cli(["simulate", "--config", str(table)])
+    assert (code, out) == (2, "") and err == (f"pipescope: error: --config: {str(table)!r} is a CSV file, not a YAML "
+                                              "config, expected a YAML mapping of sections (schedule:, model:, "
+                                              "cluster:, ...; docs/cli.md)\n")
