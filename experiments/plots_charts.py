@@ -10,6 +10,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import PercentFormatter
 
+from pipescope.experiments.palette import schedule_color, schedule_marker
 from pipescope.experiments.plots_data import SWEEP_COLUMNS, RunData, run_data, sweep_table
 from pipescope.experiments.plots_gantt import draw_memory
 from pipescope.experiments.plots_style import COLORS, LABELS, UNKNOWN_COLOR, byte_unit, plain, time_unit
@@ -40,14 +41,15 @@ def memory_figure(result: SimResult | RunData, title: str | None = None) -> Figu
     return fig
 
 
-def sweep_lines(frame: pd.DataFrame, x: str, y: str, folded: tuple[str, ...], how: str) -> dict[str, pd.Series]:
+def sweep_lines(frame: pd.DataFrame, x: str, y: str, folded: tuple[str, ...], how: str
+                ) -> dict[tuple[str, str], pd.Series]:
     """``y`` against ``x``, one line per schedule and per value of the other config columns that vary on their own.
 
     Config columns are the dotted ones (``schedule.stages``). Taken in order, a column splits lines only if it still
     varies once the schedule, ``x``, ``folded`` and the columns chosen before it are fixed: a resolved
     ``schedule.chunks`` follows the schedule, ``model.layers_per_stage`` the stages, and neither splits anything.
     Columns named ``folded`` are neither lines nor the x axis: rows that differ only in them share a point, which
-    takes ``how`` (``mean`` or ``max``) of their ``y``.
+    takes ``how`` (``mean`` or ``max``) of their ``y``. Keyed by (schedule, legend label).
     """
     given = [SCHEDULE, x, *(c for c in folded if c in frame)]
     labels = frame[given + [c for c in frame.columns if "." in c and c not in given]].map(_text)
@@ -64,7 +66,8 @@ def sweep_lines(frame: pd.DataFrame, x: str, y: str, folded: tuple[str, ...], ho
     for name, group in frame.groupby([labels[SCHEDULE], *(labels[k] for k in keys)], sort=True):
         values = name if isinstance(name, tuple) else (name,)
         extra = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values[1:]))
-        lines[plain(values[0] + (f" ({extra})" if extra else ""))] = group.groupby(x)[y].agg(how).sort_index()
+        label = plain(values[0] + (f" ({extra})" if extra else ""))
+        lines[values[0], label] = group.groupby(x)[y].agg(how).sort_index()
     return lines
 
 
@@ -73,14 +76,17 @@ def _text(value: object) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
-def _line_figure(lines: dict[str, pd.Series], xlabel: str, ylabel: str, title: str) -> tuple[Figure, plt.Axes]:
+def _line_figure(lines: dict[tuple[str, str], pd.Series], xlabel: str, ylabel: str, title: str
+                 ) -> tuple[Figure, plt.Axes]:
+    """A line per (schedule, label): the schedule's colour and marker (``palette``), hollow so that equal values
+    (GPipe's and 1F1B's bubble) do not hide each other; a schedule's further lines dashed, dotted, ..."""
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    for i, (label, series) in enumerate(lines.items()):
-        # Hollow markers that differ, on lines that thin out: schedules with equal values (GPipe's and 1F1B's bubble)
-        # would otherwise hide each other.
-        ax.plot(series.index, series.to_numpy(), marker=MARKERS[i % len(MARKERS)], markerfacecolor="none",
-                markersize=8, linestyle=LINESTYLES[i // len(MARKERS) % len(LINESTYLES)],
-                linewidth=max(1.0, 3.0 - 0.4 * i), label=label)
+    seen: dict[str, int] = {}
+    for (schedule, label), series in lines.items():
+        k = seen[schedule] = seen.get(schedule, -1) + 1
+        ax.plot(series.index, series.to_numpy(), color=schedule_color(schedule), marker=schedule_marker(schedule),
+                markerfacecolor="none", markersize=8, linestyle=LINESTYLES[k % len(LINESTYLES)], linewidth=1.8,
+                label=label, clip_on=False)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(plain(title))
@@ -105,8 +111,9 @@ def bubble_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
 
 
 def throughput_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
-    """Throughput against GPUs (stages x data-parallel replicas), a line per schedule; where several splits of
-    the same GPUs ran (4 stages x 2 replicas, 8 x 1), the best one's among those that fit in memory."""
+    """Throughput against GPUs (stages x data-parallel replicas), a line per schedule on log-log axes beside ideal
+    linear scaling from the best run at the fewest GPUs; where several splits of the same GPUs ran (4 stages x 2
+    replicas, 8 x 1), the best one's among those that fit in memory. A sweep of one GPU count is a bar per line."""
     frame = sweep_table(frame, SWEEP_COLUMNS["throughput"], SWEEP_TABLE)
     if "oom" in frame:  # a run that does not fit is no split anyone can use, however fast it would be
         frame = frame[~frame["oom"].astype(bool)]
@@ -115,11 +122,36 @@ def throughput_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     replicas = frame[REPLICAS] if REPLICAS in frame else 1
     frame = frame.assign(**{GPUS: frame[STAGES] * replicas})  # a sweep's own ``gpus`` counts simulated devices only
     lines = sweep_lines(frame, GPUS, "throughput_samples_per_s", (STAGES, REPLICAS), "max")
+    counts = sorted(set(frame[GPUS]))
+    if len(counts) == 1:
+        return _bars_at_one_count(lines, counts[0], title)
     fig, ax = _line_figure(lines, "GPUs (stages x data-parallel replicas)", "throughput (samples/s)",
                            title or "throughput against GPUs (best split of each GPU count)")
+    fewest = min(series.index.min() for series in lines.values())
+    start = max(series.get(fewest, 0.0) for series in lines.values())
+    ax.plot(counts, [start * g / fewest for g in counts], color="0.55", linestyle=(0, (4, 3)), linewidth=1,
+            label=f"ideal: linear from the best at {fewest} GPUs")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted(set(frame[GPUS])), [str(g) for g in sorted(set(frame[GPUS]))])
-    ax.set_ylim(bottom=0)
+    ax.set_yscale("log")
+    ax.set_xticks(counts, [str(g) for g in counts])
+    ax.margins(x=0.06, y=0.08)  # markers at the ends stay inside the frame
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _bars_at_one_count(lines: dict[tuple[str, str], pd.Series], gpus: int, title: str | None) -> Figure:
+    """The sweep did not vary the GPUs: one bar per line, in its schedule's colour, rather than a stack of markers
+    on one vertical."""
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.7 * len(lines) + 2), 4.5))
+    labels = [label for _, label in lines]
+    ax.bar(range(len(lines)), [float(series.iloc[0]) for series in lines.values()],
+           color=[schedule_color(schedule) for schedule, _ in lines])
+    ax.set_xticks(range(len(lines)), labels, rotation=30 if len(lines) > 4 else 0, ha="right" if len(lines) > 4
+                  else "center")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.set_title(plain(title or f"throughput at {gpus} GPUs (the sweep does not vary the GPU count)"))
+    ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
 

@@ -22,6 +22,8 @@ from pipescope.simulator.result import SimResult
 from pipescope.simulator.units import format_bytes
 
 MAX_LABELLED_OPS = 600  # beyond this, microbatch numbers turn into noise
+MAX_DRAWN_MICROBATCHES = 256  # beyond this, a device's row of ops is a barcode: draw its busy share per kind instead
+SUMMARY_BINS = 240
 MAX_ROWS = 32  # beyond this many devices, rows are too thin to read: draw replica 0 only
 MAX_LINKS = 16
 MAX_DRAWN_ROWS = 512  # 0.32 inch each at 150 dpi: near matplotlib's 2^16-pixel limit on an image's side
@@ -73,7 +75,12 @@ def gantt_figure(result: SimResult | RunData, title: str | None = None, *, mode:
     axis = _axis(ops, timed)
     ax = axes[0]
     thin = not comm_lanes and bool((ops["lane"] == "collective").any())
-    _draw_compute(ax, ops, rows, axis, data, thin)
+    microbatches = int(ops.loc[ops["lane"] == "compute", "microbatch"].nunique())  # over every iteration drawn
+    summary = timed and microbatches > MAX_DRAWN_MICROBATCHES
+    if summary:
+        _draw_busy_shares(ax, ops[ops["lane"] == "compute"], rows, axis, 0.68 if thin else 0.8)
+    else:
+        _draw_compute(ax, ops, rows, axis, data, thin)
     if comm_lanes and timed:
         _draw_comm(ax, ops, rows, axis)
     elif timed:
@@ -83,9 +90,12 @@ def gantt_figure(result: SimResult | RunData, title: str | None = None, *, mode:
     for a in axes:
         for x in boundaries:
             a.axvline(x, **BOUNDARY_STYLE)
-    handles = _legend(ops, data.chunks, comm_lanes and timed, bool(boundaries), data.pipeline_devices)
+    handles = _legend(ops, 1 if summary else data.chunks, comm_lanes and timed, bool(boundaries),
+                      data.pipeline_devices)
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    ax.set_title(plain(_title(data, title, shown, timed)))
+    ax.set_title(plain(_title(data, title, shown, timed) + (
+        f"\n{microbatches} microbatches, more than {MAX_DRAWN_MICROBATCHES}: each row is the device's busy "
+        f"share per kind in {SUMMARY_BINS} time slices, not its ops" if summary else "")))
     for name, panel in zip(panels, axes[1:]):
         if name == "links":
             _draw_links(panel, links, axis)
@@ -133,6 +143,33 @@ def _draw_compute(ax: Axes, ops: pd.DataFrame, rows: dict, axis: Axis, data: Run
         for (x, w), device, mb in zip(_bars(frame, axis), frame["device"], frame["microbatch"]):
             ax.text(x + w / 2, rows[(device, "compute")] - 0.4 + height / 2, str(mb), ha="center", va="center",
                     fontsize=6, color="white")
+
+
+def _draw_busy_shares(ax: Axes, frame: pd.DataFrame, rows: dict, axis: Axis, height: float) -> None:
+    """Each device's row as stacked bands, one per kind, as high as the share of each time slice the device spent
+    on that kind: fill, steady state and drain stay visible where thousands of ops would be a barcode."""
+    edges = np.linspace(axis.origin, float(frame[axis.end].max()), SUMMARY_BINS + 1)
+    x = (edges - axis.origin) / axis.scale
+    for device, group in frame.groupby("device"):
+        bottom = rows[(device, "compute")] - 0.4 + height  # y grows downwards: bands stack up from the row's bottom
+        done = np.zeros(SUMMARY_BINS)
+        for kind in [k for k in COLORS if k in set(group["kind"])]:
+            mine = group[group["kind"] == kind]
+            busy = np.diff(_busy_until(mine[axis.start].to_numpy(float), mine[axis.end].to_numpy(float), edges))
+            share = np.minimum(busy / np.diff(edges), 1.0 - done)
+            low, high = bottom - height * done, bottom - height * (done + share)
+            ax.fill_between(x, np.append(low, low[-1]), np.append(high, high[-1]), step="post", color=COLORS[kind],
+                            linewidth=0)
+            done += share
+
+
+def _busy_until(start: np.ndarray, end: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Time spent in the intervals [start, end) before each of ``at``: sum(clip(t - start, 0, end - start)), from
+    sorted starts and ends with their running sums (no op x slice product)."""
+    starts, ends = np.sort(start), np.sort(end)
+    sum_starts, sum_ends = np.concatenate([[0.0], np.cumsum(starts)]), np.concatenate([[0.0], np.cumsum(ends)])
+    began, ended = np.searchsorted(starts, at), np.searchsorted(ends, at)
+    return (began * at - sum_starts[began]) - (ended * at - sum_ends[ended])
 
 
 def _draw_comm(ax: Axes, ops: pd.DataFrame, rows: dict, axis: Axis) -> None:

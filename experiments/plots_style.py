@@ -16,10 +16,11 @@ from pipescope.simulator.files import write_atomic  # noqa: E402
 from pipescope.simulator.ir import ActionKind as K  # noqa: E402
 
 # One table per fact, keyed by the enum (a StrEnum: the timeline's kind strings look them up as they are).
-COLORS = {K.F: "#4C72B0", K.B: "#DD8452", K.I: "#C44E52", K.W: "#55A868", K.OPT: "#937860",
+# The optimizer step is pink: brown sat beside the odd chunk's dark orange backward and read as the same colour.
+COLORS = {K.F: "#4C72B0", K.B: "#DD8452", K.I: "#C44E52", K.W: "#55A868", K.OPT: "#E377C2",
           K.S: "#CCB974", K.T: "#64B5CD"}
 ODD_CHUNK_COLORS = {K.F: "#27406B", K.B: "#9A5424", K.I: "#7E2A2D", K.W: "#2F6B3D",  # darker: readable at any size
-                    K.OPT: "#5C4A3A", K.S: "#8A7B3E", K.T: "#2E7A90"}
+                    K.OPT: "#9C3D86", K.S: "#8A7B3E", K.T: "#2E7A90"}
 LABELS = {K.F: "forward", K.B: "backward (I+W)", K.I: "input-grad", K.W: "weight-grad", K.OPT: "optimizer step",
           K.S: "vocabulary S pass", K.T: "vocabulary T pass"}
 # Transfers by what they carry: activations go down the pipeline, gradients come back up.

@@ -8,6 +8,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
+from pipescope.experiments.palette import schedule_color
 from pipescope.experiments.plots_charts import LINESTYLES, MARKERS
 from pipescope.experiments.plots_data import sweep_table
 from pipescope.experiments.plots_style import byte_unit, plain
@@ -36,16 +37,16 @@ def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     near = bool(pd.notna(capacity) and peak >= capacity / 2)  # a line far above the peaks would flatten them
     methods = sorted(frame["method"].unique(), key=_order)
     placements = sorted(frame[METHOD].astype(str).unique(), key=_order)
-    schedules = sorted(frame["schedule.name"].astype(str).unique())
     for col, (stages, seq) in enumerate(panels):
         part = frame[(frame[STAGES] == stages) & (frame[SEQ] == seq)]
         for method in methods:
             rows = part[part["method"] == method].groupby(VOCAB)
             schedule, placement = method.split(" ", 1)
-            # a colour per placement, a line style and marker per schedule: "v-half vocab-2" reads as both
-            k, j = placements.index(placement), schedules.index(schedule)
-            style = {"color": f"C{k % 10}", "marker": MARKERS[j % len(MARKERS)], "markerfacecolor": "none",
-                     "linestyle": LINESTYLES[j % len(LINESTYLES)], "label": plain(method)}
+            # the schedule's colour (as in every figure), a line style and marker per placement: "v-half vocab-2"
+            # reads as both
+            k = placements.index(placement)
+            style = {"color": schedule_color(schedule), "marker": MARKERS[k % len(MARKERS)], "markerfacecolor": "none",
+                     "linestyle": LINESTYLES[k % len(LINESTYLES)], "label": plain(method)}
             axes[0, col].plot(rows["mfu"].mean(), **style)
             axes[1, col].plot(rows["peak_memory_bytes"].max() / scale, **style)
         if near and part["memory_capacity_bytes"].notna().any():

@@ -10,6 +10,7 @@ import struct
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
@@ -17,6 +18,7 @@ import pytest
 
 import pipescope
 from pipescope.experiments import plots_inputs
+from pipescope.experiments.palette import schedule_color
 from pipescope.experiments.plots import (COLORS, ODD_CHUNK_COLORS, bubble_figure, gantt_figure, memory_figure,
                                          run_data, save_figure, throughput_figure, validate_figure, vocab_figure)
 from pipescope.experiments.plots_inputs import read_sweep, run_from_timeline, run_from_trace
@@ -244,10 +246,30 @@ def test_bubble_and_throughput_from_a_sweep(cli, files: dict[str, Path], tmp_pat
         plt.close(fig)
     fig = throughput_figure(read_sweep(str(files["sweep.parquet"]), "throughput"))
     try:
-        lines = fig.axes[0].lines
+        ax = fig.axes[0]
+        *lines, ideal = ax.lines
         assert len(lines) == 9  # 3 schedules x 3 values of m
         assert all(list(line.get_xdata()) == [2, 4, 8] for line in lines)
-        assert fig.axes[0].get_ylabel() == "throughput (samples/s)"
+        assert ax.get_ylabel() == "throughput (samples/s)" and (ax.get_xscale(), ax.get_yscale()) == ("log", "log")
+        assert ideal.get_label() == "ideal: linear from the best at 2 GPUs"
+        assert np.allclose(ideal.get_ydata(), ideal.get_ydata()[0] * np.array([1, 2, 4]))
+        assert ideal.get_ydata()[0] == max(line.get_ydata()[0] for line in lines)
+        # one colour per schedule, the one every figure gives it (experiments/palette.py)
+        for line in lines:
+            assert line.get_color() == schedule_color(line.get_label().split(" ")[0])
+        low, high = ax.get_ylim()
+        assert all(low < y < high for line in lines for y in line.get_ydata())  # no marker on the frame
+    finally:
+        plt.close(fig)
+    table = read_sweep(str(files["sweep.parquet"]), "throughput")
+    one_count = table[table["schedule.stages"] * table["cluster.data_parallel"] == 4]
+    fig = throughput_figure(one_count)  # one vertical stack of markers before: a bar per line now
+    try:
+        bars = fig.axes[0].patches
+        assert len(bars) == 9  # 3 schedules x 3 values of m, as the lines
+        assert {matplotlib.colors.to_hex(bar.get_facecolor()) for bar in bars} == {
+            schedule_color(name).lower() for name in ("gpipe", "1f1b", "zb-h1")}
+        assert "does not vary the GPU count" in fig.axes[0].get_title()
     finally:
         plt.close(fig)
     table = read_sweep(str(files["sweep.parquet"]), "throughput")
@@ -255,7 +277,7 @@ def test_bubble_and_throughput_from_a_sweep(cli, files: dict[str, Path], tmp_pat
     out_of_memory = table.assign(oom=table.index == fastest)  # the fastest run does not fit: it is no best split
     fig = throughput_figure(out_of_memory)
     try:
-        top = max(max(line.get_ydata()) for line in fig.axes[0].lines)
+        top = max(max(line.get_ydata()) for line in fig.axes[0].lines[:-1])  # the last is the ideal line
         assert top < table.loc[fastest, "throughput_samples_per_s"]
     finally:
         plt.close(fig)

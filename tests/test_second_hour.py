@@ -5,6 +5,7 @@ fit when nothing does."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import pipescope
@@ -165,3 +166,50 @@ def test_a_config_that_is_not_yaml_says_so(cli, tmp_path: Path) -> None:
     assert (code, out) == (2, "") and err == (f"pipescope: error: --config: {str(table)!r} is a CSV file, not a YAML "
                                               "config, expected a YAML mapping of sections (schedule:, model:, "
                                               "cluster:, ...; docs/cli.md)\n")
+
+
+def test_past_a_few_hundred_microbatches_the_gantt_draws_busy_shares_and_says_so() -> None:
+    """A row of 600 ops was a barcode; now each row is the device's busy share per kind over time slices."""
+    import matplotlib.pyplot as plt
+
+    from pipescope.experiments.plots import gantt_figure
+    from pipescope.experiments.plots_gantt import SUMMARY_BINS, _busy_until
+
+    assert list(_busy_until(np.array([0.0, 3.0]), np.array([2.0, 4.0]), np.array([0.0, 1.0, 2.5, 5.0]))) == [
+        0.0, 1.0, 2.0, 3.0]
+    result = pipescope.run(pipescope.load_config(raw={
+        "schedule": {"name": "1f1b", "stages": 2, "microbatches": 300},
+        "costs": {"kind": "uniform", "forward": 1, "backward_input": 1, "backward_weight": 1}}))
+    fig = gantt_figure(result)
+    try:
+        ax = fig.axes[0]
+        assert f"300 microbatches, more than 256: each row is the device's busy share per kind in {SUMMARY_BINS}" \
+               in ax.get_title()
+        bands = [c for c in ax.collections if len(c.get_paths()) == 1]
+        assert len(bands) == 2 * 2 and len(ax.collections) == len(bands)  # 2 devices x (F, B): no bar per op
+        # the bands stack to each slice's busy share: full in 1F1B's steady state, which is most of this run
+        tops = [band.get_paths()[0].vertices[:, 1].min() for band in bands]
+        assert min(tops) == pytest.approx(-0.4, abs=1e-6)
+    finally:
+        plt.close(fig)
+
+
+def test_the_optimizer_step_is_clearly_apart_from_an_odd_chunks_backward() -> None:
+    """They were #937860 and #9A5424: two browns."""
+    from matplotlib.colors import to_rgb
+
+    from pipescope.experiments.plots_style import COLORS, ODD_CHUNK_COLORS
+    from pipescope.simulator.ir import ActionKind as K
+
+    a, b = np.array(to_rgb(COLORS[K.OPT])), np.array(to_rgb(ODD_CHUNK_COLORS[K.B]))
+    assert np.linalg.norm(a - b) > 0.4
+
+
+def test_every_schedule_has_its_own_colour_and_marker_and_an_alias_shares_its_schedules() -> None:
+    from pipescope.experiments.palette import SCHEDULE_COLORS, SCHEDULE_MARKERS, schedule_color
+    from pipescope.simulator.schedules import GENERATORS
+
+    assert set(SCHEDULE_COLORS) == set(SCHEDULE_MARKERS) == set(GENERATORS)
+    assert len(set(SCHEDULE_COLORS.values())) == len(SCHEDULE_COLORS)
+    assert len(set(SCHEDULE_MARKERS.values())) == len(SCHEDULE_MARKERS)
+    assert schedule_color("flush") == schedule_color("1f1b") and schedule_color("ZB-V") == SCHEDULE_COLORS["zb-v"]
