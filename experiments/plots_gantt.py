@@ -140,7 +140,8 @@ def _draw_compute(ax: Axes, ops: pd.DataFrame, rows: dict, axis: Axis, data: Run
         color = (ODD_CHUNK_COLORS if odd else COLORS).get(kind, UNKNOWN_COLOR)
         ax.broken_barh(_bars(group, axis), (rows[(device, "compute")] - 0.4, height), facecolors=color, **edge)
     if label:
-        for (x, w), device, mb in zip(_bars(frame, axis), frame["device"], frame["microbatch"]):
+        numbered = frame[frame["kind"] != ActionKind.OPT]  # a step is no microbatch's, whatever its row says
+        for (x, w), device, mb in zip(_bars(numbered, axis), numbered["device"], numbered["microbatch"]):
             ax.text(x + w / 2, rows[(device, "compute")] - 0.4 + height / 2, str(mb), ha="center", va="center",
                     fontsize=6, color="white")
 

@@ -213,3 +213,36 @@ def test_every_schedule_has_its_own_colour_and_marker_and_an_alias_shares_its_sc
     assert len(set(SCHEDULE_COLORS.values())) == len(SCHEDULE_COLORS)
     assert len(set(SCHEDULE_MARKERS.values())) == len(SCHEDULE_MARKERS)
     assert schedule_color("flush") == schedule_color("1f1b") and schedule_color("ZB-V") == SCHEDULE_COLORS["zb-v"]
+
+
+def readme_commands() -> list[str]:
+    """The README's "Commands" block, one command a line, comments dropped."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"## Commands\n\n```\n(.*?)```", text, re.S)
+    assert block, "README has no Commands block"
+    return [line for line in block.group(1).splitlines() if line.startswith("pipescope ")]
+
+
+def test_the_readmes_commands_run_as_printed(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shlex
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "experiments").symlink_to(root / "experiments")  # the commands name the shipped configs' folder
+    monkeypatch.chdir(tmp_path)
+    commands = readme_commands()
+    assert len(commands) >= 6
+    for command in commands:
+        code, out, err = cli(shlex.split(command, comments=True)[1:])
+        assert code == 0, f"{command}: {err[-500:]}"
+        assert out.strip(), command
+    assert (tmp_path / "bubble.png").stat().st_size > 10_000
+
+
+def test_every_picture_the_readme_shows_exists() -> None:
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    pictures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", (root / "README.md").read_text())
+    assert len(pictures) >= 7 and all((root / path).is_file() for path in pictures)
