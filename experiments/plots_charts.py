@@ -78,15 +78,16 @@ def _text(value: object) -> str:
 
 def _line_figure(lines: dict[tuple[str, str], pd.Series], xlabel: str, ylabel: str, title: str
                  ) -> tuple[Figure, plt.Axes]:
-    """A line per (schedule, label): the schedule's colour and marker (``palette``), hollow so that equal values
-    (GPipe's and 1F1B's bubble) do not hide each other; a schedule's further lines dashed, dotted, ..."""
+    """A line per (schedule, label): the schedule's colour and marker (``palette``), hollow and thinning so that
+    equal values (GPipe's and 1F1B's bubble) do not hide each other; a schedule's further lines dashed, dotted..."""
     fig, ax = plt.subplots(figsize=(9, 5.5))
     seen: dict[str, int] = {}
-    for (schedule, label), series in lines.items():
+    for i, ((schedule, label), series) in enumerate(lines.items()):
         k = seen[schedule] = seen.get(schedule, -1) + 1
+        # lines thin out as they are drawn, so one drawn over an equal one leaves the first's edges showing
         ax.plot(series.index, series.to_numpy(), color=schedule_color(schedule), marker=schedule_marker(schedule),
-                markerfacecolor="none", markersize=8, linestyle=LINESTYLES[k % len(LINESTYLES)], linewidth=1.8,
-                label=label, clip_on=False)
+                markerfacecolor="none", markersize=8, linestyle=LINESTYLES[k % len(LINESTYLES)],
+                linewidth=max(1.2, 5.0 - 1.2 * i), label=label, clip_on=False)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(plain(title))

@@ -59,7 +59,8 @@ def figure_bytes(fig: Figure, fmt: str) -> bytes:
     buffer = io.BytesIO()
     # PDF and SVG embed the date unless told not to; without it the same figure gives the same bytes.
     metadata = {"Date": None} if fmt in ("svg", "pdf") else None
-    fig.savefig(buffer, format=fmt, dpi=DPI, metadata=metadata)
+    # "tight": a legend placed beside the axes (every figure's) is kept whole, not cut at the figure's edge
+    fig.savefig(buffer, format=fmt, dpi=DPI, metadata=metadata, bbox_inches="tight", pad_inches=0.1)
     return buffer.getvalue()
 
 
