@@ -272,7 +272,7 @@ def _what_would_fit(pool: Executor, request: PlanRequest, workers: int, progress
     searched = "full" in request.recompute and 1 in request.microbatch_sizes  # then 1x is the search just run
     for factor in NODE_FACTORS[1:] if searched else NODE_FACTORS:
         base = copy.deepcopy(request.base)
-        base["cluster"]["nodes"] = nodes * factor
+        base.setdefault("cluster", {})["nodes"] = nodes * factor
         wider = dataclasses.replace(request, base=base, top=1, **LEAST_MEMORY)
         try:
             gpus, _ = planned_cluster(base)

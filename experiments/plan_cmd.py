@@ -13,8 +13,8 @@ from pipescope.experiments.cli import (add_training_goal_args, as_flag, choice_f
                                        usage_error)
 from pipescope.experiments.processes import sigterm_as_ctrl_c
 from pipescope.experiments.sweep_cmd import DASK_ADDRESS, MAX_WORKERS
-from pipescope.simulator.units import (format_bytes, format_count, format_duration, format_time, parse_size,
-                                       short_repr)
+from pipescope.simulator.units import (counted, format_bytes, format_count, format_duration, format_time,
+                                       parse_size, short_repr)
 
 if TYPE_CHECKING:  # the simulator loads when a plan runs, not for every 'pipescope --help'
     from pipescope.experiments.plan import PlanReport
@@ -175,7 +175,7 @@ def as_json(report: PlanReport) -> dict:
 
 def summary(report: PlanReport, top: int) -> str:
     """The ranked table, then rejections grouped by reason."""
-    lines = [f"plan: {report.planned_for}: {report.candidates} candidates, {report.simulated} simulated, "
+    lines = [f"plan: {report.planned_for}: {counted(report.candidates, 'candidate')}, {report.simulated} simulated, "
              f"{len(report.ranked)} fit, {len(report.rejected)} rejected; {format_time(report.wall_s)}"]
     if report.file_keys_searched:
         lines.append("not used from the config (the search sets them): " + ", ".join(
@@ -189,7 +189,8 @@ def summary(report: PlanReport, top: int) -> str:
                      f"microbatch {b['microbatch_size']} x {b['microbatches']}, "
                      f"{'sequence-parallel, ' if b['sequence'] else ''}recompute {b['recompute']}, "
                      f"vocabulary {b['vocab']}: "
-                     f"{b['throughput_samples_per_s']:.1f} samples/s")
+                     f"{b['throughput_samples_per_s']:.1f} samples/s"
+                     + (f", {format_count(b['tokens_per_s'])} tokens/s, MFU {b['mfu']:.1%}" if b["mfu"] else ""))
         if b["schedule"] in NO_FLUSH:
             lines.append(f"note: {b['schedule']} {NO_FLUSH[b['schedule']]}; its samples/s are the steady state, fill "
                          "and drain left out. For the flush schedules' training semantics, leave it out of --schedules")
