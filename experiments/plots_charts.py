@@ -71,6 +71,10 @@ def sweep_lines(frame: pd.DataFrame, x: str, y: str, folded: tuple[str, ...], ho
     return lines
 
 
+def _same(a: pd.Series, b: pd.Series) -> bool:
+    return a.index.equals(b.index) and bool(np.allclose(a.to_numpy(float), b.to_numpy(float), rtol=1e-3))
+
+
 def _text(value: object) -> str:
     """A config value for a legend: 4, not 4.0 (a column with a failed run's gap reads as floats)."""
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
@@ -78,16 +82,20 @@ def _text(value: object) -> str:
 
 def _line_figure(lines: dict[tuple[str, str], pd.Series], xlabel: str, ylabel: str, title: str
                  ) -> tuple[Figure, plt.Axes]:
-    """A line per (schedule, label): the schedule's colour and marker (``palette``), hollow and thinning so that
-    equal values (GPipe's and 1F1B's bubble) do not hide each other; a schedule's further lines dashed, dotted..."""
+    """A line per (schedule, label): the schedule's colour and marker (``palette``), hollow; a line equal to one
+    drawn before (GPipe's and 1F1B's bubble) dashed, so that neither hides the other; a schedule's further lines
+    dashed, dotted, ..."""
     fig, ax = plt.subplots(figsize=(9, 5.5))
     seen: dict[str, int] = {}
-    for i, ((schedule, label), series) in enumerate(lines.items()):
+    drawn: list[pd.Series] = []
+    for (schedule, label), series in lines.items():
         k = seen[schedule] = seen.get(schedule, -1) + 1
-        # lines thin out as they are drawn, so one drawn over an equal one leaves the first's edges showing
+        style = LINESTYLES[k % len(LINESTYLES)]
+        if any(_same(series, other) for other in drawn):
+            style = (0, (3, 3))  # dashed over an equal line, so that the one beneath shows between the dashes
         ax.plot(series.index, series.to_numpy(), color=schedule_color(schedule), marker=schedule_marker(schedule),
-                markerfacecolor="none", markersize=8, linestyle=LINESTYLES[k % len(LINESTYLES)],
-                linewidth=max(1.2, 5.0 - 1.2 * i), label=label, clip_on=False)
+                markerfacecolor="none", markersize=8, linestyle=style, linewidth=2.2, label=label, clip_on=False)
+        drawn.append(series)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(plain(title))
@@ -106,7 +114,8 @@ def bubble_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(set(frame[MICROBATCHES])), [str(m) for m in sorted(set(frame[MICROBATCHES]))])
-    ax.set_ylim(bottom=0)
+    top = max(float(series.max()) for series in lines.values())
+    ax.set_ylim(0, top * 1.06 if top > 0 else 1)  # headroom: the highest markers stay inside the frame
     fig.tight_layout()
     return fig
 
