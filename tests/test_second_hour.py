@@ -137,6 +137,7 @@ def test_a_failed_sweep_run_is_named_by_its_point(cli, tmp_path: Path) -> None:
     grid.write_text("schedule: {name: 1f1b, stages: 4, microbatches: 8}\nsweep:\n  schedule.stages: [4, 64]\n")
     code, out, _ = cli(["sweep", str(grid), "--out", str(tmp_path / "out"), "--workers", "1"])
     assert code == 1 and "error: schedule.stages=64 (run " in out and "the run needs 64 GPUs" in out
+    assert all(column in out for column in ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu"))  # the units people use
 
 
 @pytest.mark.parametrize("args, expected", [
