@@ -229,9 +229,7 @@ def readme_commands() -> list[str]:
 def test_the_readmes_commands_run_as_printed(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shlex
 
-    root = Path(__file__).resolve().parents[1]
-    (tmp_path / "experiments").symlink_to(root / "experiments")  # the commands name the shipped configs' folder
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # a user's folder: shipped configs are found by name
     commands = readme_commands()
     assert len(commands) >= 6
     for command in commands:
