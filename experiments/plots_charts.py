@@ -22,6 +22,7 @@ PREDICTED_COLOR, MEASURED_COLOR = "#4C72B0", "#DD8452"
 GPUS = "stages x data_parallel"
 SWEEP_TABLE = "a sweep's table (pipescope sweep's results)"
 MAX_LINES = 40  # a legend beyond this is unreadable
+MODEL_KEYS = ("model.preset", "model.layers", "model.hidden", "model.heads", "model.seq", "model.vocab")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 LINESTYLES = ("-", "--", ":", "-.")
 
@@ -49,14 +50,20 @@ def sweep_lines(frame: pd.DataFrame, x: str, y: str, folded: tuple[str, ...], ho
     varies once the schedule, ``x``, ``folded`` and the columns chosen before it are fixed: a resolved
     ``schedule.chunks`` follows the schedule, ``model.layers_per_stage`` the stages, and neither splits anything.
     Columns named ``folded`` are neither lines nor the x axis: rows that differ only in them share a point, which
-    takes ``how`` (``mean`` or ``max``) of their ``y``. Keyed by (schedule, legend label).
+    takes ``how`` (``mean`` or ``max``) of their ``y``. A model column that varies always splits lines: a point
+    must not take the best of two models. Keyed by (schedule, legend label).
     """
     given = [SCHEDULE, x, *(c for c in folded if c in frame)]
     labels = frame[given + [c for c in frame.columns if "." in c and c not in given]].map(_text)
     fixed = [labels[c] for c in given]
+    # another model is another line, even where it follows a folded key (a sweep zipping the model with the stages)
     keys: list[str] = []
+    for column in (c for c in MODEL_KEYS if c in labels and c != x):  # a preset's own layers split nothing more
+        varies = labels[column].groupby([labels[k] for k in keys]).nunique().max() if keys else labels[column].nunique()
+        if varies > 1:
+            keys.append(column)
     for column in labels.columns[len(given):]:
-        if labels[column].groupby(fixed + [labels[k] for k in keys]).nunique().max() > 1:
+        if column not in keys and labels[column].groupby(fixed + [labels[k] for k in keys]).nunique().max() > 1:
             keys.append(column)
     groups = frame.groupby([labels[SCHEDULE], *(labels[k] for k in keys)]).ngroups
     if groups > MAX_LINES:
@@ -151,17 +158,16 @@ def throughput_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
 
 
 def _bars_at_one_count(lines: dict[tuple[str, str], pd.Series], gpus: int, title: str | None) -> Figure:
-    """The sweep did not vary the GPUs: one bar per line, in its schedule's colour, rather than a stack of markers
-    on one vertical."""
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.7 * len(lines) + 2), 4.5))
-    labels = [label for _, label in lines]
-    ax.bar(range(len(lines)), [float(series.iloc[0]) for series in lines.values()],
-           color=[schedule_color(schedule) for schedule, _ in lines])
-    ax.set_xticks(range(len(lines)), labels, rotation=30 if len(lines) > 4 else 0, ha="right" if len(lines) > 4
-                  else "center")
-    ax.set_ylabel("throughput (samples/s)")
+    """The sweep did not vary the GPUs: one horizontal bar per line, in its schedule's colour, its label beside it,
+    rather than a stack of markers on one vertical."""
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.32 * len(lines)))
+    values = [float(series.iloc[0]) for series in lines.values()]
+    ax.barh(range(len(lines)), values, color=[schedule_color(schedule) for schedule, _ in lines])
+    ax.set_yticks(range(len(lines)), [label for _, label in lines], fontsize=8)
+    ax.invert_yaxis()  # the legend's order, top to bottom
+    ax.set_xlabel("throughput (samples/s)")
     ax.set_title(plain(title or f"throughput at {gpus} GPUs (the sweep does not vary the GPU count)"))
-    ax.grid(True, axis="y", alpha=0.3)
+    ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     return fig
 

@@ -245,3 +245,23 @@ def test_every_picture_the_readme_shows_exists() -> None:
     root = Path(__file__).resolve().parents[1]
     pictures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", (root / "README.md").read_text())
     assert len(pictures) >= 7 and all((root / path).is_file() for path in pictures)
+
+
+def test_a_throughput_point_never_takes_the_best_of_two_models() -> None:
+    """The 2BW paper's sweep zips the model with the stages (2.2B 8 deep, 3.8B 16 deep, 64 GPUs each): each schedule
+    was one point, the better of the two models."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from pipescope.experiments.plots import throughput_figure
+
+    frame = pd.DataFrame({"schedule.name": ["2bw", "2bw"], "schedule.stages": [8, 16], "cluster.data_parallel": [8, 4],
+                          "model.preset": ["gpt-2.2b", "gpt-3.8b"], "model.layers": [28, 32],
+                          "throughput_samples_per_s": [188.8, 52.0], "status": ["ok", "ok"]})
+    fig = throughput_figure(frame)
+    try:
+        ax = fig.axes[0]
+        assert sorted(bar.get_width() for bar in ax.patches) == [52.0, 188.8]
+        assert [tick.get_text() for tick in ax.get_yticklabels()] == ["2bw (preset=gpt-2.2b)", "2bw (preset=gpt-3.8b)"]
+    finally:
+        plt.close(fig)
