@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 import os
 import sys
 import time
@@ -259,31 +260,49 @@ def plan(request: PlanRequest, executor: Executor | None = None, workers: int | 
 
 NODE_FACTORS = (1, 2, 4, 8, 16, 32, 64)  # the cluster's nodes times these, tried in turn when nothing fits
 LEAST_MEMORY = {"recompute": ("full",), "microbatch_sizes": (1,)}  # the searched settings that hold the least
+FIT_TRIALS = 4  # simulations per node count: the candidates with the least memory bound
 
 
 def _what_would_fit(pool: Executor, request: PlanRequest, workers: int, progress: bool) -> dict[str, Any] | None:
-    """When nothing fits: the fastest plan, simulated, of the fewest nodes (the cluster's, then 2x, 4x ... 64x)
-    at which the search with its least-memory settings (full recompute, microbatch 1) has one that fits; None if
-    none does up to 64x."""
+    """When nothing fits: a plan that fits once simulated, at the fewest nodes (the cluster's, then 2x, 4x ... 64x)
+    where the search with its least-memory settings (full recompute, microbatch 1, the deepest pipelines) has one;
+    the fastest of the ``FIT_TRIALS`` candidates there with the least memory bound, not the best plan there (the
+    command it prints plans that). None when none fits up to 64x, or when more nodes stop lowering the least memory
+    any candidate needs (the embedding and output layer, say, which no pipeline splits)."""
     if progress:
         print("plan: nothing fits; looking for what would (full recompute, microbatch 1, more nodes)",
               file=sys.stderr)
     nodes = validated_config(request.base, {}).cluster.nodes
     searched = "full" in request.recompute and 1 in request.microbatch_sizes  # then 1x is the search just run
+    least = math.inf
     for factor in NODE_FACTORS[1:] if searched else NODE_FACTORS:
         base = copy.deepcopy(request.base)
         base.setdefault("cluster", {})["nodes"] = nodes * factor
         wider = dataclasses.replace(request, base=base, top=1, **LEAST_MEMORY)
         try:
             gpus, _ = planned_cluster(base)
-            points = candidates(wider, gpus)
+            points = _deepest(candidates(wider, gpus))
         except ConfigError:  # a topology of fixed size, say: no more nodes to try
             return None
         screened = _screen_all(pool, wider, points, workers, False)
-        ranked, _, _ = _simulate_in_bound_order(pool, wider, screened, workers, False)
+        fitting = sorted((s for s in screened if not s.reason), key=lambda s: s.memory_bound_bytes)[:FIT_TRIALS]
+        ranked, _, _ = _simulate_in_bound_order(pool, wider, fitting, workers, False)
         if ranked:
             return {**ranked[0], "nodes": nodes * factor, "gpus": gpus}
+        needs = min((s.memory_bound_bytes for s in screened if s.memory_bound_bytes), default=math.inf)
+        if not fitting and needs >= least:
+            return None
+        least = min(least, needs)
     return None
+
+
+def _deepest(points: list[Candidate]) -> list[Candidate]:
+    """Of each schedule and tensor width, the candidates with the fewest replicas: the deepest pipelines, whose
+    GPUs each hold the fewest layers (a screen of every width at 64x the nodes took minutes)."""
+    fewest: dict[tuple[str, int], int] = {}
+    for c in points:
+        fewest[c.schedule, c.tensor] = min(fewest.get((c.schedule, c.tensor), c.width), c.width)
+    return [c for c in points if c.width == fewest[c.schedule, c.tensor]]
 
 
 def _screen_all(pool: Executor, request: PlanRequest, points: list[Candidate], workers: int,

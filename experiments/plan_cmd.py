@@ -217,11 +217,12 @@ def _what_would_fit(report: PlanReport) -> list[str]:
         lines.append(f"closest to fitting: {_label(closest)}: {closest['reason']}")
     fit = report.would_fit
     if fit is None:
-        lines.append("no plan fits even on 64x the nodes with full recompute and microbatch 1: the model needs "
-                     "memory that pipelining and recompute do not split (the embedding and output layer, say)")
+        lines.append("no plan fits with full recompute and microbatch 1 on up to 64x the nodes, or more nodes "
+                     "stopped lowering the memory it needs: the model needs memory that pipelining and recompute "
+                     "do not split (the embedding and output layer, say)")
     else:
         lines.append(f"would fit: {fit['nodes']} nodes ({fit['gpus']} GPUs) with full recompute and microbatch 1, "
-                     f"best {_label(fit)}: {fit['throughput_samples_per_s']:.1f} samples/s, peak "
+                     f"e.g. {_label(fit)}: {fit['throughput_samples_per_s']:.1f} samples/s, peak "
                      f"{format_bytes(fit['peak_memory_bytes'])} (pipescope plan --nodes {fit['nodes']} "
                      f"--recompute full --microbatch-sizes 1 ...)")
     return lines

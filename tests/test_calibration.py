@@ -278,7 +278,8 @@ def test_unknown_preset_is_a_one_line_usage_error(tmp_path: Path, capsys: pytest
     """--model gpt-9000 exits 2 with one line listing the presets."""
     code, err = run_cli(["calibrate", "--model", "gpt-9000", "--out", str(tmp_path)], capsys)
     assert code == 2 and err == [
-        "pipescope: error: --model: got 'gpt-9000', expected one of tiny, gpt-355m, gpt-1.3b, gpt-2.2b, gpt-3.8b"]
+        "pipescope: error: --model: got 'gpt-9000', expected one of tiny, tiny-512, gpt-355m, gpt-1.3b, gpt-2.2b, "
+        "gpt-3.8b"]
 
 
 BLOCKER = """
