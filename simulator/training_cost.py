@@ -18,7 +18,7 @@ class TrainingGoal:
     gpu_hour_price: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0 < self.tokens <= MAX_TRAIN_TOKENS:
+        if not 1 <= self.tokens <= MAX_TRAIN_TOKENS:
             raise ValueError(f"--train-tokens: got {self.tokens:g}, expected a count from 1 to {MAX_TRAIN_TOKENS:g}")
         if self.gpu_hour_price is not None and not 0 <= self.gpu_hour_price <= MAX_GPU_HOUR_PRICE:
             raise ValueError(f"--gpu-hour-price: got {self.gpu_hour_price:g}, expected a price from 0 to "

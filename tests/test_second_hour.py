@@ -90,6 +90,7 @@ def test_simulate_reports_tokens_tflops_and_the_cost_of_a_training_run(cli) -> N
     (["--gpu-hour-price", "2"], "--gpu-hour-price: got '2' without --train-tokens, expected --train-tokens N too"),
     (["--train-tokens", "1X"], "--train-tokens: got '1X': unknown unit 'X', expected one of k, K, M, B, G, T"),
     (["--train-tokens", "0"], "--train-tokens: got 0, expected a count from 1 to 1e+16"),
+    (["--train-tokens", "0.5"], "--train-tokens: got 0.5, expected a count from 1 to 1e+16"),
     (["--train-tokens", "1T", "--gpu-hour-price", "nan"], "--gpu-hour-price: got 'nan', expected a number"),
     (["--train-tokens", "1T", "--gpu-hour-price", "-1"], "--gpu-hour-price: got -1, expected a price from 0"),
 ])
