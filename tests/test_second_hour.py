@@ -266,3 +266,16 @@ def test_a_throughput_point_never_takes_the_best_of_two_models() -> None:
         assert [tick.get_text() for tick in ax.get_yticklabels()] == ["2bw (preset=gpt-2.2b)", "2bw (preset=gpt-3.8b)"]
     finally:
         plt.close(fig)
+
+
+def test_validate_defaults_to_a_model_whose_ops_outweigh_a_cpus_overheads(capsys: pytest.CaptureFixture) -> None:
+    """Without flags it calibrated `tiny` (ops of 0.1-0.4 ms) and reported -50%; the executor's end-to-end test runs
+    the CPU's default op times (tests/test_executor.py)."""
+    from pipescope.experiments.cli import main
+    from pipescope.experiments.validate_cmd import DEFAULT_MODEL
+    from pipescope.simulator.models import PRESETS
+
+    assert DEFAULT_MODEL == "tiny-512" and PRESETS[DEFAULT_MODEL].hidden == 512
+    with pytest.raises(SystemExit):
+        main(["validate", "--help"])
+    assert "(default tiny-512;" in " ".join(capsys.readouterr().out.split())
