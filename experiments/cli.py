@@ -173,11 +173,12 @@ def training_goal(args: argparse.Namespace) -> TrainingGoal | None:
         return None
     try:
         tokens = parse_count(args.train_tokens)
-        price = None if args.gpu_hour_price is None else _price(args.gpu_hour_price)
-        return TrainingGoal(tokens, price)
     except ValueError as err:
-        message = str(err)
-        raise ConfigError(message if message.startswith("--") else f"--train-tokens: {message}") from None
+        raise ConfigError(f"--train-tokens: {err}") from None
+    try:  # these errors name their flag themselves
+        return TrainingGoal(tokens, None if args.gpu_hour_price is None else _price(args.gpu_hour_price))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _price(text: str) -> float:

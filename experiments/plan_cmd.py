@@ -181,7 +181,7 @@ def summary(report: PlanReport, top: int) -> str:
         lines.append("not used from the config (the search sets them): " + ", ".join(
             f"{key}={value}" for key, value in report.file_keys_searched.items()))
     if report.best is None:
-        lines += ["nothing fits: every candidate was rejected (reasons below)", *_what_would_fit(report)]
+        lines += ["nothing fits: every candidate was rejected (reasons below)", *_nothing_fits(report)]
     else:
         lines.append(_ranked_table(report.ranked[:top]))
         b = report.best
@@ -208,7 +208,7 @@ NO_FLUSH = {"pipedream": "trains asynchronously: no flush, each microbatch's bac
                    "versions, no flush"}
 
 
-def _what_would_fit(report: PlanReport) -> list[str]:
+def _nothing_fits(report: PlanReport) -> list[str]:
     """The OOM candidate that needs the least memory, and the fewest nodes at which a plan fits."""
     lines = []
     ooms = [r for r in report.rejected if "needs_bytes" in r]

@@ -59,11 +59,10 @@ def sweep_lines(frame: pd.DataFrame, x: str, y: str, folded: tuple[str, ...], ho
     # another model is another line, even where it follows a folded key (a sweep zipping the model with the stages)
     keys: list[str] = []
     for column in (c for c in MODEL_KEYS if c in labels and c != x):  # a preset's own layers split nothing more
-        varies = labels[column].groupby([labels[k] for k in keys]).nunique().max() if keys else labels[column].nunique()
-        if varies > 1:
+        if _varies(labels[column], [labels[k] for k in keys]):
             keys.append(column)
     for column in labels.columns[len(given):]:
-        if column not in keys and labels[column].groupby(fixed + [labels[k] for k in keys]).nunique().max() > 1:
+        if column not in keys and _varies(labels[column], fixed + [labels[k] for k in keys]):
             keys.append(column)
     groups = frame.groupby([labels[SCHEDULE], *(labels[k] for k in keys)]).ngroups
     if groups > MAX_LINES:
@@ -76,6 +75,11 @@ def sweep_lines(frame: pd.DataFrame, x: str, y: str, folded: tuple[str, ...], ho
         label = plain(values[0] + (f" ({extra})" if extra else ""))
         lines[values[0], label] = group.groupby(x)[y].agg(how).sort_index()
     return lines
+
+
+def _varies(column: pd.Series, within: list[pd.Series]) -> bool:
+    """Whether ``column`` takes two values or more among rows equal in every one of ``within`` (or at all)."""
+    return (column.groupby(within).nunique().max() if within else column.nunique()) > 1
 
 
 def _same(a: pd.Series, b: pd.Series) -> bool:

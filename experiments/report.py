@@ -75,7 +75,7 @@ def _device_rows(result: SimResult) -> list[str]:
 
 
 def training_line(estimate: dict) -> str:
-    """``to train on 1 T tokens: 12.3 days, 2.4 k GPU-hours, 5.9 k`` (``TrainingGoal.estimate``)."""
+    """``to train on 300 B tokens: 21.8 days, 2,094 GPU-hours, cost 5,235`` (``TrainingGoal.estimate``)."""
     head = f"to train on {format_count(estimate['train_tokens'])} tokens"
     if estimate["time_to_train_s"] is None:
         return f"{head}: unknown (uniform costs know no model, so no tokens/s)"

@@ -53,8 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recompute", action="store_true", help="recompute activations: F keeps only its stage input "
                    "and every backward runs the forward again first")
     p.add_argument("--model", help=f"preset to calibrate (default {DEFAULT_MODEL}; see 'pipescope calibrate "
-                   "--help'); with "
-                   "--profile, the profile's model, which it must match")
+                   "--help'); with --profile, the profile's model, which it must match")
     p.add_argument("--microbatch-size", default="1", help="samples per microbatch (default 1)")
     p.add_argument("--device", default="cpu", help="cpu (default; gloo ranks), or cuda: the pipeline over nccl "
                    "ranks, one GPU each, when torch sees as many GPUs as --stages; with fewer, every stage timed on "
