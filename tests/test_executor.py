@@ -297,7 +297,9 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
     assert err.splitlines()[-3:] == [f"pipescope validate: wrote timeline: {timeline}",
                                      f"pipescope validate: wrote trace: {trace}",
                                      f"pipescope validate: wrote gantt: {gantt}"]
-    assert report["op_times"] == "stages" and report["warnings"] == []  # 2 ranks on this machine's 2 cores
+    # 2 ranks on this machine's 2 cores: no warning but the one a busy shared machine may earn while calibrating
+    assert report["op_times"] == "stages"
+    assert [w for w in report["warnings"] if "stayed noisy when calibrated" not in w] == []
     ops = {(row["stage"], row["op"]): row for row in report["stage_ops"]}
     assert set(ops) == {(s, op) for s in (0, 1) for op in ("F", "B", "OPT")}  # 1F1B's fused backward
     for row in ops.values():
