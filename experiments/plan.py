@@ -110,9 +110,9 @@ def _bounded(candidate: Candidate, run: Run) -> Screened:
     costs = built.stage_costs()
     config = built.config
     buffers = gradient_buffers(defers_steps(built.schedule.weight_update, config.cluster.data_parallel))
-    shards = config.parallel.optimizer_shards(config.cluster.data_parallel)
+    sharding = config.parallel.sharding(config.cluster.data_parallel)
     memory = memory_lower_bounds(built.schedule, costs, config.model.precision, config.memory.runtime, buffers,
-                                 shards, built.overheads.total)
+                                 sharding, built.overheads.total)
     worst = max(range(len(memory)), key=memory.__getitem__)
     capacity = built.capacity
     if capacity is not None and memory[worst] > capacity:
@@ -139,22 +139,22 @@ def _allreduce_floor(built, costs: list) -> int:
     device's GPUs all-reduces its own shard (the network's lanes), so the rate is measured with them all. Each
     group's rate is measured once per process."""
     from pipescope.simulator.bounds import allreduce_floor_ns
-    from pipescope.simulator.ir import ActionKind
     from pipescope.simulator.routed import RoutedNetwork, time_alone
 
     config = built.config
     if built.model is None or config.cluster.data_parallel <= 1:
         return 0
     network = functools.cache(built.network)  # built only where a rate or the server floor needs it (2.3 ms)
+    kind = _gradient_collective(config)
 
     def ns_per_byte(group: list[int]) -> float:
         # the tensor width too: the same first GPUs with other lanes are another network
-        key = (config.cluster, config.faults, config.seed, config.parallel.tensor,
+        key = (config.cluster, config.faults, config.seed, config.parallel.tensor, kind,
                tuple(built.cluster.rank_of[d] for d in group))
         if key not in _RATES:
             if not isinstance(network(), RoutedNetwork):
                 return 0.0
-            one, two = (time_alone(network(), collective=(ActionKind.ALL_REDUCE, group, n))[0]
+            one, two = (time_alone(network(), collective=(kind, group, n))[0]
                         for n in (RATE_PROBE_BYTES, 2 * RATE_PROBE_BYTES))
             _RATES[key] = max(0, two - one) / RATE_PROBE_BYTES
         return _RATES[key]
@@ -167,6 +167,13 @@ def _allreduce_floor(built, costs: list) -> int:
     return max(groups, _server_floor(built, costs, network()) if flush else 0)
 
 
+def _gradient_collective(config):
+    """What reduces the gradients: an all-reduce, or under ZeRO a reduce-scatter (half the bytes on the wire)."""
+    from pipescope.simulator.ir import ActionKind
+
+    return ActionKind.REDUCE_SCATTER if config.parallel.zero_stage else ActionKind.ALL_REDUCE
+
+
 def _server_floor(built, costs: list, network) -> int:
     """Per iteration, the time every data-parallel group's all-reduce bytes take to enter the busiest server: each
     group's bytes into each server under the algorithm that moves the fewest there (ring, tree or hierarchical,
@@ -174,16 +181,16 @@ def _server_floor(built, costs: list, network) -> int:
     outside). Groups that share a server's NIC (p3.16xlarge: one for 8 GPUs) share that bandwidth, which the
     per-group floor leaves out."""
     from pipescope.simulator.bounds import gradient_bytes_per_iteration
-    from pipescope.simulator.ir import ActionKind
+    from pipescope.simulator.mesh import DeviceMesh
 
     collectives, fabric = network.collectives, network.fabric
     server = collectives.server_of
-    devices, width = built.schedule.num_devices, built.config.cluster.data_parallel
+    mesh = DeviceMesh(built.schedule.num_devices, built.config.cluster.data_parallel)
     entering: dict[int, float] = {}
     for d, nbytes in enumerate(gradient_bytes_per_iteration(built.schedule, costs, _grad_bytes(built.config))):
-        group = [r * devices + d for r in range(width)]
+        group = mesh.data_group(d)
         per_byte = [_ingress(phases, server) for phases in
-                    collectives.plans_of(ActionKind.ALL_REDUCE, group, RATE_PROBE_BYTES).values()]
+                    collectives.plans_of(_gradient_collective(built.config), group, RATE_PROBE_BYTES).values()]
         for node in set().union(*per_byte):
             least = min(moved.get(node, 0) for moved in per_byte) / RATE_PROBE_BYTES
             entering[node] = entering.get(node, 0.0) + nbytes * least

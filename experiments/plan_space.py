@@ -51,6 +51,7 @@ class Candidate:
             keys["parallel.tp_comm_overlap"] = False  # it splits sequence parallelism's collectives
         if "iterations" in named_generator(self.schedule).options:
             keys["parallel.distributed_optimizer"] = False  # a schedule without a flush steps no shard
+            keys["parallel.zero"] = 0
         return keys
 
     def as_dict(self) -> dict[str, Any]:

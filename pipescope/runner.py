@@ -121,9 +121,9 @@ def prepare_checked(config: Config) -> Prepared:
     if model is not None and _generated(config):
         _check_layers(model.layers, config.schedule.p * _chunks(config))  # before building a schedule that big
     schedule = _schedule(config)
-    if config.parallel.distributed_optimizer and schedule.weight_update is not WeightUpdate.FLUSH:
-        raise ConfigError(f"parallel.distributed_optimizer: got true with schedule.name {config.schedule.name}, "
-                          f"expected a flush schedule (one synchronous step per iteration)")
+    if config.parallel.zero_stage and schedule.weight_update is not WeightUpdate.FLUSH:
+        raise ConfigError(f"{_zero_key(config)} with schedule.name {config.schedule.name}, expected a flush schedule "
+                          f"(one synchronous step per iteration, which ZeRO shards)")
     if cluster is None:  # a CSV schedule: its size was in the file
         _check_size(schedule.num_stages * schedule.total_microbatches * config.cluster.data_parallel)
         cluster = _cluster(config, schedule.num_devices)
@@ -158,7 +158,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
         network, faults = _network(config, cluster, costs), _compute_faults(config, cluster)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    sync = config.cluster.grad_sync(config.parallel.distributed_optimizer)
+    sync = config.cluster.grad_sync(config.parallel.zero_stage, config.parallel.reshard_after_forward)
     try:
         result = simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,
                           data_parallel=config.cluster.data_parallel, grad_sync=sync,
@@ -317,9 +317,9 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
     if not analytic and config.parallel.tensor > 1:
         raise ConfigError(f"parallel.tensor: got {config.parallel.tensor} under costs.kind {kind}, expected 1 (only "
                           f"analytic costs split the kernels over tensor-parallel GPUs)")
-    if not analytic and config.parallel.distributed_optimizer:
-        raise ConfigError(f"parallel.distributed_optimizer: got true under costs.kind {kind}, expected false (only "
-                          f"analytic costs step a shard of the parameters)")
+    if not analytic and config.parallel.zero_stage:
+        raise ConfigError(f"{_zero_key(config)} under costs.kind {kind}, expected none (only analytic costs shard "
+                          f"the model states)")
     if not analytic and config.schedule.recompute == "selective":
         raise ConfigError(f"schedule.recompute: got selective under costs.kind {kind}, expected none or full (only "
                           f"analytic costs separate the attention core)")
@@ -332,6 +332,12 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
         check_parallel(config.parallel, model, per_node)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _zero_key(config: Config) -> str:
+    """The key that asked for ZeRO, with its value: ``parallel.zero`` or its older spelling."""
+    p = config.parallel
+    return f"parallel.zero: got {p.zero}" if p.zero else "parallel.distributed_optimizer: got true"
 
 
 def _tensor_split(config: Config, cluster: Cluster, model: ModelSpec, schedule: Schedule) -> TensorSplit:

@@ -22,6 +22,7 @@ from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import ActionKind, Schedule
 from pipescope.simulator.lowering import step_group
 from pipescope.simulator.memory import OpArrays, device_timelines, op_memory_events, static_memory
+from pipescope.simulator.mesh import NO_SHARDING, DeviceMesh, Sharding
 from pipescope.simulator.program import KIND_CODE, op_durations
 
 
@@ -42,14 +43,14 @@ def busy_per_iteration_ns(schedule: Schedule, stage_costs: Sequence[StageCost]) 
 
 
 def memory_lower_bounds(schedule: Schedule, stage_costs: Sequence[StageCost], precision: str,
-                        runtime: str = "megatron", gradient_buffers: int = 1, optimizer_shards: int = 1,
+                        runtime: str = "megatron", gradient_buffers: int = 1, sharding: Sharding = NO_SHARDING,
                         overhead_bytes: int = 0) -> list[int]:
     """Per device, bytes its peak cannot be under: static state (as ``memory.runtime`` counts it, with
-    ``gradient_buffers`` and ``optimizer_shards`` as the ledger takes them, and the overheads beside tensors) plus
+    ``gradient_buffers`` and ``sharding`` as the ledger takes them, and the overheads beside tensors) plus
     its ops' stash, replayed in list order."""
     home = np.asarray(schedule.stage_to_device)
     params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
-    state = [static_memory(int(params[d]), schedule.versions(d), precision, runtime, optimizer_shards)
+    state = [static_memory(int(params[d]), schedule.versions(d), precision, runtime, sharding)
              for d in range(schedule.num_devices)]
     static = [s.total + (gradient_buffers - 1) * s.gradients + overhead_bytes for s in state]
     return [memory.peak_bytes for memory in device_timelines(_ordered_events(schedule, stage_costs), static)]
@@ -84,8 +85,7 @@ def allreduce_floor_ns(schedule: Schedule, stage_costs: Sequence[StageCost], gra
                        ns_per_byte: Callable[[list[int]], float]) -> int:
     """Per iteration, the time the data-parallel gradient all-reduce's bytes alone take on the busiest group.
 
-    Every optimizer step all-reduces each device's gradients over its ``width`` replicas (device d of replica r is
-    r * D + d): once per iteration, or once per microbatch under PipeDream (``lowering.step_group``). Successive
+    Every optimizer step all-reduces each device's gradients over its ``width`` replicas (``DeviceMesh.data_group``): once per iteration, or once per microbatch under PipeDream (``lowering.step_group``). Successive
     all-reduces cross the same links, so no run finishes iterations faster than that (the second term of the 2BW
     planner's equation, docs/schedules.md section 3).
     ``ns_per_byte(group)`` is the marginal time per byte of the fastest all-reduce over ``group`` on the idle
@@ -93,8 +93,8 @@ def allreduce_floor_ns(schedule: Schedule, stage_costs: Sequence[StageCost], gra
     """
     if width <= 1:
         return 0
-    devices = schedule.num_devices
-    return max(int(nbytes * ns_per_byte([r * devices + d for r in range(width)]))
+    mesh = DeviceMesh(schedule.num_devices, width)
+    return max(int(nbytes * ns_per_byte(mesh.data_group(d)))
                for d, nbytes in enumerate(gradient_bytes_per_iteration(schedule, stage_costs, grad_bytes)))
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import ActionKind, Role, Schedule
+from pipescope.simulator.mesh import NO_SHARDING, Sharding
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.memory_runtime import buffer_events, grad_bytes, step_counter_bytes
 from pipescope.simulator.program import KIND_CODE
@@ -36,13 +38,14 @@ class StaticMemory:
 
 
 def static_memory(params: int, versions: int, precision: str, runtime: str = "megatron",
-                  optimizer_shards: int = 1) -> StaticMemory:
+                  sharding: Sharding = NO_SHARDING) -> StaticMemory:
     """Weights times the versions held, one gradient buffer (in the runtime's precision: ``memory_runtime``), Adam
-    state (a distributed optimizer's shard of it: 1 / ``optimizer_shards``; the gradients stay whole, as Megatron's
-    reduce-scatter fills a full-size buffer)."""
+    state; under ZeRO each GPU's shard of the states its stage shards (``mesh.Sharding``): what it holds between
+    steps. ZeRO-1 keeps the gradients whole, as Megatron's reduce-scatter fills a full-size buffer."""
     bytes_per = PRECISIONS[precision]  # simulator/models.py: the one precision table
-    return StaticMemory(params * bytes_per.weight_bytes * versions, params * grad_bytes(runtime, precision),
-                        -(-params * bytes_per.optimizer_bytes // optimizer_shards))
+    return StaticMemory(sharding.part(params * bytes_per.weight_bytes * versions, "weights"),
+                        sharding.part(params * grad_bytes(runtime, precision), "gradients"),
+                        sharding.part(params * bytes_per.optimizer_bytes, "optimizer"))
 
 
 @dataclass(frozen=True)
@@ -131,12 +134,12 @@ K = ActionKind
 
 
 def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], precision: str,
-           runtime: str = "megatron", gradient_buffers: int = 1, optimizer_shards: int = 1, overhead_bytes: int = 0
-           ) -> tuple[list[DeviceMemory], list[int]]:
+           runtime: str = "megatron", gradient_buffers: int = 1, sharding: Sharding = NO_SHARDING,
+           overhead_bytes: int = 0) -> tuple[list[DeviceMemory], list[int]]:
     """Per device: static state plus what compute ops stash and p2p buffers hold, over the timeline; ``runtime``
     says which buffers are held how long (``simulator.memory_runtime``); ``gradient_buffers`` counts the gradients
     that many times (2BW's deferred step keeps the next iteration's apart, ``lowering.add_optimizer_steps``);
-    ``optimizer_shards`` splits the optimizer state (a distributed optimizer over that many replicas);
+    ``sharding``: ZeRO's shards of the static states, and the whole ones it gathers for a while (``sharded_events``);
     ``overhead_bytes`` is what every device holds besides tensors (``simulator.memory_overheads``).
 
     Returns:
@@ -145,7 +148,7 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
     home = np.asarray(schedule.stage_to_device)
     params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
     tensors = np.bincount(home, [c.param_tensors for c in stage_costs], minlength=schedule.num_devices)
-    state = [static_memory(int(params[d]), schedule.versions(d), precision, runtime, optimizer_shards)
+    state = [static_memory(int(params[d]), schedule.versions(d), precision, runtime, sharding)
              for d in range(schedule.num_devices)]
     static = [s.total + (gradient_buffers - 1) * s.gradients + int(tensors[d]) * step_counter_bytes(runtime)
               + overhead_bytes for d, s in enumerate(state)]
@@ -162,7 +165,62 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
     boundary = np.array([c.boundary_bytes for c in stage_costs], dtype=np.int64)
     parts = [op_memory_events(ops, schedule.recompute, schedule.chunks),
              _held(*buffer_events(records, boundary, runtime)), _vocab_events(records, stage_costs)]
+    if sharding.zero >= 2 and sharding.shards > 1:
+        parts.append(sharded_events(records, stage_costs, precision, runtime, sharding, schedule.num_microbatches))
     return device_timelines(concat(parts), static), static
+
+
+def sharded_events(records: Timeline, stage_costs: list[StageCost], precision: str, runtime: str, sharding: Sharding,
+                   microbatches: int) -> MemoryEvents:
+    """What ZeRO-2 and 3 hold whole for a while beyond each GPU's shard (docs/parallelism.md, "Memory"): a stage's
+    full gradients from its first backward of an iteration until its optimizer step (the reduce-scatter runs once
+    an iteration, as torch.distributed.pipelining reduces), and under ZeRO-3 its gathered weights from the gather's
+    start until the op it feeds ends (``reshard_after_forward``) or the stage's last backward of the iteration ends
+    (``simulator.replicas``' gathers, paired with their ops in each device's order)."""
+    params = np.array([c.params for c in stage_costs], dtype=np.int64)
+    per_grad, per_weight = grad_bytes(runtime, precision), PRECISIONS[precision].weight_bytes
+    grads = np.array([sharding.gathered(int(p) * per_grad, "gradients") for p in params], dtype=np.int64)
+    weights = np.array([sharding.gathered(int(p) * per_weight, "weights") for p in params], dtype=np.int64)
+    backward = np.flatnonzero(records.is_kind(K.B, K.I, K.W))
+    steps = np.flatnonzero(records.is_kind(K.OPT))
+    frame = pd.DataFrame({"device": records.device[backward], "stage": records.stage[backward],
+                          "iteration": records.microbatch[backward] // microbatches,
+                          "start": records.start[backward], "end": records.end[backward]})
+    held = frame.groupby(["device", "stage", "iteration"]).agg(since=("start", "min"), until=("end", "max"))
+    stepped = pd.DataFrame({"device": records.device[steps], "stage": records.stage[steps],
+                            "iteration": records.microbatch[steps] // microbatches, "step": records.start[steps]}
+                           ).groupby(["device", "stage", "iteration"])["step"].min()
+    until = stepped.reindex(held.index).fillna(held["until"]).to_numpy(np.int64)
+    stage = held.index.get_level_values("stage").to_numpy(np.int64)
+    parts = [_held(held.index.get_level_values("device").to_numpy(np.int64), held["since"].to_numpy(np.int64),
+                   until, grads[stage])]
+    if sharding.zero >= 3:
+        parts.append(_gathered(records, weights, sharding.reshard_after_forward, microbatches))
+    return concat(parts)
+
+
+def _gathered(records: Timeline, weights: np.ndarray, reshard: bool, microbatches: int) -> MemoryEvents:
+    """ZeRO-3's gathered weights (``sharded_events``): the k-th gather row of a device feeds the k-th op of that
+    device that ``simulator.replicas`` gathers for."""
+    gathers = np.flatnonzero(records.is_kind(K.ALL_GATHER))
+    gathers = gathers[np.argsort(records.device[gathers], kind="stable")]
+    ops = np.flatnonzero(records.is_kind(K.F, K.I, K.B) & (weights[records.stage] > 0))
+    ops = ops[np.argsort(records.device[ops], kind="stable")]
+    if reshard:
+        fed = ops
+        until = records.end[fed]
+    else:  # each (device, stage, iteration)'s first op; held until its last backward ends
+        key = pd.DataFrame({"device": records.device[ops], "stage": records.stage[ops],
+                            "iteration": records.microbatch[ops] // microbatches})
+        fed = ops[~key.duplicated().to_numpy()]
+        backward = records.is_kind(K.I, K.B)[ops]
+        last = pd.Series(records.end[ops][backward]).groupby(
+            [key[c].to_numpy()[backward] for c in key.columns]).max()
+        until = last.reindex(pd.MultiIndex.from_arrays(
+            [records.device[fed], records.stage[fed], records.microbatch[fed] // microbatches])).to_numpy(np.int64)
+    if len(fed) != len(gathers):  # a gather the replicas did not place for an op: nothing to pair
+        raise ValueError(f"ZeRO-3 ledger: {len(gathers)} weight gathers for {len(fed)} ops that need them")
+    return _held(records.device[gathers], records.start[gathers], until, weights[records.stage[fed]])
 
 
 def _vocab_events(records: Timeline, stage_costs: list[StageCost]) -> MemoryEvents:

@@ -84,6 +84,8 @@ class Oracle:
             busy[d] = True
             push(heap, (now + duration[i], i))
 
+        for f in p.start_joins:
+            join(f, 0)
         for d in range(len(steps)):
             advance(d, 0)
         while heap:

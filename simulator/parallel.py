@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from pipescope.simulator.mesh import DeviceMesh, Sharding
 from pipescope.simulator.models import PRECISIONS, LayerWork, ModelSpec, layer_work, output_activation_bytes
 from pipescope.simulator.units import short_repr
 
@@ -47,18 +48,29 @@ class ParallelConfig:
     none) and ``sequence`` parallelism over them (reduce-scatter and all-gather in place of the all-reduces, the layer
     norms and dropouts split over t; needs tensor > 1); ``tp_comm_overlap``: those all-gathers and reduce-scatters
     run in chunks behind the matmuls they feed or follow (Transformer Engine's userbuffers; needs sequence);
-    ``distributed_optimizer``: Megatron's distributed optimizer (ZeRO-1) over the data-parallel replicas, which
-    reduce-scatter the gradients, step their shard and all-gather the weights. docs/cli.md, "parallel"."""
+    ``zero``: the ZeRO stage over the data-parallel replicas (0 none; 1 optimizer state, 2 and gradients, 3 and
+    weights: ``mesh.Sharding``), ``reshard_after_forward`` its stage 3's choice; ``distributed_optimizer``: the older
+    spelling of ``zero: 1`` (Megatron's distributed optimizer), kept working. docs/parallelism.md, docs/cli.md."""
 
     tensor: int = 1
     sequence: bool = False
     tp_comm_overlap: bool = False
     distributed_optimizer: bool = False
+    zero: int = 0
+    reshard_after_forward: bool = True
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage that runs: ``zero``, or 1 under ``distributed_optimizer``."""
+        return max(self.zero, 1 if self.distributed_optimizer else 0)
 
     def optimizer_shards(self, data_parallel: int) -> int:
-        """How many shards each GPU's optimizer state and step are cut into: the replicas under the distributed
-        optimizer, else 1."""
-        return data_parallel if self.distributed_optimizer else 1
+        """How many shards each GPU's optimizer state and step are cut into: the replicas under ZeRO, else 1."""
+        return data_parallel if self.zero_stage else 1
+
+    def sharding(self, data_parallel: int) -> Sharding:
+        """ZeRO's states and shards over ``data_parallel`` replicas (the memory ledger and the planner read it)."""
+        return Sharding(self.zero_stage, data_parallel, self.reshard_after_forward)
 
 
 def check_parallel(parallel: ParallelConfig, model: ModelSpec | None, gpus_per_node: int | None) -> None:
@@ -214,11 +226,11 @@ def collective_times(network: RoutedNetwork, group: list[int], activation_bytes:
 
 def stage_times(network: RoutedNetwork, tensor: int, stage_to_device: list[int], activation_bytes: int,
                 tokens: int) -> tuple[CollectiveTimes, ...]:
-    """Per stage, its device's group times (device d's group is ``network``'s devices d*t .. d*t+t-1), each
-    distinct group priced once."""
+    """Per stage, its device's group times (its GPUs: ``DeviceMesh.tensor_gpus``), each distinct group priced once."""
+    mesh = DeviceMesh(max(stage_to_device) + 1, tensor=tensor)
     by_device: dict[int, CollectiveTimes] = {}
     for device in stage_to_device:
         if device not in by_device:
-            group = list(range(device * tensor, (device + 1) * tensor))
+            group = mesh.tensor_gpus(device)
             by_device[device] = collective_times(network, group, activation_bytes, tokens)
     return tuple(by_device[device] for device in stage_to_device)

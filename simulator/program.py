@@ -67,6 +67,8 @@ class Program:
     # Collectives that do not hold the stream (simulator.replicas' gradient all-reduces): per compute entry, the
     # (flow, ns after the entry's start) at which each of its device's members joins one.
     joins: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # Members that join at the run's start (ZeRO-3's first weight gather of a device: no op before it), one per member
+    start_joins: list[int] = field(default_factory=list)
 
     @property
     def num_entries(self) -> int:

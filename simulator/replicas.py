@@ -9,6 +9,12 @@ replica has it; without, every bucket starts after the device's last op of the s
 members' compute streams (it runs on the communication stream, as DDP's does); the optimizer step waits for it, and
 so does the first forward that runs on the updated weights: for 2BW, whose update W(t+1) = W(t) - lr * grad f(W(t-1))
 is applied one iteration late, the stage's first forward of iteration k+2; for PipeDream the stage's next forward.
+Under ZeRO (``GradSync.zero``, docs/parallelism.md) the all-reduce is a reduce-scatter; stages 1 and 2 all-gather the
+updated weights after the step, and stage 3 all-gathers a stage's weights before the ops that need them instead:
+before each forward and each input-gradient backward (``reshard_after_forward``, FSDP's default), or once a step
+before the stage's first op, held to its last backward (torch.distributed.pipelining's UNSHARD/RESHARD, Llama 3's
+choice). Each gather is prefetched: issued when the device's op before starts (the device's first op has none, so
+its gather starts with the run).
 docs/network.md has the rules and what they leave out.
 """
 
@@ -21,6 +27,7 @@ import numpy as np
 
 from pipescope.simulator.ir import ActionKind, Collective, Role, Schedule, WeightUpdate
 from pipescope.simulator.lowering import LAG_WITHOUT_FLUSH, step_group, step_microbatch
+from pipescope.simulator.mesh import DeviceMesh
 from pipescope.simulator.program import KIND_CODE, Columns, Program
 
 K = ActionKind
@@ -35,23 +42,32 @@ class SyncError(ValueError):
 @dataclass(frozen=True)
 class GradSync:
     """How replicas synchronise gradients: bucket size in bytes, overlapped with the backward or all at the end;
-    ``sharded``: Megatron's distributed optimizer (ZeRO-1), which reduce-scatters the gradients instead, steps its
-    shard and all-gathers the weights after the step (with ``overlap``, behind the next iteration's forwards, as
-    ``--overlap-param-gather`` does: not in this iteration)."""
+    ``zero``: the ZeRO stage (0 none; 1 Megatron's distributed optimizer, which reduce-scatters the gradients, steps
+    its shard and all-gathers the weights after the step, with ``overlap`` behind the next iteration's forwards as
+    ``--overlap-param-gather`` does: not in this iteration; 2 the same traffic with sharded gradients; 3 sharded
+    weights, gathered before use: see the module doc); ``reshard_after_forward``: stage 3's choice (module doc)."""
 
     bucket_bytes: int = DDP_BUCKET_BYTES
     overlap: bool = True
-    sharded: bool = False
+    zero: int = 0
+    reshard_after_forward: bool = True
+
+    @property
+    def sharded(self) -> bool:
+        """Gradients are reduce-scattered and the optimizer state sharded (every ZeRO stage)."""
+        return self.zero >= 1
 
 
 @dataclass
 class _Sync:
-    """One bucket's all-reduce: the base entry whose start launches it, when after that start, and its bytes."""
+    """One bucket's collective: the base entry whose start launches it (-1: it starts with the run), when after that
+    start, the collective (its group is replica 0's) and its base device."""
 
     trigger: int
     offset: int
     collective: Collective
     blocks: list[int] = field(default_factory=list)  # base entries (later forwards) that wait for its end
+    device: int = -1  # -1: the trigger's
 
 
 def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: list[int], sync: GradSync,
@@ -67,21 +83,25 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
         sync: bucket size, overlap, and whether the optimizer is sharded.
         weight_bytes: per stage, the bytes of its weights, which a sharded optimizer all-gathers after its step.
     """
-    syncs = _syncs(base, schedule, width, grad_bytes, sync)
-    if sync.sharded and not sync.overlap and width > 1:
-        syncs += _weight_gathers(base, schedule, width, weight_bytes or [0] * len(grad_bytes), sync)
-    return _replicate(base, width, syncs)
+    mesh = DeviceMesh(schedule.num_devices, width)
+    syncs = _syncs(base, schedule, mesh, grad_bytes, sync)
+    weights = weight_bytes or [0] * len(grad_bytes)
+    if sync.sharded and sync.zero < 3 and not sync.overlap and width > 1:
+        syncs += _weight_gathers(base, schedule, mesh, weights, sync)
+    if sync.zero >= 3 and width > 1:
+        syncs += _param_gathers(base, schedule, mesh, weights, sync.reshard_after_forward)
+    return _replicate(base, mesh, syncs)
 
 
-def _weight_gathers(base: Program, schedule: Schedule, width: int, weight_bytes: list[int], sync: GradSync
+def _weight_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_bytes: list[int], sync: GradSync
                     ) -> list[_Sync]:
     """A sharded optimizer's all-gather of each stage's updated weights, in buckets, once its step ends (a flush
     schedule's: the iteration waits for them)."""
-    cols, devices = base.columns, schedule.num_devices
+    cols = base.columns
     steps = cols.kind == KIND_CODE[K.OPT]
     found = []
     for stage, nbytes in enumerate(weight_bytes):
-        group = tuple(r * devices + schedule.stage_to_device[stage] for r in range(width))
+        group = tuple(mesh.data_group(schedule.stage_to_device[stage]))
         for step in np.flatnonzero(steps & (cols.stage == stage)).tolist():
             for j, size in enumerate(_split(nbytes, sync.bucket_bytes) if nbytes > 0 else []):
                 collective = Collective(stage, K.ALL_GATHER, int(cols.microbatch[step]), group, size, j)
@@ -89,12 +109,39 @@ def _weight_gathers(base: Program, schedule: Schedule, width: int, weight_bytes:
     return found
 
 
-def _syncs(base: Program, schedule: Schedule, width: int, grad_bytes: list[int], sync: GradSync) -> list[_Sync]:
+GATHERED_KINDS = (K.F, K.I, K.B)  # the ops that read a stage's weights (W reads activations and output gradients)
+
+
+def _param_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_bytes: list[int], reshard: bool
+                   ) -> list[_Sync]:
+    """ZeRO-3's all-gathers of a stage's weights (the module doc), in each device's op order: the memory ledger
+    pairs them with the ops they feed in that order (``memory.gathered_events``)."""
+    cols, m = base.columns, schedule.num_microbatches
+    codes = [KIND_CODE[kind] for kind in GATHERED_KINDS]
+    found = []
+    for d, steps in enumerate(base.device_steps):
+        ops = [i for i in steps if base.role[i] is Role.COMPUTE]
+        group, started = tuple(mesh.data_group(d)), set()
+        for k, i in enumerate(ops):
+            stage, microbatch = int(cols.stage[i]), int(cols.microbatch[i])
+            if cols.kind[i] not in codes or weight_bytes[stage] <= 0:
+                continue
+            if not reshard:  # once per stage and iteration: before its first op
+                if (stage, microbatch // m) in started:
+                    continue
+                started.add((stage, microbatch // m))
+            collective = Collective(stage, K.ALL_GATHER, microbatch, group, weight_bytes[stage], 0)
+            found.append(_Sync(ops[k - 1] if k else -1, 0, collective, [i], d))
+    return found
+
+
+def _syncs(base: Program, schedule: Schedule, mesh: DeviceMesh, grad_bytes: list[int], sync: GradSync
+           ) -> list[_Sync]:
     """Every bucket all-reduce of every stage and step group (an iteration, or a microbatch under PipeDream:
     ``lowering.step_group``), in a fixed order."""
-    if width < 2:
+    if mesh.data < 2:
         return []
-    cols, m, devices, update = base.columns, schedule.num_microbatches, schedule.num_devices, schedule.weight_update
+    cols, m, update = base.columns, schedule.num_microbatches, schedule.weight_update
     groups = step_group(update, m, cols.microbatch)
     iteration = cols.microbatch // m
     steps = cols.kind == KIND_CODE[K.OPT]
@@ -107,7 +154,7 @@ def _syncs(base: Program, schedule: Schedule, width: int, grad_bytes: list[int],
         if nbytes <= 0:
             continue
         home = schedule.stage_to_device[stage]
-        group = tuple(r * devices + home for r in range(width))
+        group = tuple(mesh.data_group(home))
         buckets = _split(nbytes, sync.bucket_bytes)
         mine = cols.stage == stage
         for g in np.unique(groups[grads & mine]).tolist():
@@ -141,16 +188,17 @@ def _split(nbytes: int, bucket: int) -> list[int]:
     return [bucket] * (count - 1) + [nbytes - bucket * (count - 1)]
 
 
-def _replicate(base: Program, width: int, syncs: list[_Sync]) -> Program:
+def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync]) -> Program:
     """Entries: each replica's copy of the base entries, then each replica's member entries of the syncs. Flows:
     each replica's transfers, then one flow per sync shared by its replicas."""
-    n, flows, devices = base.num_entries, base.num_flows, len(base.device_steps)
-
-    def moved(c: Collective | None, r: int) -> Collective | None:  # a base collective over replica r's devices
-        return c if c is None or not r else c._replace(group=tuple(d + r * devices for d in c.group))
+    n, flows, width = base.num_entries, base.num_flows, mesh.data
     members = len(syncs)
     total = width * (n + members)
     first_sync_flow = width * flows
+    homes = [s.device if s.device >= 0 else base.device[s.trigger] for s in syncs]
+
+    def moved(c: Collective | None, r: int) -> Collective | None:  # a base collective over replica r's devices
+        return c if c is None or not r else c._replace(group=tuple(mesh.device(r, d) for d in c.group))
 
     def signal(s: int, r: int) -> int:  # a base signal in replica r
         return s + r * n if s < n else total + r * flows + (s - n)
@@ -163,7 +211,7 @@ def _replicate(base: Program, width: int, syncs: list[_Sync]) -> Program:
             blocked.setdefault(entry, []).append(total + first_sync_flow + c)
     for r in range(width):
         out.actions += [moved(a, r) if role is Role.COLLECTIVE else a for a, role in zip(base.actions, base.role)]
-        out.device += [d + r * devices for d in base.device]
+        out.device += [mesh.device(r, d) for d in base.device]
         out.role += base.role
         out.launches += [tuple(f + r * flows for f in fs) for fs in base.launches]
         out.duration += base.duration
@@ -172,7 +220,7 @@ def _replicate(base: Program, width: int, syncs: list[_Sync]) -> Program:
         out.device_steps += [[i + r * n for i in steps] for steps in base.device_steps]
     for r in range(width):
         out.actions += [s.collective for s in syncs]
-        out.device += [base.device[s.trigger] + r * devices for s in syncs]
+        out.device += [mesh.device(r, d) for d in homes]
         out.role += [Role.COLLECTIVE] * members
         out.launches += [()] * members
         out.duration += [0] * members
@@ -182,10 +230,13 @@ def _replicate(base: Program, width: int, syncs: list[_Sync]) -> Program:
                  for r in range(width) for i, joined in base.joins.items()}
     for c, s in enumerate(syncs):
         for r in range(width):
-            out.joins.setdefault(s.trigger + r * n, []).append((first_sync_flow + c, s.offset))
+            if s.trigger < 0:
+                out.start_joins.append(first_sync_flow + c)
+            else:
+                out.joins.setdefault(s.trigger + r * n, []).append((first_sync_flow + c, s.offset))
     for r in range(width):
-        out.flow_src += [d + r * devices if d >= 0 else -1 for d in base.flow_src]
-        out.flow_dst += [d + r * devices if d >= 0 else -1 for d in base.flow_dst]
+        out.flow_src += [mesh.device(r, d) if d >= 0 else -1 for d in base.flow_src]
+        out.flow_dst += [mesh.device(r, d) if d >= 0 else -1 for d in base.flow_dst]
         out.flow_bytes += base.flow_bytes
         out.flow_producer += [i + r * n if i >= 0 else -1 for i in base.flow_producer]
         out.flow_collective += [moved(c, r) for c in base.flow_collective]

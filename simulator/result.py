@@ -16,6 +16,7 @@ from pipescope.simulator.ir import ActionKind, Role, Schedule
 from pipescope.simulator.memory_overheads import NO_OVERHEADS, Overheads
 from pipescope.simulator.program import KIND_CODE
 from pipescope.simulator.memory import DeviceMemory, ledger
+from pipescope.simulator.mesh import NO_SHARDING, Sharding
 from pipescope.simulator.timeline import Timeline, uncovered_ns
 from pipescope.simulator.units import format_bytes, format_time
 
@@ -259,7 +260,8 @@ def _busiest_union_ns(device: np.ndarray, start: np.ndarray, end: np.ndarray) ->
 
 def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], precision: str,
                  samples_per_iteration: int, memory_runtime: str = "megatron", gradient_buffers: int = 1,
-                 optimizer_shards: int = 1, memory_overheads: Overheads = NO_OVERHEADS, **extra: Any) -> SimResult:
+                 sharding: Sharding = NO_SHARDING, memory_overheads: Overheads = NO_OVERHEADS, **extra: Any
+                 ) -> SimResult:
     """Derive every statistic from the timeline's compute and collective rows and the memory ledger.
 
     Args:
@@ -270,7 +272,7 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
         precision: bytes per parameter and activation.
         memory_runtime: whose buffers the memory ledger counts (``simulator.memory_runtime``).
         gradient_buffers: gradient buffers per stage (2 where 2BW defers its steps).
-        optimizer_shards: the replicas a distributed optimizer shards its state over (1: none).
+        sharding: ZeRO's stage and shards (``mesh.Sharding``; none by default).
         memory_overheads: what every GPU holds besides tensors (CUDA context, NCCL, workspace).
         samples_per_iteration: for throughput.
         **extra: further ``SimResult`` fields (memory capacity, MFU inputs, warnings, config, wall time).
@@ -286,7 +288,7 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
     max_span = int(span.max()) or 1
     replica0 = records if p == pipeline else records.subset(records.device < pipeline, pipeline)
     memory, static = ledger(schedule, replica0, stage_costs, precision, memory_runtime, gradient_buffers,
-                            optimizer_shards, memory_overheads.total)
+                            sharding, memory_overheads.total)
     comm = records.mask(Role.SEND) | records.mask(Role.RECV) | collective
     exposed_comm, exposed_allreduce = uncovered_ns(records, [comm, collective], compute)
     busy_ns, span_ns = busy.tolist(), span.tolist()  # Python numbers: a notebook shows 0.07, not np.float64(0.07)

@@ -15,6 +15,7 @@ from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
 from pipescope.simulator.lowering import add_optimizer_steps, defers_steps, gradient_buffers, lower
 from pipescope.simulator.memory_runtime import grad_bytes
+from pipescope.simulator.mesh import Sharding
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.network import FifoLinks, Network
 from pipescope.simulator.program import Program, compile_program, op_durations
@@ -38,7 +39,7 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         data_parallel: pipeline replicas w. With a network and gradients to move, all w replicas are simulated
             (device r*D + d is replica r's device d) with their gradient all-reduces (``simulator.replicas``);
             otherwise they only multiply the throughput.
-        grad_sync: bucket size and overlap of the gradient all-reduce (default: DDP's).
+        grad_sync: bucket size and overlap of the gradient all-reduce (default: DDP's), and the ZeRO stage.
         faults: stragglers and per-op jitter (``simulator.faults``).
         host_cores: the devices are CPU ranks sharing this many cores of one host (``simulator.host_cores``);
             None: every device computes on its own.
@@ -80,7 +81,8 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         result = build_result(schedule, records, stage_costs, costs.precision, samples,
                               warnings=costs.notes() + _run_notes(schedule),
                               gradient_buffers=gradient_buffers(deferred),
-                              optimizer_shards=data_parallel if sync.sharded else 1, **extra)
+                              sharding=Sharding(sync.zero, width, sync.reshard_after_forward) if width > 1 else
+                              Sharding(), **extra)
     if isinstance(network, RoutedNetwork):
         result.links, result.network = network.link_stats(result.makespan_ns), network.counters()
         result.link_spans = network.busy_spans()

@@ -1,0 +1,70 @@
+"""The device mesh: the one home of "which rank is this device of this replica" and "which ranks form this axis's
+group" (docs/parallelism.md).
+
+A simulated device is one pipeline device of one data-parallel replica; it stands for ``tensor`` GPUs of one node.
+Device ``d`` of replica ``r`` is device ``r * pipeline + d``; its GPUs are the network's GPUs ``device * tensor``
+to ``device * tensor + tensor - 1`` (``Cluster.tensor_network``'s numbering).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceMesh:
+    """Degrees of the parallel axes: ``pipeline`` devices per replica, ``data`` replicas (ZeRO shards over them all),
+    ``tensor`` GPUs per device."""
+
+    pipeline: int
+    data: int = 1
+    tensor: int = 1
+
+    @property
+    def devices(self) -> int:
+        """Simulated devices: every replica's pipeline."""
+        return self.pipeline * self.data
+
+    @property
+    def gpus(self) -> int:
+        return self.devices * self.tensor
+
+    def device(self, replica: int, d: int) -> int:
+        """Replica ``replica``'s pipeline device ``d``."""
+        return replica * self.pipeline + d
+
+    def data_group(self, d: int) -> list[int]:
+        """Pipeline device ``d`` of every replica: the ranks that reduce its gradients."""
+        return [self.device(r, d) for r in range(self.data)]
+
+    def tensor_gpus(self, device: int) -> list[int]:
+        """The GPUs of ``device`` (numbered as ``Cluster.tensor_network`` numbers them)."""
+        return list(range(device * self.tensor, (device + 1) * self.tensor))
+
+
+ZERO_STAGES = (0, 1, 2, 3)  # parallel.zero
+# The ZeRO stage from which each model state is sharded (Rajbhandari et al. 2020, "ZeRO", section 5)
+SHARDED_FROM = {"optimizer": 1, "gradients": 2, "weights": 3}
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """ZeRO over the data axis: the stage (0: none) and the ``shards`` the sharded states are cut into
+    (docs/parallelism.md, "ZeRO"); ``reshard_after_forward``: stage 3 frees a stage's gathered weights after each op
+    (FSDP's default) or holds them to the stage's last backward of the iteration."""
+
+    zero: int = 0
+    shards: int = 1
+    reshard_after_forward: bool = True
+
+    def part(self, nbytes: int, state: str) -> int:
+        """What one GPU holds of ``nbytes`` of ``state`` (a key of ``SHARDED_FROM``): its shard, rounded up, once
+        the stage shards it, else all of it."""
+        return -(-nbytes // self.shards) if self.zero >= SHARDED_FROM[state] else nbytes
+
+    def gathered(self, nbytes: int, state: str) -> int:
+        """The bytes of ``state`` a GPU holds beyond its shard while the whole is gathered (0 when unsharded)."""
+        return nbytes - self.part(nbytes, state)
+
+
+NO_SHARDING = Sharding()

@@ -1,0 +1,122 @@
+"""ZeRO stages 1-3 over the data-parallel replicas (docs/parallelism.md): the model states each GPU holds, to the
+byte; the collectives each stage runs and the bytes they move; stage 3's weight gathers before the ops that read
+the weights, prefetched, and what the ledger holds while they are gathered."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipescope import ConfigError, load_config, run
+from pipescope.simulator.engine import Engine
+from pipescope.simulator.ir import ActionKind
+from pipescope.simulator.memory import static_memory
+from pipescope.simulator.mesh import Sharding
+from pipescope.simulator.network import RING_STEPS
+from pipescope.simulator.oracle import Oracle
+from pipescope.simulator.replicas import GradSync, data_parallel
+from pipescope.simulator.schedules import build
+from pipescope.simulator.simulate import prepare
+from tests.test_network import servers
+from tests.test_optimizer_step import GB, StepCosts
+
+SMALL = ["model.preset=gpt-355m", "model.layers=8", "schedule.stages=2", "schedule.microbatches=4",
+         "cluster.topology=dgx-a100", "cluster.nodes=2", "cluster.data_parallel=4", "model.precision=bf16"]
+
+
+def small(*sets: str):
+    return run(load_config(None, [*SMALL, *sets]))
+
+
+@pytest.mark.parametrize("runtime, w, g, k", [("torch", 2, 2, 12), ("megatron", 2, 4, 12)])
+@pytest.mark.parametrize("shards", [1, 4, 64])
+def test_each_stage_holds_the_zero_papers_model_state_bytes(runtime: str, w: int, g: int, k: int, shards: int) -> None:
+    """(w+g+K)Ψ, (w+g)Ψ + KΨ/N, wΨ + (g+K)Ψ/N, (w+g+K)Ψ/N for stages 0-3 (Rajbhandari et al. 2020, Figure 1)."""
+    psi = 7_500_000 * 64
+    expected = [(w + g + k) * psi, (w + g) * psi + k * psi // shards, w * psi + (g + k) * psi // shards,
+                (w + g + k) * psi // shards]
+    got = [static_memory(psi, 1, "bf16", runtime, Sharding(zero, shards)).total for zero in range(4)]
+    assert got == expected
+
+
+def test_a_shard_is_rounded_up_never_lost() -> None:
+    state = static_memory(10, 1, "bf16", "torch", Sharding(3, 3))  # 20, 20 and 120 bytes in 3 shards
+    assert (state.weights, state.gradients, state.optimizer) == (7, 7, 40)
+
+
+def test_every_stage_end_to_end_saves_what_it_shards_and_runs_its_collectives() -> None:
+    """In a whole run (overheads and step counters are the same in each), each stage's static bytes fall by the
+    closed form's saving; stages 1-2 reduce-scatter, stage 3 also gathers weights before its ops."""
+    results = [small(f"parallel.zero={zero}", "memory.runtime=torch") for zero in range(4)]
+    psi = sum(c.params for c in results[0].stage_costs[:1])  # stage 0 lives alone on device 0
+    saved = [results[0].devices[0].static_memory_bytes - r.devices[0].static_memory_bytes for r in results]
+    assert saved == [0, 12 * psi - -(-12 * psi // 4), 14 * psi - -(-14 * psi // 4), 16 * psi - -(-16 * psi // 4)]
+    kinds = [set(r.timeline.query("stage >= 0 and kind in ('ALL_REDUCE', 'REDUCE_SCATTER', 'ALL_GATHER')").kind)
+             for r in results]
+    assert kinds == [{"ALL_REDUCE"}, {"REDUCE_SCATTER"}, {"REDUCE_SCATTER"}, {"REDUCE_SCATTER", "ALL_GATHER"}]
+    peaks = [r.devices[0].peak_memory_bytes for r in results]
+    kept = small("parallel.zero=3", "memory.runtime=torch", "parallel.reshard_after_forward=false")
+    # stage 2 holds whole gradients through the backward (one reduce-scatter an iteration), and stage 3 without
+    # resharding its whole weights through the step: the peak is stage 1's
+    assert peaks[0] > peaks[1] == peaks[2] == kept.devices[0].peak_memory_bytes
+    # resharding after each op, the next op's weights are gathered while the op runs: two copies at the peak
+    assert peaks[3] - results[3].devices[0].static_memory_bytes >= 2 * (2 * psi - -(-2 * psi // 4))
+
+
+def _wire_bytes(result) -> float:
+    """Bytes each GPU sends in the data-parallel collectives (ring step counts, nccl-tests' convention)."""
+    rows = result.timeline.query("stage >= 0 and kind in ('ALL_REDUCE', 'REDUCE_SCATTER', 'ALL_GATHER')")
+    n = result.data_parallel
+    return sum(nbytes * RING_STEPS[ActionKind(kind)](n) / n for kind, nbytes in zip(rows.kind, rows.bytes))
+
+
+def test_stage_3_moves_one_and_a_half_times_the_bytes_of_plain_data_parallelism() -> None:
+    """One microbatch, one stage: ZeRO-3 gathers before the forward and the backward and reduce-scatters once, 3
+    half-volumes against the all-reduce's 2 (ZeRO paper, section 7.2.2); without resharding after the forward, 2."""
+    sets = ["schedule.stages=1", "schedule.microbatches=1", "memory.runtime=torch", "cluster.nodes=1"]
+    plain, zero3 = small(*sets), small(*sets, "parallel.zero=3")
+    assert _wire_bytes(zero3) == pytest.approx(1.5 * _wire_bytes(plain), rel=1e-9)
+    kept = small(*sets, "parallel.zero=3", "parallel.reshard_after_forward=false")
+    assert _wire_bytes(kept) == pytest.approx(_wire_bytes(plain), rel=1e-9)
+
+
+def _zero3_program(reshard: bool):
+    schedule = build("1f1b", 2, 4)
+    program, stage_costs = prepare(schedule, StepCosts())
+    grads = [c.params * 2 for c in stage_costs]
+    sync = GradSync(bucket_bytes=512 << 20, zero=3, reshard_after_forward=reshard)
+    return schedule, data_parallel(program, schedule, 2, grads, sync, grads)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_stage_3_gathers_are_prefetched_waited_for_and_replayed_alike_by_engine_and_oracle(reshard: bool) -> None:
+    """Each gather starts when the device's op before the one it feeds starts (the first with the run), and that
+    op starts after it ends; the engine equals the test oracle; without resharding, one gather a stage."""
+    schedule, program = _zero3_program(reshard)
+    engine = Engine(program, servers(2, 2, 450 * GB, 2 * GB)).run()
+    assert engine == Oracle(program, servers(2, 2, 450 * GB, 2 * GB)).run()
+    gathers = [f for f, c in enumerate(program.flow_collective) if c is not None and c.kind is ActionKind.ALL_GATHER]
+    # F and B of 4 microbatches on each of 2 stages: 16 a replica's pair of devices, shared by the 2 replicas
+    assert len(gathers) == (16 if reshard else 2)
+    assert len(program.start_joins) == 2 * 2  # each device's first gather, joined by both replicas
+    for entry, waits in enumerate(program.waits):
+        for flow in (s - program.num_entries for s in waits if s >= program.num_entries):
+            if flow in gathers:
+                assert engine.entry_start[entry] >= engine.flow_end[flow]
+
+
+def test_zero_is_refused_where_it_has_no_meaning() -> None:
+    with pytest.raises(ConfigError, match=r"parallel.zero: got 4, expected an integer from 0 to 3"):
+        small("parallel.zero=4")
+    with pytest.raises(ConfigError, match="parallel.zero: got 3 with schedule.name 2bw, expected a flush schedule"):
+        small("parallel.zero=3", "schedule.name=2bw")
+    with pytest.raises(ConfigError, match="parallel.zero: got 2 under costs.kind uniform, expected none"):
+        small("parallel.zero=2", "costs.kind=uniform")
+
+
+def test_the_headline_names_the_zero_stage_and_the_old_key_is_stage_1() -> None:
+    from pipescope.experiments.report import table
+
+    assert " w=4 ZeRO-3  weight" in table(small("parallel.zero=3"))
+    old, new = small("parallel.distributed_optimizer=true"), small("parallel.zero=1")
+    assert " w=4 ZeRO-1  weight" in table(old)
+    assert old.iteration_time_s == new.iteration_time_s and old.peak_memory_bytes == new.peak_memory_bytes
