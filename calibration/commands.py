@@ -27,7 +27,7 @@ from pipescope.calibration.args import (
 )
 from pipescope.calibration import gemms
 from pipescope.calibration.comms_args import add_comms_args, comms_config
-from pipescope.calibration.presets import PRECISIONS, PRESETS, harness_bytes, resolve
+from pipescope.calibration.presets import HARNESS_PRESETS, PRECISIONS, harness_bytes, resolve
 
 MAX_VOCAB_SHARDS = 1024  # S and T are timed for every count from 1 up: beyond a pipeline's depth it is only time
 UNKNOWN_MEMORY_BYTES = 1 << 50  # the bound when the machine's memory cannot be read
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                 description="Time F, I, W, B and recompute per transformer layer, the embedding, "
                                 "the output layer (and its vocabulary shards) and the optimizer step; count "
                                 "activation bytes. See calibration/README.md.")
-    cal.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (fields below override it)")
+    cal.add_argument("--model", help=f"preset: {', '.join(HARNESS_PRESETS)} (fields below override it)")
     for name in ("layers", "hidden", "heads", "vocab"):
         cal.add_argument(f"--{name}", help=f"model {name} (integer)")
     cal.add_argument("--seq", help="sequence length(s), comma-separated to interpolate between them")

@@ -9,7 +9,17 @@ from pipescope.simulator.models import PRECISIONS, PRESETS
 from pipescope.simulator.models import ModelSpec as Shape
 
 # PRECISIONS: the simulator's table, one for both.
-__all__ = ["PRECISIONS", "PRESETS", "Shape", "harness_bytes", "resolve"]
+__all__ = ["HARNESS_PRESETS", "PRECISIONS", "PRESETS", "Shape", "harness_bytes", "resolve"]
+# The harness builds GPT blocks (calibration/model.py): the GPT presets are the ones it can time
+HARNESS_PRESETS = {name: shape for name, shape in PRESETS.items() if shape.family == "gpt"}
+
+
+def check_harness_model(preset: str) -> None:
+    """ValueError naming ``--model`` unless the harness can build ``preset``."""
+    if preset in HARNESS_PRESETS:
+        return
+    why = f" (a {PRESETS[preset].family} model; the harness builds GPT blocks only)" if preset in PRESETS else ""
+    raise ValueError(f"--model: got {preset!r}{why}, expected one of {', '.join(HARNESS_PRESETS)}")
 
 
 def resolve(preset: str | None, **overrides: int | None) -> Shape:
@@ -22,8 +32,7 @@ def resolve(preset: str | None, **overrides: int | None) -> Shape:
     fields = ("layers", "hidden", "heads", "seq", "vocab")
     given = {k: v for k, v in overrides.items() if v is not None}
     if preset is not None:
-        if preset not in PRESETS:
-            raise ValueError(f"--model: got {preset!r}, expected one of {', '.join(PRESETS)}")
+        check_harness_model(preset)
         shape = replace(PRESETS[preset], **given)
     else:
         missing = [f for f in fields if f not in given]

@@ -23,6 +23,7 @@ import tempfile
 import numpy as np
 import pandas as pd
 
+from pipescope.calibration.presets import check_harness_model
 from pipescope.config import ConfigError, load_config
 from pipescope.experiments.cli import as_flag, check_output_names, integer_flag
 from pipescope.experiments.processes import run_in_group, sigterm_as_ctrl_c
@@ -324,8 +325,7 @@ def _sets(args: argparse.Namespace, profile: str | None) -> list[str]:
 
 def _calibrate(args: argparse.Namespace, folder: str, comms: bool) -> str:
     model = args.model or DEFAULT_MODEL
-    if model not in PRESETS:  # before a calibration subprocess says so, wrapped in its own error
-        raise ValueError(f"--model: got {model!r}, expected one of {', '.join(PRESETS)}")
+    check_harness_model(model)  # before a calibration subprocess says so, wrapped in its own error
     _phase(f"calibrate {model} on {args.device}")
     command = [sys.executable, "-m", "pipescope.calibration.commands", "calibrate", "--model", model,
                "--device", args.device, "--out", folder, "--microbatch-sizes", str(args.microbatch_size),

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipescope.simulator.costs import MAX_OP_SECONDS, AnalyticCostsConfig, CostKind, UniformCostsConfig
-from pipescope.simulator.models import ATTENTIONS, PRECISIONS, PRESETS, ModelConfig
+from pipescope.simulator.models import ATTENTIONS, DIMENSION_RANGES, FAMILIES, PRECISIONS, PRESETS, ModelConfig
 from pipescope.simulator.parallel import ParallelConfig, parse_recompute
 from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.safe_yaml import MAX_INT_DIGITS, YamlError, parse_yaml, read_yaml_file
@@ -75,8 +75,7 @@ EXPERIMENT_KEYS = ("sweep", "zip")  # experiments.sweep's grid sections: not a c
 RANGES: dict[str, tuple[int, int]] = {
     "schedule.stages": (1, 100_000), "schedule.microbatches": (1, 500_000), "schedule.chunks": (1, 1_000),
     "iterations": (1, 1_000),
-    "model.layers": (1, 100_000), "model.hidden": (1, 1 << 20), "model.heads": (1, 1 << 20),
-    "model.seq": (1, 1 << 24), "model.vocab": (1, 1 << 24), "model.microbatch_size": (1, 1 << 20),
+    **{f"model.{key}": limits for key, limits in DIMENSION_RANGES.items()}, "model.microbatch_size": (1, 1 << 20),
     "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1 << 20, 1 << 50),
     "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1), "parallel.tensor": (1, 1024),
     "parallel.zero": (0, 3),
@@ -89,6 +88,7 @@ CHOICES = {
     "model.precision": tuple(PRECISIONS),
     "model.preset": tuple(PRESETS),
     "model.attention": ATTENTIONS,
+    "model.family": FAMILIES,
     "cluster.fabric": FABRICS,
     "cluster.collective": COLLECTIVE_ALGORITHMS,
     "memory.runtime": RUNTIMES,
@@ -357,7 +357,8 @@ def read_yaml(name: str) -> dict:
 
 
 # Keys whose value may name a file: a CSV schedule (``csv:FILE``), a profile or GEMM table folder, a topology file.
-FILE_KEYS = {"schedule.name": "csv:", "costs.profile": "", "costs.gemms": "", "cluster.topology": ""}
+FILE_KEYS = {"schedule.name": "csv:", "costs.profile": "", "costs.gemms": "", "cluster.topology": "",
+             "model.from_hf": ""}
 TOPOLOGY_FILES = (".yaml", ".yml", ".graphml")  # any other cluster.topology is a built-in's name
 
 

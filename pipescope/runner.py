@@ -180,6 +180,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
     result.cluster_name = cluster.name
     result.gpus_per_device = config.parallel.tensor
     result.tokens_per_sample = model.seq if analytic else None
+    result.model_params = model.total_params() if analytic else None
     return result
 
 
@@ -224,6 +225,10 @@ def _with_profile_model(config: Config, costs: ProfiledCosts) -> Config:
     dimension that contradicts it is refused (layers and seq may differ: times are per layer and interpolated
     over the measured sequence lengths)."""
     m, measured = config.model, costs.meta.get("model", {})
+    family = _model(config).family
+    if family != "gpt":  # calibration times GPT blocks (calibration/model.py)
+        raise ConfigError(f"model.family: got {family} under costs.kind profile, expected gpt (the profile timed GPT "
+                          f"blocks; use analytic costs for a {family} model)")
     unknown = [key for key in ("layers", *FIXED_BY_PROFILE) if key not in measured and getattr(m, key) is None]
     if unknown:  # else the default preset's shape would stand in for the measured model's, silently
         raise ConfigError(f"costs.profile: {config.costs.profile!r} has no model.{unknown[0]} in its profile.json; "
@@ -485,7 +490,7 @@ def _with_what_ran(config: Config, schedule: Schedule) -> Config:
     config = dataclasses.replace(config, schedule=dataclasses.replace(s, **{
         key: value for key, value in ran.items() if getattr(s, key) is None}))
     m = config.model
-    if isinstance(config.costs, UniformCostsConfig) or m.preset is not None or \
+    if isinstance(config.costs, UniformCostsConfig) or m.preset is not None or m.from_hf is not None or \
             all(getattr(m, key) is not None for key in SHAPE_KEYS):  # no model read, or named, or custom
         return config
     return dataclasses.replace(config, model=dataclasses.replace(m, preset=DEFAULT_PRESET))

@@ -85,9 +85,10 @@ def allreduce_floor_ns(schedule: Schedule, stage_costs: Sequence[StageCost], gra
                        ns_per_byte: Callable[[list[int]], float]) -> int:
     """Per iteration, the time the data-parallel gradient all-reduce's bytes alone take on the busiest group.
 
-    Every optimizer step all-reduces each device's gradients over its ``width`` replicas (``DeviceMesh.data_group``): once per iteration, or once per microbatch under PipeDream (``lowering.step_group``). Successive
-    all-reduces cross the same links, so no run finishes iterations faster than that (the second term of the 2BW
-    planner's equation, docs/schedules.md section 3).
+    Every optimizer step all-reduces (under ZeRO reduce-scatters) each device's gradients over its ``width``
+    replicas (``DeviceMesh.data_group``): once per iteration, or once per microbatch under PipeDream
+    (``lowering.step_group``). Successive all-reduces cross the same links, so no run finishes iterations faster
+    than that (the second term of the 2BW planner's equation, docs/schedules.md section 3).
     ``ns_per_byte(group)`` is the marginal time per byte of the fastest all-reduce over ``group`` on the idle
     network: latencies are left out, so the product stays a floor however the bytes are bucketed.
     """

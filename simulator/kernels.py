@@ -67,18 +67,24 @@ class _Shape:
     grad: int  # bytes per gradient element
     tensor: int = 1  # tensor-parallel GPUs the block is split over (simulator/parallel.py)
     sequence: bool = False  # sequence parallelism over them
+    kv: int = 0  # the keys' (and values') width: ModelSpec.kv_width
+    ffn: int = 0  # the MLP's inner width
+    llama: bool = False  # the family's block (docs/costs.md, "Llama")
 
     @classmethod
     def of(cls, model: ModelSpec, microbatch_size: int, precision: str, tensor: int = 1,
            sequence: bool = False) -> _Shape:
         p = PRECISIONS[precision]
         return cls(model.seq * microbatch_size, model.hidden, model.seq, model.heads, model.vocab,
-                   p.activation_bytes, p.weight_bytes, p.grad_bytes, tensor, sequence)
+                   p.activation_bytes, p.weight_bytes, p.grad_bytes, tensor, sequence, model.kv_width, model.ffn,
+                   model.family == "llama")
 
     def split(self) -> _Shape:
-        """What one of t GPUs holds of a Megatron-split block: hidden, heads and vocabulary over t (ceil)."""
+        """What one of t GPUs holds of a Megatron-split block: hidden, heads, key/value and MLP widths and
+        vocabulary over t (ceil)."""
         t = self.tensor
-        return replace(self, hidden=self.hidden // t, heads=self.heads // t, vocab=-(-self.vocab // t), tensor=1)
+        return replace(self, hidden=self.hidden // t, heads=self.heads // t, vocab=-(-self.vocab // t), tensor=1,
+                       kv=self.kv // t, ffn=self.ffn // t)
 
     def whole(self) -> _Shape:
         """What Megatron keeps whole on each GPU (layer norms, dropouts, residuals), unless sequence parallelism
@@ -109,6 +115,11 @@ class _Shape:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def qkv_bytes(self) -> int:
+        """Bytes of Q, K and V together (with grouped-query attention K and V are narrower than Q)."""
+        return self.tokens * (self.hidden + 2 * self.kv) * self.act
+
 
 def _matmul(name: str, op: str, x: _Shape, k: int, n: int) -> Kernel:
     """A Linear of k inputs and n outputs over the tokens. F: y = x W^T (t x n outputs over k); I: dx = dy W (t x k
@@ -129,9 +140,9 @@ def _attention(x: _Shape, op: str, attention: str) -> list[Kernel]:
     if attention == "flash":  # one fused kernel: Q, K, V in, O out (I: dO, O in; dQ, dK, dV out); stats only
         forward = core  # FlashAttention's count: 4 s^2 d per head and sample (2 core), halved by the causal mask
         if op == "F":
-            return [Kernel("flash attention", "F", 2 * core, 4 * sbh + x.stats,
+            return [Kernel("flash attention", "F", 2 * core, x.qkv_bytes + sbh + x.stats,
                            flash=Flash(forward, x.seq, x.head_dim))]
-        return [Kernel("flash attention", "I", 4 * core, 8 * sbh + 2 * x.stats,
+        return [Kernel("flash attention", "I", 4 * core, 2 * x.qkv_bytes + 2 * sbh + 2 * x.stats,
                        flash=Flash(2.5 * forward, x.seq, x.head_dim))]
     s, d, batch = x.seq, x.head_dim, x.samples_heads
     if op == "F":  # Q K^T; the fused scale-mask-softmax; its dropout; P V
@@ -148,44 +159,86 @@ def _attention(x: _Shape, op: str, attention: str) -> list[Kernel]:
 
 def _layer_forward(x: _Shape, attention: str) -> list[Kernel]:
     """Megatron fuses each residual branch's bias, dropout and residual add into one kernel: it reads the branch's
-    output and the residual and writes the sum and the dropout's 1-byte mask."""
+    output and the residual and writes the sum and the dropout's 1-byte mask. A Llama block has RMSNorms, rotary
+    positions applied to Q and K, no biases or dropouts, and a SwiGLU MLP whose gate and up projections are one
+    matmul (Megatron's fused ``linear_fc1``)."""
+    if x.llama:
+        return _llama_forward(x, attention)
     h, c, e = x.hidden, x.split(), x.whole()  # c: a GPU's split part; e: what it keeps whole
     sbh, mask = e.sbh, e.tokens * e.hidden
     return [Kernel("layer norm 1", "F", 0, 2 * sbh),
-            _matmul("QKV", "F", x, h, 3 * c.hidden),
+            _matmul("QKV", "F", x, h, c.hidden + 2 * c.kv),
             *_attention(c, "F", attention),
             _matmul("out projection", "F", x, c.hidden, h),
             Kernel("bias-dropout-add 1", "F", 0, 3 * sbh + mask),
             Kernel("layer norm 2", "F", 0, 2 * sbh),
-            _matmul("MLP up", "F", x, h, 4 * c.hidden),
-            Kernel("bias-GeLU", "F", 0, 2 * 4 * c.sbh),
-            _matmul("MLP down", "F", x, 4 * c.hidden, h),
+            _matmul("MLP up", "F", x, h, c.ffn),
+            Kernel("bias-GeLU", "F", 0, 2 * c.tokens * c.ffn * c.act),
+            _matmul("MLP down", "F", x, c.ffn, h),
             Kernel("bias-dropout-add 2", "F", 0, 3 * sbh + mask)]
+
+
+def _llama_forward(x: _Shape, attention: str) -> list[Kernel]:
+    h, c, e = x.hidden, x.split(), x.whole()
+    sbh, inner = e.sbh, c.tokens * c.ffn * c.act
+    rotated = c.tokens * (c.hidden + c.kv) * c.act  # Q and K
+    return [Kernel("RMSNorm 1", "F", 0, 2 * sbh),
+            _matmul("QKV", "F", x, h, c.hidden + 2 * c.kv),
+            Kernel("rotary", "F", 0, 2 * rotated),
+            *_attention(c, "F", attention),
+            _matmul("out projection", "F", x, c.hidden, h),
+            Kernel("residual add 1", "F", 0, 3 * sbh),
+            Kernel("RMSNorm 2", "F", 0, 2 * sbh),
+            _matmul("MLP up", "F", x, h, 2 * c.ffn),
+            Kernel("SwiGLU", "F", 0, 3 * inner),  # gate and up in, their product out
+            _matmul("MLP down", "F", x, c.ffn, h),
+            Kernel("residual add 2", "F", 0, 3 * sbh)]
 
 
 def _layer_input_grad(x: _Shape, attention: str) -> list[Kernel]:
     """The backward to the block's input, last kernel first. A residual add's backward is the sum of the two
-    gradients at its fork; a layer norm's reads the gradient and its input; GeLU's its gradient and its input."""
+    gradients at its fork; a layer norm's reads the gradient and its input; GeLU's its gradient and its input;
+    SwiGLU's its gradient and both inputs, writing both inputs' gradients."""
+    if x.llama:
+        return _llama_input_grad(x, attention)
     h, c, e = x.hidden, x.split(), x.whole()
     sbh, mask = e.sbh, e.tokens * e.hidden
     return [Kernel("residual add 2", "I", 0, 3 * sbh),
             Kernel("dropout (MLP)", "I", 0, 2 * sbh + mask),
-            _matmul("MLP down", "I", x, 4 * c.hidden, h),
-            Kernel("bias-GeLU", "I", 0, 3 * 4 * c.sbh),
-            _matmul("MLP up", "I", x, h, 4 * c.hidden),
+            _matmul("MLP down", "I", x, c.ffn, h),
+            Kernel("bias-GeLU", "I", 0, 3 * c.tokens * c.ffn * c.act),
+            _matmul("MLP up", "I", x, h, c.ffn),
             Kernel("layer norm 2", "I", 0, 3 * sbh),
             Kernel("residual add 1", "I", 0, 3 * sbh),
             Kernel("dropout (attention)", "I", 0, 2 * sbh + mask),
             _matmul("out projection", "I", x, c.hidden, h),
             *_attention(c, "I", attention),
-            _matmul("QKV", "I", x, h, 3 * c.hidden),
+            _matmul("QKV", "I", x, h, c.hidden + 2 * c.kv),
             Kernel("layer norm 1", "I", 0, 3 * sbh)]
+
+
+def _llama_input_grad(x: _Shape, attention: str) -> list[Kernel]:
+    h, c, e = x.hidden, x.split(), x.whole()
+    sbh, inner = e.sbh, c.tokens * c.ffn * c.act
+    rotated = c.tokens * (c.hidden + c.kv) * c.act
+    return [Kernel("residual add 2", "I", 0, 3 * sbh),
+            _matmul("MLP down", "I", x, c.ffn, h),
+            Kernel("SwiGLU", "I", 0, 5 * inner),
+            _matmul("MLP up", "I", x, h, 2 * c.ffn),
+            Kernel("RMSNorm 2", "I", 0, 3 * sbh),
+            Kernel("residual add 1", "I", 0, 3 * sbh),
+            _matmul("out projection", "I", x, c.hidden, h),
+            *_attention(c, "I", attention),
+            Kernel("rotary", "I", 0, 2 * rotated),
+            _matmul("QKV", "I", x, h, c.hidden + 2 * c.kv),
+            Kernel("RMSNorm 1", "I", 0, 3 * sbh)]
 
 
 def _layer_weight_grad(x: _Shape) -> list[Kernel]:
     h, c = x.hidden, x.split()
-    return [_matmul("QKV", "W", x, h, 3 * c.hidden), _matmul("out projection", "W", x, c.hidden, h),
-            _matmul("MLP up", "W", x, h, 4 * c.hidden), _matmul("MLP down", "W", x, 4 * c.hidden, h)]
+    up = 2 * c.ffn if x.llama else c.ffn
+    return [_matmul("QKV", "W", x, h, c.hidden + 2 * c.kv), _matmul("out projection", "W", x, c.hidden, h),
+            _matmul("MLP up", "W", x, h, up), _matmul("MLP down", "W", x, c.ffn, h)]
 
 
 def layer_kernels(model: ModelSpec, microbatch_size: int, precision: str, attention: str = "flash",
@@ -220,12 +273,13 @@ def output_kernels(model: ModelSpec, microbatch_size: int, precision: str, tenso
     x = _Shape.of(model, microbatch_size, precision, tensor, sequence)
     h, v, sbh = x.hidden, x.split().vocab, x.whole().sbh
     logits, targets = x.tokens * v, 8 * x.tokens  # int64 targets
-    return [Kernel("final layer norm", "F", 0, 2 * sbh),
+    norm = "final RMSNorm" if x.llama else "final layer norm"
+    return [Kernel(norm, "F", 0, 2 * sbh),
             _matmul("logits", "F", x, h, v),
             Kernel("cross-entropy", "F", 0, logits * (x.act + CROSS_ENTROPY_FORWARD_BYTES) + targets),
             Kernel("cross-entropy", "I", 0, logits * (x.act + CROSS_ENTROPY_BACKWARD_BYTES) + targets),
             _matmul("logits", "I", x, h, v),
-            Kernel("final layer norm", "I", 0, 3 * sbh),
+            Kernel(norm, "I", 0, 3 * sbh),
             _matmul("logits", "W", x, h, v)]
 
 

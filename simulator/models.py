@@ -41,9 +41,18 @@ PRECISIONS: dict[str, Precision] = {
 }
 
 
+FAMILIES = ("gpt", "llama")  # model.family; docs/costs.md, "The kernels" and "Llama"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A GPT-style decoder: ``layers`` transformer blocks plus input embedding and output layer."""
+    """A decoder: ``layers`` transformer blocks plus input embedding and output layer.
+
+    ``family`` ``gpt``: GPT-2/Megatron's block (layer norms, biases, a GeLU MLP of ``ffn_hidden`` = 4h, learned
+    positions, the output layer tied to the embedding). ``llama``: RMSNorm, no biases, a SwiGLU MLP of its own
+    ``ffn_hidden`` (gate, up and down), rotary positions, an untied output layer. Either may use grouped-query
+    attention: ``kv_heads`` key/value heads (None: as many as ``heads``).
+    """
 
     name: str
     layers: int
@@ -51,21 +60,57 @@ class ModelSpec:
     heads: int
     seq: int
     vocab: int
+    family: str = "gpt"
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+
+    @property
+    def gated(self) -> bool:
+        """SwiGLU's gate beside the up projection: three MLP matrices, not two."""
+        return self.family == "llama"
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (and of the values): kv heads x head dimension."""
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's inner width: ``ffn_hidden``, else GPT's 4h."""
+        return self.ffn_hidden or 4 * self.hidden
+
+    def matmul_params(self) -> int:
+        """Weights of one block's matmuls: Q and out projection (h x h each), K and V (h x kv width each), the MLP
+        (2 or, gated, 3 matrices of h x ffn). Its FLOPs are 2 per weight per token and pass."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_width + (3 if self.gated else 2) * h * self.ffn
 
     def layer_params(self) -> int:
-        """Parameters of one transformer block: QKV/out/MLP weights plus biases and layer norms."""
+        """Parameters of one transformer block: the matmuls' weights, plus GPT's biases and layer norms (weight and
+        bias) or Llama's two RMSNorm weights. GPT at 4h and full heads: 12h^2 + 13h."""
         h = self.hidden
-        return 12 * h * h + 13 * h
+        if self.family == "llama":
+            return self.matmul_params() + 2 * h
+        biases = (h + 2 * self.kv_width) + h + self.ffn + h  # QKV, out projection, MLP up, MLP down
+        return self.matmul_params() + biases + 4 * h
+
+    def position_params(self) -> int:
+        """GPT's learned position embedding (Llama's rotary positions have none)."""
+        return self.seq * self.hidden if self.family == "gpt" else 0
 
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden + self.seq * self.hidden
+        return self.vocab * self.hidden + self.position_params()
 
     def output_params(self) -> int:
-        """The output projection (tied in GPT-2, counted here since pipelines hold a copy)."""
-        return self.vocab * self.hidden
+        """The output projection (tied in GPT-2, counted here since pipelines hold a copy; Llama's is its own),
+        plus Llama's final RMSNorm weight."""
+        return self.vocab * self.hidden + (self.hidden if self.family == "llama" else 0)
 
     def total_params(self) -> int:
-        return self.layers * self.layer_params() + self.embedding_params()
+        """The model's parameters, each once: GPT's output layer is its embedding (tied; its final layer norm is
+        left out, as GPT-2's count does), Llama's its own."""
+        tied = self.family == "gpt"
+        return self.layers * self.layer_params() + self.embedding_params() + (0 if tied else self.output_params())
 
 
 # Shapes chosen so the parameter counts match the names (GPT-2 style, vocab 50257, seq 1024).
@@ -78,6 +123,21 @@ PRESETS: dict[str, ModelSpec] = {
     "gpt-1.3b": ModelSpec("gpt-1.3b", layers=24, hidden=2048, heads=16, seq=1024, vocab=50257),
     "gpt-2.2b": ModelSpec("gpt-2.2b", layers=28, hidden=2560, heads=20, seq=1024, vocab=50257),
     "gpt-3.8b": ModelSpec("gpt-3.8b", layers=32, hidden=3072, heads=24, seq=1024, vocab=50257),
+    # Llama 2 (Touvron et al. 2023, arXiv:2307.09288, Table 1: 4k context, GQA for 70B) and Llama 3 (Dubey et al.
+    # 2024, arXiv:2407.21783, Table 3; 8k pre-training context), with the Hugging Face checkpoints' config.json
+    # shapes (intermediate_size, num_key_value_heads, vocab_size); tests/test_llama.py checks their parameter counts
+    "llama2-7b": ModelSpec("llama2-7b", layers=32, hidden=4096, heads=32, seq=4096, vocab=32000, family="llama",
+                           kv_heads=32, ffn_hidden=11008),
+    "llama2-13b": ModelSpec("llama2-13b", layers=40, hidden=5120, heads=40, seq=4096, vocab=32000, family="llama",
+                            kv_heads=40, ffn_hidden=13824),
+    "llama2-70b": ModelSpec("llama2-70b", layers=80, hidden=8192, heads=64, seq=4096, vocab=32000, family="llama",
+                            kv_heads=8, ffn_hidden=28672),
+    "llama3-8b": ModelSpec("llama3-8b", layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, family="llama",
+                           kv_heads=8, ffn_hidden=14336),
+    "llama3-70b": ModelSpec("llama3-70b", layers=80, hidden=8192, heads=64, seq=8192, vocab=128256,
+                            family="llama", kv_heads=8, ffn_hidden=28672),
+    "llama3-405b": ModelSpec("llama3-405b", layers=126, hidden=16384, heads=128, seq=8192, vocab=128256,
+                             family="llama", kv_heads=8, ffn_hidden=53248),
 }
 
 
@@ -141,28 +201,58 @@ def check_attention(attention: str) -> None:
         raise ValueError(f"model.attention: got {short_repr(attention)}, expected one of {', '.join(ATTENTIONS)}")
 
 
+@dataclass(frozen=True)
+class StashWidths:
+    """Per token, the 2-byte-activation bytes one block keeps (docs/memory.md, "Activations per layer"): ``whole``
+    what Megatron's tensor parallelism keeps whole on each GPU (layer-norm inputs, the column-parallel matmuls'
+    inputs, GPT's dropout masks), ``split`` what it splits over t (Q, K, V, the attention output, the MLP's inner
+    activations); ``weight_whole`` and ``weight_split`` the same for M_W (each matmul's input and output gradient);
+    ``scores``: bytes per s x s element and head that eager attention keeps (GPT: softmax 2, dropout mask 1 and
+    output 2; Llama, without dropout: softmax 2)."""
+
+    whole: int
+    split: int
+    weight_whole: int
+    weight_split: int
+    scores: int
+
+
+def stash_widths(model: ModelSpec) -> StashWidths:
+    """GPT at 4h and full heads: 10h + 24h = the ZB paper's 34h and 8h + 24h = its 32h; Llama:
+    8h + (4h + 4 kv + 6 ffn) and the same for M_W."""
+    h, kv, ffn = model.hidden, model.kv_width, model.ffn
+    mlp = 6 * ffn if model.gated else 4 * ffn  # gate and up outputs and the down input, or GeLU's input and output
+    masks = 2 * h if model.family == "gpt" else 0  # two 1-byte dropout masks
+    split = 4 * h + 4 * kv + mlp
+    return StashWidths(8 * h + masks, split, 8 * h, split, 5 if model.family == "gpt" else 2)
+
+
 def layer_work(model: ModelSpec, microbatch_size: int, precision: str, attention: str = "flash") -> LayerWork:
     """FLOPs (the MFU convention, the same for both attentions) and bytes of one transformer block.
 
-    ``M_B`` follows the attention: eager stashes the s x s scores, softmax and dropout mask of every head (the ZB
-    paper's ``sb(34h + 5as)``); flash stashes none of them, only a fp32 log-sum-exp per row and head
-    (``34sbh + 4abs`` bytes).
+    FLOPs: 2 per matmul weight and token in F, I and W, plus the s x s products: ``4s^2bh`` in F, twice that in I
+    (GPT: ``sbh(24h + 4s)``). ``M_B`` follows the attention: eager stashes the s x s scores, softmax and dropout mask
+    of every head (the ZB paper's ``sb(34h + 5as)`` for GPT); flash stashes none of them, only a fp32 log-sum-exp
+    per row and head (``34sbh + 4abs`` bytes).
     """
     check_attention(attention)
     s, b, h, a = model.seq, microbatch_size, model.hidden, model.heads
     width = PRECISIONS[precision].activation_bytes
     # The ZB paper's byte counts assume 2-byte activations; scale for fp32.
     scale = width / 2
+    widths = stash_widths(model)
+    per_token = widths.whole + widths.split
     if attention == "eager":
-        stash = int(s * b * (34 * h + 5 * a * s) * scale)
+        stash = int(s * b * (per_token + widths.scores * a * s) * scale)
     else:
-        stash = int(34 * s * b * h * scale) + FLASH_STATS_BYTES * a * s * b
+        stash = int(per_token * s * b * scale) + FLASH_STATS_BYTES * a * s * b
+    matmuls = 2 * s * b * model.matmul_params()
     return LayerWork(
-        forward_flops=s * b * h * (24 * h + 4 * s),
-        input_grad_flops=s * b * h * (24 * h + 8 * s),
-        weight_grad_flops=24 * s * b * h * h,
+        forward_flops=matmuls + 4 * s * s * b * h,
+        input_grad_flops=matmuls + 8 * s * s * b * h,
+        weight_grad_flops=matmuls,
         activation_bytes=stash,
-        weight_grad_bytes=int(32 * s * b * h * scale),
+        weight_grad_bytes=int((widths.weight_whole + widths.weight_split) * s * b * scale),
         boundary_bytes=s * b * h * width,
     )
 
@@ -180,15 +270,25 @@ def output_activation_bytes(model: ModelSpec, microbatch_size: int, precision: s
 
 DEFAULT_PRESET = "gpt-1.3b"
 SHAPE_KEYS = ("layers", "hidden", "heads", "seq", "vocab")
+ARCH_KEYS = ("family", "kv_heads", "ffn_hidden")  # what sets a Llama apart from a GPT of the same shape
+SPEC_KEYS = SHAPE_KEYS + ARCH_KEYS
+# Inclusive (low, high) of each integer model dimension (docs/cli.md, "Limits"); the config's RANGES and
+# ``model.from_hf``'s values both answer to them
+DIMENSION_RANGES: dict[str, tuple[int, int]] = {
+    "layers": (1, 100_000), "hidden": (1, 1 << 20), "heads": (1, 1 << 20), "seq": (1, 1 << 24),
+    "vocab": (1, 1 << 24), "kv_heads": (1, 1 << 20), "ffn_hidden": (1, 1 << 24),
+}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The ``model`` section: a preset, optionally with some dimensions replaced, the microbatch and precision,
-    optionally the transformer blocks of each stage (``layers_per_stage``, checked by ``stage_layers``), and the
-    attention implementation (``flash`` or ``eager``; analytic costs read it).
+    """The ``model`` section: a preset, or a Hugging Face ``config.json`` (``from_hf``), optionally with some
+    dimensions replaced, the microbatch and precision, optionally the transformer blocks of each stage
+    (``layers_per_stage``, checked by ``stage_layers``), and the attention implementation (``flash`` or ``eager``;
+    analytic costs read it).
 
-    ``preset`` unset means ``DEFAULT_PRESET``, except under profiled costs, where the profile's model is the run's.
+    ``preset`` and ``from_hf`` unset mean ``DEFAULT_PRESET``, except under profiled costs, where the profile's model
+    is the run's.
     """
 
     preset: str | None = None
@@ -201,27 +301,70 @@ class ModelConfig:
     precision: str | None = None  # None: the GPU's own (bf16, or fp16 on GPUs without bf16 such as V100)
     layers_per_stage: tuple[int, ...] | None = None  # None: the equal split (``stage_layers``)
     attention: str = "flash"  # one of ATTENTIONS: what the analytic model stashes and times (docs/costs.md)
+    family: str | None = None  # one of FAMILIES; None: the preset's or the file's
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    from_hf: str | None = None  # a Hugging Face config.json (simulator/hf_config.py)
 
     def spec(self) -> ModelSpec:
-        """The model's shape; ValueError naming the key when the preset is unknown or heads do not divide hidden."""
-        try:
-            spec = preset(self.preset or DEFAULT_PRESET, **{key: getattr(self, key) for key in SHAPE_KEYS})
-        except KeyError as err:
-            raise ValueError(err.args[0]) from None
+        """The model's shape.
+
+        Raises:
+            ValueError: naming the key: an unknown preset, a preset beside ``from_hf``, a bad ``from_hf`` file or a
+                dimension in it out of range, heads that do not divide hidden or kv heads that do not divide heads.
+        """
+        spec = replace(self._base(), **{key: getattr(self, key) for key in SPEC_KEYS if getattr(self, key) is not None})
         if spec.hidden % spec.heads:
             raise ValueError(f"model.heads: got {spec.heads}, expected a divisor of model.hidden (={spec.hidden})")
+        if spec.kv_heads is not None and spec.heads % spec.kv_heads:
+            raise ValueError(f"model.kv_heads: got {spec.kv_heads}, expected a divisor of model.heads (={spec.heads}): "
+                             f"each key/value head serves a whole group of query heads")
         return spec
+
+    def _base(self) -> ModelSpec:
+        """The preset's shape, or the ``from_hf`` file's, each dimension of which is checked against the limits."""
+        if self.from_hf is None:
+            try:
+                return preset(self.preset or DEFAULT_PRESET)
+            except KeyError as err:
+                raise ValueError(err.args[0]) from None
+        if self.preset is not None:
+            raise ValueError(f"model.from_hf: got {short_repr(self.from_hf)} with model.preset {self.preset!r}, "
+                             f"expected one of the two")
+        from pipescope.simulator.hf_config import read_hf_config  # a file's reader, loaded only when one is named
+
+        shape = read_hf_config(self.from_hf)
+        for key, value in shape.items():
+            low, high = DIMENSION_RANGES.get(key, (value, value))
+            if not low <= value <= high:
+                raise ValueError(f"model.{key}: got {value} from model.from_hf {short_repr(self.from_hf)}, expected "
+                                 f"{low:,} to {high:,}")
+        return ModelSpec(name=f"{shape['family']} from {_file_label(self.from_hf)}", **shape)
 
     @property
     def label(self) -> str:
         """``gpt-1.3b`` when the shape is the preset's; else the shape by its dimensions, those left unset named as
         the preset's (``GPT layers=96, hidden=12288 (heads=16, seq=2048, vocab=50257 from gpt-1.3b)``), so a custom
-        shape never reads as a preset."""
-        given = {key: getattr(self, key) for key in SHAPE_KEYS if getattr(self, key) is not None}
+        shape never reads as a preset. A ``from_hf`` model is named by its file (``llama from
+        Meta-Llama-3-8B/config.json``), with what was set beside it."""
+        given = {key: getattr(self, key) for key in SPEC_KEYS if getattr(self, key) is not None}
+        shape = ", ".join(f"{key}={value}" for key, value in given.items())
+        if self.from_hf is not None:
+            try:
+                name = self._base().name
+            except ValueError:
+                name = _file_label(self.from_hf)
+            return name + (f" with {shape}" if shape else "")
         name = self.preset or DEFAULT_PRESET
         base = PRESETS.get(name)
         if base is None or all(getattr(base, key) == value for key, value in given.items()):
             return name
-        shape = ", ".join(f"{key}={value}" for key, value in given.items())
         unset = [f"{key}={getattr(base, key)}" for key in SHAPE_KEYS if key not in given]
-        return f"GPT {shape}" + (f" ({', '.join(unset)} from {name})" if unset else "")
+        family = "GPT" if (self.family or base.family) == "gpt" else "Llama"
+        return f"{family} {shape}" + (f" ({', '.join(unset)} from {name})" if unset else "")
+
+
+def _file_label(path: str) -> str:
+    """A file by its folder and name (``Meta-Llama-3-8B/config.json``): enough to tell models apart."""
+    parts = str(path).replace("\\", "/").rstrip("/").split("/")
+    return "/".join(parts[-2:])

@@ -15,7 +15,14 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pipescope.simulator.mesh import DeviceMesh, Sharding
-from pipescope.simulator.models import PRECISIONS, LayerWork, ModelSpec, layer_work, output_activation_bytes
+from pipescope.simulator.models import (
+    PRECISIONS,
+    LayerWork,
+    ModelSpec,
+    layer_work,
+    output_activation_bytes,
+    stash_widths,
+)
 from pipescope.simulator.units import short_repr
 
 if TYPE_CHECKING:
@@ -93,6 +100,11 @@ def check_parallel(parallel: ParallelConfig, model: ModelSpec | None, gpus_per_n
                          f"holds whole heads")
     if model.hidden % t:
         raise ValueError(f"parallel.tensor: got {t}, expected a divisor of model.hidden (={model.hidden})")
+    if model.kv_heads is not None and model.kv_heads % t:
+        raise ValueError(f"parallel.tensor: got {t}, expected a divisor of model.kv_heads (={model.kv_heads}), so each "
+                         f"GPU holds whole key/value groups")
+    if model.ffn % t:
+        raise ValueError(f"parallel.tensor: got {t}, expected a divisor of the MLP width (={model.ffn})")
     if parallel.sequence and model.seq % t:
         raise ValueError(f"parallel.tensor: got {t} with parallel.sequence, expected a divisor of model.seq "
                          f"(={model.seq}), which sequence parallelism splits")
@@ -130,22 +142,23 @@ class TensorSplit:
     def layer_work(self, model: ModelSpec, microbatch_size: int, precision: str, attention: str) -> LayerWork:
         """``models.layer_work`` with per-GPU bytes (FLOPs stay the whole layer's: the MFU convention's).
 
-        ``M_B`` per layer (bf16, Korthikanti's Table 2 and its flash analogue, docs/memory.md):
-        eager ``sbh(10 + 24/t) + 5as^2b/t``, flash ``sbh(10 + 24/t) + 4abs/t``; with sequence parallelism the
-        ``10sbh`` kept whole is split too (``34sbh/t``); selective recompute drops the attention core's term.
-        ``M_W`` is ``8sbh + 24sbh/t`` (``32sbh/t`` with sequence parallelism). The boundary is one GPU's slice,
-        ``sbh/t``: Megatron sends a stage's output as t slices in parallel, one per GPU.
+        ``M_B`` per layer (bf16, Korthikanti's Table 2 and its flash analogue, docs/memory.md; GPT's widths,
+        ``models.stash_widths`` has Llama's): eager ``sbh(10 + 24/t) + 5as^2b/t``, flash ``sbh(10 + 24/t) + 4abs/t``;
+        with sequence parallelism the ``10sbh`` kept whole is split too (``34sbh/t``); selective recompute drops the
+        attention core's term. ``M_W`` is ``8sbh + 24sbh/t`` (``32sbh/t`` with sequence parallelism). The boundary is
+        one GPU's slice, ``sbh/t``: Megatron sends a stage's output as t slices in parallel, one per GPU.
         """
         whole = layer_work(model, microbatch_size, precision, attention)
-        t = self.tensor
-        s, b, h, a = model.seq, microbatch_size, model.hidden, model.heads
+        t, w = self.tensor, stash_widths(model)
+        s, b, a = model.seq, microbatch_size, model.heads
         scale = PRECISIONS[precision].activation_bytes / 2  # the paper's counts are for 2-byte activations
-        kept_whole, split = (0, 34 * (h // t)) if self.sequence else (10 * h, 24 * (h // t))
+        kept_whole, split = (0, (w.whole + w.split) // t) if self.sequence else (w.whole, w.split // t)
         stash = int(s * b * (kept_whole + split) * scale)
         if not self.selective:
-            stash += (int(s * b * 5 * (a // t) * s * scale) if attention == "eager"
+            stash += (int(s * b * w.scores * (a // t) * s * scale) if attention == "eager"
                       else 4 * (a // t) * s * b)  # flash's fp32 log-sum-exp per row and head
-        w_whole, w_split = (0, 32 * (h // t)) if self.sequence else (8 * h, 24 * (h // t))
+        w_whole, w_split = (0, (w.weight_whole + w.weight_split) // t) if self.sequence \
+            else (w.weight_whole, w.weight_split // t)
         return replace(whole, activation_bytes=stash, weight_grad_bytes=int(s * b * (w_whole + w_split) * scale),
                        boundary_bytes=whole.boundary_bytes // t)
 
@@ -163,15 +176,20 @@ class TensorSplit:
         return -(-model.vocab // self.tensor)
 
     def params(self, model: ModelSpec, layers: int, first: bool, last: bool) -> int:
-        """Parameters on one GPU: the split matmuls' weights and biases over t; the out projection's and MLP
-        down's biases and the layer norms whole; the token embedding and output projection by vocabulary slice,
-        the position embedding whole."""
+        """Parameters on one GPU: the split matmuls' weights and the column-parallel ones' biases over t; the row-
+        parallel biases and the norms whole; the token embedding and output projection by vocabulary slice, the
+        position embedding (GPT's) and Llama's final norm whole."""
         t, h = self.tensor, model.hidden
-        params = layers * (12 * h * h // t + 7 * h // t + 6 * h) if t > 1 else layers * model.layer_params()
+        if t == 1:
+            params = layers * model.layer_params()
+        else:
+            whole = 2 * h if model.family == "llama" else 6 * h  # GPT: two biases and two layer norms
+            column_biases = 0 if model.family == "llama" else h + 2 * model.kv_width + model.ffn
+            params = layers * (model.matmul_params() // t + column_biases // t + whole)
         if last:
-            params += self.vocab_slice(model) * h
+            params += self.vocab_slice(model) * h + model.output_params() - model.vocab * h
         if first:
-            params += self.vocab_slice(model) * h + model.seq * h
+            params += self.vocab_slice(model) * h + model.position_params()
         return params
 
     def comm_ns(self, stage: int, layers: int, first: bool, last: bool,

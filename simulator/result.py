@@ -79,6 +79,7 @@ class SimResult:
     cluster_name: str = ""  # the topology's own name (a file's ``name``), for the report's headline
     tokens_per_sample: int | None = None  # the sequence length, when the cost model knows the model
     gpus_per_device: int = 1  # the tensor-parallel width: a pipeline device is that many GPUs
+    model_params: int | None = None  # the model's parameters, each once (``ModelSpec.total_params``), when known
 
     def __repr__(self) -> str:
         """One line: the default would print the whole schedule and timeline (100 KB for a demo run)."""
@@ -186,6 +187,7 @@ class SimResult:
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "tflops_per_gpu": self.tflops_per_gpu,
             "gpus": self.gpus,
+            "model_params": self.model_params,
             "mfu": self.mfu,
             "hfu": self.hfu,
             "peak_memory_bytes": self.peak_memory_bytes,
@@ -316,4 +318,5 @@ def with_timeline(result: SimResult, records: Timeline) -> SimResult:
                            memory_overheads=result.memory_overheads, config=result.config, warnings=[])
     rebuilt.cluster_name = result.cluster_name
     rebuilt.gpus_per_device, rebuilt.tokens_per_sample = result.gpus_per_device, result.tokens_per_sample
+    rebuilt.model_params = result.model_params
     return rebuilt

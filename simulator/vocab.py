@@ -112,11 +112,11 @@ class VocabShards:
 
     def params(self, stage: int) -> int:
         """Parameters the stage holds of the vocabulary layers: its device's shard of the embedding and the output
-        projection (the first stage also keeps the position embedding)."""
+        projection (the first stage also keeps GPT's position embedding)."""
         if not self.owns(stage):
             return 0
         shard = 2 * self.shard_vocab * self.model.hidden
-        return shard + (self.model.seq * self.model.hidden if stage == 0 else 0)
+        return shard + (self.model.position_params() if stage == 0 else 0)
 
     def stash_bytes(self) -> int:
         """What S keeps until T: the shard's logits and fp32 softmax, and its copy of the broadcast input X (T's

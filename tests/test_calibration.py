@@ -468,7 +468,8 @@ def test_the_profiles_model_is_the_runs_model(profile: Calibrated) -> None:
         SHAPE["hidden"], SHAPE["heads"], SHAPE["vocab"], SHAPE["layers"], SHAPE["seq"])
     assert model.precision == "fp32" and model.label.startswith("gpt-1.3b with") is False
     for extra, key in ((["model.preset=gpt-1.3b"], "model.hidden: model.preset 'gpt-1.3b' has 2048"),
-                       (["model.vocab=100"], "model.vocab: got 100, but the profile")):
+                       (["model.vocab=100"], "model.vocab: got 100, but the profile"),
+                       (["model.preset=llama3-8b"], "model.family: got llama under costs.kind profile, expected gpt")):
         with pytest.raises(ConfigError, match=key) as err:
             run(load_config(None, base + extra))
         assert "\n" not in str(err.value)

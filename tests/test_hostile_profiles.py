@@ -4,6 +4,8 @@ what was expected; never a traceback, a hang or a silently wrong result. None of
 
 from __future__ import annotations
 
+import copy
+
 import json
 import math
 import re
@@ -23,7 +25,7 @@ from test_profiled_costs import MODEL, add_comms, make_profile, memory_rows, tim
 
 from pipescope.calibration import commands
 from pipescope.calibration.args import MAX_INT
-from pipescope.calibration.presets import PRESETS, resolve
+from pipescope.calibration.presets import HARNESS_PRESETS, resolve
 from pipescope.calibration.profile_io import write_json, write_table
 from pipescope.simulator.costs import MAX_BYTES, MAX_OP_SECONDS
 from pipescope.simulator.network import link_transfer_ns
@@ -407,15 +409,15 @@ def write_corrupted(folder: Path, edits: list[tuple]) -> None:
             if isinstance(node, dict):
                 if edit[2] == "<delete>":
                     node.pop(key, None)
-                else:
-                    node[key] = edit[2]
+                else:  # a copy: hypothesis hands the same {} to two edits, which would nest it in itself
+                    node[key] = copy.deepcopy(edit[2])
         else:
             table, row, column, value = edit
             if value == "<delete>":
                 for r in tables[table]:
                     r.pop(column, None)
             else:
-                tables[table][row][column] = value
+                tables[table][row][column] = copy.deepcopy(value)
     for name in ("timings", "memory"):
         write_table(folder, name, tables[name], parquet=False)
     (folder / "profile.json").write_text(json.dumps(meta, default=str))
@@ -511,7 +513,7 @@ def test_memory_bound_names_the_dominant_flag() -> None:
                                     (resolve("tiny", seq=1 << 20), 4096, "--microbatch-sizes")):
         with pytest.raises(commands.UsageError, match=f"^{flag}: "):
             commands.check_fits(shape, microbatch, shape.seq, "bf16", "cpu", memory)
-    for preset in PRESETS.values():  # every preset fits an 80 GB GPU at microbatch 8
+    for preset in HARNESS_PRESETS.values():  # every preset the harness builds fits an 80 GB GPU at microbatch 8
         commands.check_fits(preset, 8, preset.seq, "bf16", "cuda", 80 << 30)
 
 
