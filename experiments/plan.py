@@ -262,7 +262,8 @@ def plan(request: PlanRequest, executor: Executor | None = None, workers: int | 
             pool.shutdown(wait=True, cancel_futures=True)
     return PlanReport(ranked, rejected, gpus, len(points), simulated, time.perf_counter() - started,
                       best=ranked[0] if ranked else None, planned_for=planned_for,
-                      file_keys_searched=file_keys_searched(request.base), would_fit=would_fit)
+                      file_keys_searched=file_keys_searched(request.base, request.zero is not None),
+                      would_fit=would_fit)
 
 
 NODE_FACTORS = (1, 2, 4, 8, 16, 32, 64)  # the cluster's nodes times these, tried in turn when nothing fits

@@ -59,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab", default="naive,redistribute,vocab-1,vocab-2,interlaced", help="comma-separated "
                    "schedule.vocab methods, each tried with the schedules it exists for (the sharded ones with 1f1b "
                    "and v-half, not with t > 1; default all)")
+    p.add_argument("--zero", help="comma-separated ZeRO stages to try (parallel.zero: 0 none, 1 optimizer state, 2 and "
+                   "gradients, 3 and weights sharded over the data-parallel replicas; with replicas and a flush "
+                   "schedule only). Default: not searched, the config's parallel.zero applies")
     p.add_argument("--recompute", default="none,selective,full", help="comma-separated: none, selective (the "
                    "attention core only), full (default all three)")
     p.add_argument("--config", metavar="FILE.yaml", help="a config every candidate starts from (model, cluster, "
@@ -109,7 +112,7 @@ def _plan(request: PlanRequest, workers: int, args: argparse.Namespace) -> PlanR
 # The PlanRequest fields plan_space's errors name, and the flags that set them
 FIELD_FLAGS = {"global_batch": "--global-batch", "microbatch_sizes": "--microbatch-sizes", "tensor": "--tensor",
                "depths": "--depths", "schedules": "--schedules", "vocab": "--vocab", "recompute": "--recompute",
-               "top": "--top"}
+               "top": "--top", "zero": "--zero"}
 # The keys each candidate sets (plan_space.Candidate.overrides) or the flags set, and the flags that choose them
 SEARCHED_BY = {"schedule.name": "--schedules", "schedule.stages": "--depths", "schedule.microbatches":
                "--global-batch", "schedule.recompute": "--recompute", "schedule.vocab": "--vocab",
@@ -122,7 +125,7 @@ SEARCHED_BY = {"schedule.name": "--schedules", "schedule.stages": "--depths", "s
 
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
     from pipescope.config import config_tree
-    from pipescope.experiments.plan_space import RECOMPUTE, VOCAB_METHODS, PlanRequest, base_config
+    from pipescope.experiments.plan_space import RECOMPUTE, VOCAB_METHODS, ZERO_KEYS, PlanRequest, base_config
 
     if args.dask is not None and args.dask != "local" and not re.fullmatch(DASK_ADDRESS, args.dask):
         raise ValueError(f"--dask: got {short_repr(args.dask)}, expected local or tcp://HOST:PORT")
@@ -132,10 +135,11 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
             cap = parse_size(args.memory_cap)
         except ValueError as err:
             raise ValueError(f"--memory-cap: {err}") from None
+    searched = SEARCHED_BY | (dict.fromkeys(ZERO_KEYS, "--zero") if args.zero is not None else {})
     for item in args.sets:  # a searched key set here would be overridden by every candidate, silently
         key = item.split("=", 1)[0].strip()
-        if key in SEARCHED_BY:
-            raise ValueError(f"--set: {key} is what the planner searches, expected {SEARCHED_BY[key]} instead")
+        if key in searched:
+            raise ValueError(f"--set: {key} is what the planner searches, expected {searched[key]} instead")
     nodes = None if args.nodes is None else integer_flag("--nodes", args.nodes, 1, 4096)
     base = base_config(args.model, args.topology, nodes, cap, config_tree(args.config, args.sets))
     request = PlanRequest(
@@ -148,6 +152,7 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
         sequence=tuple(choice_flag("--sequence", v, ("off", "on")) == "on"
                        for v in _names("--sequence", args.sequence)),
         tensor=tuple(integer_flag("--tensor", v, 1, 1024) for v in _names("--tensor", args.tensor)),
+        zero=None if args.zero is None else tuple(integer_flag("--zero", v, 0, 3) for v in _names("--zero", args.zero)),
         depths=None if args.depths is None else tuple(integer_flag("--depths", v, 1, 100_000)
                                                       for v in _names("--depths", args.depths)),
         top=integer_flag("--top", args.top, 1, MAX_TOP))
@@ -185,9 +190,10 @@ def summary(report: PlanReport, top: int) -> str:
     else:
         lines.append(_ranked_table(report.ranked[:top]))
         b = report.best
+        zero = f"ZeRO-{b['zero']}, " if b["zero"] else ""
         lines.append(f"best: {b['schedule']}, width {b['width']} x depth {b['depth']} x tensor {b['tensor']}, "
                      f"microbatch {b['microbatch_size']} x {b['microbatches']}, "
-                     f"{'sequence-parallel, ' if b['sequence'] else ''}recompute {b['recompute']}, "
+                     f"{'sequence-parallel, ' if b['sequence'] else ''}{zero}recompute {b['recompute']}, "
                      f"vocabulary {b['vocab']}: "
                      f"{b['throughput_samples_per_s']:.1f} samples/s"
                      + (f", {format_count(b['tokens_per_s'])} tokens/s, MFU {b['mfu']:.1%}" if b["mfu"] else ""))
@@ -231,11 +237,14 @@ def _nothing_fits(report: PlanReport) -> list[str]:
 def _ranked_table(rows: list[dict]) -> str:
     goal = bool(rows) and "time_to_train_s" in rows[0]
     priced = goal and rows[0]["cost"] is not None
-    head = (f"{'#':>3} {'schedule':<12}{'t':>3}{'sp':>4}{'w':>4}{'d':>4}{'mb':>4}{'m':>5} {'recompute':<10}"
+    zero = any(r.get("zero") is not None for r in rows)  # a column only where the stage was searched
+    head = (f"{'#':>3} {'schedule':<12}{'t':>3}{'sp':>4}{'w':>4}{'d':>4}" + (f"{'ZeRO':>5}" if zero else "")
+            + f"{'mb':>4}{'m':>5} {'recompute':<10}"
             f"{'vocab':<13}{'samples/s':>10}{'tokens/s':>10}{'MFU':>7}{'iteration':>12}{'peak GiB':>9}{'bubble':>7}"
             + (f"{'to train':>12}" if goal else "") + (f"{'cost':>12}" if priced else ""))
     body = [f"{i:>3} {r['schedule']:<12}{r['tensor']:>3}{'yes' if r['sequence'] else '-':>4}{r['width']:>4}"
-            f"{r['depth']:>4}{r['microbatch_size']:>4}{r['microbatches']:>5} {r['recompute']:<10}"
+            f"{r['depth']:>4}" + (f"{r['zero']:>5}" if zero else "")
+            + f"{r['microbatch_size']:>4}{r['microbatches']:>5} {r['recompute']:<10}"
             f"{r['vocab']:<13}{r['throughput_samples_per_s']:>10.1f}{_or_dash(r['tokens_per_s'], format_count):>10}"
             f"{_or_dash(r['mfu'], '{:.1%}'.format):>7}{format_time(r['iteration_time_s']):>12}"
             f"{r['peak_memory_bytes'] / 2**30:>9.2f}{r['bubble_rate']:>7.1%}"
@@ -260,5 +269,6 @@ def _reason_class(reason: str) -> str:
 
 def _label(row: dict) -> str:
     sequence = "on" if row["sequence"] else "off"
-    return (f"{row['schedule']} w={row['width']} d={row['depth']} t={row['tensor']} sp={sequence}"
+    zero = f" zero={row['zero']}" if row.get("zero") is not None else ""
+    return (f"{row['schedule']} w={row['width']} d={row['depth']} t={row['tensor']} sp={sequence}{zero}"
             f" mb={row['microbatch_size']} recompute={row['recompute']} vocab={row['vocab']}")

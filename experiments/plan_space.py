@@ -11,6 +11,7 @@ from typing import Any
 from pipescope.config import ConfigError
 from pipescope.experiments.sweep import validated_config
 from pipescope.simulator.costs import CostKind
+from pipescope.simulator.mesh import ZERO_STAGES
 from pipescope.simulator.schedules import named_generator
 from pipescope.simulator.units import short_repr
 
@@ -18,12 +19,13 @@ from pipescope.simulator.units import short_repr
 # fits, but the planner says so rather than leaving it out.
 DEFAULT_SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream", "interleaved", "zb-h1", "zb-v", "v-half")
 DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
-PLAN_KEYS = ("schedule", "tensor", "width", "depth", "microbatch_size", "recompute", "sequence", "vocab")
+PLAN_KEYS = ("schedule", "tensor", "width", "depth", "microbatch_size", "recompute", "sequence", "vocab", "zero")
 RECOMPUTE = ("none", "selective", "full")  # schedule.recompute (simulator/parallel.py)
 VOCAB_METHODS = ("naive", "redistribute", "vocab-1", "vocab-2", "interlaced")  # simulator/vocab.py VocabMethod
 # What every candidate sets (``Candidate.overrides``), so a config file's value for one is not used
 CANDIDATE_KEYS = ("schedule.name", "schedule.stages", "schedule.microbatches", "schedule.recompute", "schedule.vocab",
                   "model.microbatch_size", "cluster.data_parallel", "parallel.tensor", "parallel.sequence")
+ZERO_KEYS = ("parallel.zero", "parallel.distributed_optimizer")  # what a searched ZeRO stage sets too
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Candidate:
     recompute: str  # one of RECOMPUTE
     sequence: bool = False  # sequence parallelism (only with tensor > 1)
     vocab: str = "naive"  # schedule.vocab (docs/schedules.md section 7)
+    zero: int | None = None  # parallel.zero; None: not searched (the config's applies, where it means something)
 
     def overrides(self, global_batch: int) -> dict[str, Any]:
         """The dotted config keys this candidate sets (``global_batch`` divisible by width x microbatch size)."""
@@ -49,9 +52,10 @@ class Candidate:
         # A base key the search does not vary applies only where it means something (docs/planner.md)
         if not self.sequence:
             keys["parallel.tp_comm_overlap"] = False  # it splits sequence parallelism's collectives
-        if "iterations" in named_generator(self.schedule).options:
-            keys["parallel.distributed_optimizer"] = False  # a schedule without a flush steps no shard
-            keys["parallel.zero"] = 0
+        if self.zero is not None:
+            keys.update({"parallel.zero": self.zero, "parallel.distributed_optimizer": False})
+        elif not _flushes(self.schedule):
+            keys.update({"parallel.zero": 0, "parallel.distributed_optimizer": False})  # it steps no shard
         return keys
 
     def as_dict(self) -> dict[str, Any]:
@@ -72,11 +76,18 @@ class PlanRequest:
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES
     recompute: tuple[str, ...] = RECOMPUTE
+    zero: tuple[int, ...] | None = None  # ZeRO stages to try; None: not searched
     tensor: tuple[int, ...] = (1, 2, 4, 8)
     sequence: tuple[bool, ...] = (False, True)
     depths: tuple[int, ...] | None = None  # None: every pipeline depth that divides the GPUs
     vocab: tuple[str, ...] = VOCAB_METHODS
     top: int = 5
+
+
+def _flushes(schedule: str) -> bool:
+    """Whether the schedule steps once an iteration (the ones with an ``iterations`` option do not): ZeRO shards only
+    such a step."""
+    return "iterations" not in named_generator(schedule).options
 
 
 def planned_cluster(base: dict[str, Any]) -> tuple[int, str]:
@@ -143,10 +154,20 @@ def _points(request: PlanRequest, gpus: int) -> list[Candidate]:
                 continue
             for b in request.microbatch_sizes:
                 for name in _schedules_at(depth, request.schedules):
-                    out += [Candidate(name, tensor, width, depth, b, r, q, v) for r in request.recompute
+                    out += [Candidate(name, tensor, width, depth, b, r, q, v, z) for r in request.recompute
                             for q in (request.sequence if tensor > 1 else (False,))
-                            for v in _vocab_methods(name, depth, tensor, request.vocab)]
+                            for v in _vocab_methods(name, depth, tensor, request.vocab)
+                            for z in _zero_stages(name, width, request.zero)]
     return out
+
+
+def _zero_stages(schedule: str, width: int, stages: tuple[int, ...] | None) -> list[int | None]:
+    """The ZeRO stages that change something: with replicas to shard over and a flush schedule (else stage 0)."""
+    if stages is None:
+        return [None]
+    if width == 1 or not _flushes(schedule):
+        return [0] if 0 in stages else []
+    return list(stages)
 
 
 def _vocab_methods(schedule: str, depth: int, tensor: int, methods: tuple[str, ...]) -> list[str]:
@@ -181,7 +202,8 @@ def _divisors(n: int) -> list[int]:
 # PlanRequest's fields built in Python: (type of each entry, what to call it); the CLI's flags arrive converted.
 FIELD_TYPES = {"schedules": (str, "schedule names"), "microbatch_sizes": (int, "positive integers"),
                "recompute": (str, "recompute names"), "tensor": (int, "positive integers"),
-               "sequence": (bool, "booleans"), "depths": (int, "positive integers"), "vocab": (str, "method names")}
+               "sequence": (bool, "booleans"), "depths": (int, "positive integers"), "vocab": (str, "method names"),
+               "zero": (int, "ZeRO stages 0 to 3")}
 
 
 def _check_types(request: PlanRequest) -> None:
@@ -195,7 +217,7 @@ def _check_types(request: PlanRequest) -> None:
             raise ConfigError(f"{name}: got {short_repr(value)} ({type(value).__name__}), expected a positive integer")
     for name, (kind, what) in FIELD_TYPES.items():
         values = getattr(request, name)
-        if values is None and name == "depths":
+        if values is None and name in ("depths", "zero"):
             continue
         entries_ok = isinstance(values, (tuple, list)) and all(
             _is_int(v) if kind is int else isinstance(v, kind) for v in values)
@@ -221,6 +243,8 @@ def check_request(request: PlanRequest) -> None:
             raise ConfigError(f"{key}: got {list(values)}, expected positive integers")
     if not request.schedules:
         raise ConfigError("schedules: got none, expected at least one schedule name")
+    if request.zero is not None and (not request.zero or any(z not in ZERO_STAGES for z in request.zero)):
+        raise ConfigError(f"zero: got {list(request.zero)}, expected some of 0, 1, 2, 3")
     bad_vocab = [v for v in request.vocab if v not in VOCAB_METHODS]
     if bad_vocab or not request.vocab:
         raise ConfigError(f"vocab: got {list(request.vocab)}, expected some of {', '.join(VOCAB_METHODS)}")
@@ -253,6 +277,7 @@ def base_config(model: str | None, topology: str | None, nodes: int | None, memo
         return base  # the config's own check names the section
     if model is not None:
         model_section["preset"] = model
+        model_section.pop("from_hf", None)  # the flag's model, not the file's
     if topology is not None or "topology" not in cluster:
         cluster["topology"] = topology or DEFAULT_TOPOLOGY
     if nodes is not None or "nodes" not in cluster:
@@ -262,11 +287,11 @@ def base_config(model: str | None, topology: str | None, nodes: int | None, memo
     return base
 
 
-def file_keys_searched(base: dict[str, Any]) -> dict[str, Any]:
-    """The keys of ``base`` that every candidate sets for itself (``Candidate.overrides``), with the values they
-    had: the search's to set, so the plan says it did not use them."""
+def file_keys_searched(base: dict[str, Any], zero_searched: bool = False) -> dict[str, Any]:
+    """The keys of ``base`` that every candidate sets for itself (``Candidate.overrides``; the ZeRO keys too where
+    the stage is searched), with the values they had: the search's to set, so the plan says it did not use them."""
     out = {}
-    for key in CANDIDATE_KEYS:
+    for key in CANDIDATE_KEYS + (ZERO_KEYS if zero_searched else ()):
         section, name = key.split(".")
         values = base.get(section)
         if isinstance(values, dict) and name in values:

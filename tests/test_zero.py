@@ -120,3 +120,27 @@ def test_the_headline_names_the_zero_stage_and_the_old_key_is_stage_1() -> None:
     old, new = small("parallel.distributed_optimizer=true"), small("parallel.zero=1")
     assert " w=4 ZeRO-1  weight" in table(old)
     assert old.iteration_time_s == new.iteration_time_s and old.peak_memory_bytes == new.peak_memory_bytes
+
+
+def test_the_planner_searches_zero_stages_and_ranks_them_exactly(cli) -> None:
+    """With --zero, each stage is a candidate where it means something (replicas to shard over, a flush schedule);
+    the top 3 are an exhaustive simulation's; a --set of a searched key is refused naming --zero."""
+    from pipescope.experiments.plan import plan
+    from pipescope.experiments.plan_space import PLAN_KEYS, PlanRequest, base_config, candidates
+    from tests.test_plan import _exhaustive
+
+    request = PlanRequest(base_config("gpt-355m", "dgx-a100", 1, 12 << 30, {"model": {"layers": 8}}), 16,
+                          schedules=("1f1b", "2bw"), microbatch_sizes=(1, 2), tensor=(1,), recompute=("none",),
+                          vocab=("naive",), zero=(0, 1, 3), top=3)
+    points = candidates(request, 8)
+    assert {c.zero for c in points} == {0, 1, 3}
+    assert all(c.zero == 0 for c in points if c.width == 1 or c.schedule == "2bw")
+    report = plan(request, workers=2, progress=False)
+    every = _exhaustive(request)
+    assert [r["throughput_samples_per_s"] for r in report.ranked[:3]] == pytest.approx([t for t, _, _ in every[:3]])
+    assert tuple(report.best[k] for k in PLAN_KEYS) == every[0][2]
+    assert report.best["zero"] > 0  # under a 12 GiB cap only a sharded state fits the fastest widths
+    code, _, err = cli(["plan", "--global-batch", "8", "--zero", "0,1", "--set", "parallel.zero=1", "--no-progress"])
+    assert code == 2 and "--set: parallel.zero is what the planner searches, expected --zero instead" in err
+    code, _, err = cli(["plan", "--global-batch", "8", "--zero", "0,5", "--no-progress"])
+    assert code == 2 and "--zero" in err
