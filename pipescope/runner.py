@@ -158,7 +158,8 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
         network, faults = _network(config, cluster, costs), _compute_faults(config, cluster)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    sync = config.cluster.grad_sync(config.parallel.zero_stage, config.parallel.reshard_after_forward)
+    p = config.parallel
+    sync = config.cluster.grad_sync(p.zero_stage, p.reshard_after_forward, fsdp_unit_params(model, p.tensor))
     try:
         result = simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,
                           data_parallel=config.cluster.data_parallel, grad_sync=sync,
@@ -182,6 +183,14 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
     result.tokens_per_sample = model.seq if analytic else None
     result.model_params = model.total_params() if analytic else None
     return result
+
+
+def fsdp_unit_params(model: ModelSpec | None, tensor: int) -> int:
+    """One GPU's parameters of the largest unit ZeRO-2/3 gathers and reduces at a time: a transformer block, or the
+    embedding or output layer (each its own unit, as torchtitan wraps them); 0 without a model (a stage's op)."""
+    if model is None:
+        return 0
+    return -(-max(model.layer_params(), model.vocab * model.hidden) // tensor)
 
 
 def _check_host_cores(config: Config) -> None:

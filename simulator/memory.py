@@ -172,54 +172,45 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
 
 def sharded_events(records: Timeline, stage_costs: list[StageCost], precision: str, runtime: str, sharding: Sharding,
                    microbatches: int) -> MemoryEvents:
-    """What ZeRO-2 and 3 hold whole for a while beyond each GPU's shard (docs/parallelism.md, "Memory"): a stage's
-    full gradients from its first backward of an iteration until its optimizer step (the reduce-scatter runs once
-    an iteration, as torch.distributed.pipelining reduces), and under ZeRO-3 its gathered weights from the gather's
-    start until the op it feeds ends (``reshard_after_forward``) or the stage's last backward of the iteration ends
-    (``simulator.replicas``' gathers, paired with their ops in each device's order)."""
-    params = np.array([c.params for c in stage_costs], dtype=np.int64)
+    """What ZeRO-2 and 3 hold whole for a while beyond each GPU's shard (docs/parallelism.md, "Memory"): the
+    gradients of the units a backward op (B or W) produces, until their reduce-scatter (two units in flight,
+    ``Sharding.in_flight``), and under ZeRO-3 the gathered weights: two units during each op that reads them
+    (``reshard_after_forward``), or the stage's whole weights from its gather's start until its last backward of the
+    iteration ends (``simulator.replicas``' gathers, paired with the stages' first ops in each device's order)."""
+    params = [c.params for c in stage_costs]
     per_grad, per_weight = grad_bytes(runtime, precision), PRECISIONS[precision].weight_bytes
-    grads = np.array([sharding.gathered(int(p) * per_grad, "gradients") for p in params], dtype=np.int64)
-    weights = np.array([sharding.gathered(int(p) * per_weight, "weights") for p in params], dtype=np.int64)
-    backward = np.flatnonzero(records.is_kind(K.B, K.I, K.W))
-    steps = np.flatnonzero(records.is_kind(K.OPT))
-    frame = pd.DataFrame({"device": records.device[backward], "stage": records.stage[backward],
-                          "iteration": records.microbatch[backward] // microbatches,
-                          "start": records.start[backward], "end": records.end[backward]})
-    held = frame.groupby(["device", "stage", "iteration"]).agg(since=("start", "min"), until=("end", "max"))
-    stepped = pd.DataFrame({"device": records.device[steps], "stage": records.stage[steps],
-                            "iteration": records.microbatch[steps] // microbatches, "step": records.start[steps]}
-                           ).groupby(["device", "stage", "iteration"])["step"].min()
-    until = stepped.reindex(held.index).fillna(held["until"]).to_numpy(np.int64)
-    stage = held.index.get_level_values("stage").to_numpy(np.int64)
-    parts = [_held(held.index.get_level_values("device").to_numpy(np.int64), held["since"].to_numpy(np.int64),
-                   until, grads[stage])]
-    if sharding.zero >= 3:
-        parts.append(_gathered(records, weights, sharding.reshard_after_forward, microbatches))
+    grads = np.array([sharding.in_flight(p * per_grad, "gradients", per_grad) for p in params], dtype=np.int64)
+    producing = np.flatnonzero(records.is_kind(K.B, K.W))
+    stage = records.stage[producing]
+    parts = [_held(records.device[producing], records.start[producing], records.end[producing], grads[stage])]
+    if sharding.zero >= 3 and sharding.reshard_after_forward:
+        weights = np.array([sharding.in_flight(p * per_weight, "weights", per_weight) for p in params],
+                           dtype=np.int64)
+        reading = np.flatnonzero(records.is_kind(K.F, K.I, K.B))
+        stage = records.stage[reading]
+        parts.append(_held(records.device[reading], records.start[reading], records.end[reading], weights[stage]))
+    elif sharding.zero >= 3:
+        weights = np.array([sharding.gathered(p * per_weight, "weights") for p in params], dtype=np.int64)
+        parts.append(_gathered(records, weights, microbatches))
     return concat(parts)
 
 
-def _gathered(records: Timeline, weights: np.ndarray, reshard: bool, microbatches: int) -> MemoryEvents:
-    """ZeRO-3's gathered weights (``sharded_events``): the k-th gather row of a device feeds the k-th op of that
-    device that ``simulator.replicas`` gathers for."""
+def _gathered(records: Timeline, weights: np.ndarray, microbatches: int) -> MemoryEvents:
+    """ZeRO-3 without resharding after the forward (``sharded_events``): the k-th gather row of a device feeds the
+    k-th (stage, iteration) of that device's ops that read weights, in order; held until its last backward ends."""
     gathers = np.flatnonzero(records.is_kind(K.ALL_GATHER))
     gathers = gathers[np.argsort(records.device[gathers], kind="stable")]
     ops = np.flatnonzero(records.is_kind(K.F, K.I, K.B) & (weights[records.stage] > 0))
     ops = ops[np.argsort(records.device[ops], kind="stable")]
-    if reshard:
-        fed = ops
-        until = records.end[fed]
-    else:  # each (device, stage, iteration)'s first op; held until its last backward ends
-        key = pd.DataFrame({"device": records.device[ops], "stage": records.stage[ops],
-                            "iteration": records.microbatch[ops] // microbatches})
-        fed = ops[~key.duplicated().to_numpy()]
-        backward = records.is_kind(K.I, K.B)[ops]
-        last = pd.Series(records.end[ops][backward]).groupby(
-            [key[c].to_numpy()[backward] for c in key.columns]).max()
-        until = last.reindex(pd.MultiIndex.from_arrays(
-            [records.device[fed], records.stage[fed], records.microbatch[fed] // microbatches])).to_numpy(np.int64)
-    if len(fed) != len(gathers):  # a gather the replicas did not place for an op: nothing to pair
-        raise ValueError(f"ZeRO-3 ledger: {len(gathers)} weight gathers for {len(fed)} ops that need them")
+    key = pd.DataFrame({"device": records.device[ops], "stage": records.stage[ops],
+                        "iteration": records.microbatch[ops] // microbatches})
+    fed = ops[~key.duplicated().to_numpy()]
+    backward = records.is_kind(K.I, K.B)[ops]
+    last = pd.Series(records.end[ops][backward]).groupby([key[c].to_numpy()[backward] for c in key.columns]).max()
+    until = last.reindex(pd.MultiIndex.from_arrays(
+        [records.device[fed], records.stage[fed], records.microbatch[fed] // microbatches])).to_numpy(np.int64)
+    if len(fed) != len(gathers):  # a gather the replicas did not place for a stage: nothing to pair
+        raise ValueError(f"ZeRO-3 ledger: {len(gathers)} weight gathers for {len(fed)} stage-iterations")
     return _held(records.device[gathers], records.start[gathers], until, weights[records.stage[fed]])
 
 

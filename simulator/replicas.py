@@ -9,8 +9,9 @@ replica has it; without, every bucket starts after the device's last op of the s
 members' compute streams (it runs on the communication stream, as DDP's does); the optimizer step waits for it, and
 so does the first forward that runs on the updated weights: for 2BW, whose update W(t+1) = W(t) - lr * grad f(W(t-1))
 is applied one iteration late, the stage's first forward of iteration k+2; for PipeDream the stage's next forward.
-Under ZeRO (``GradSync.zero``, docs/parallelism.md) the all-reduce is a reduce-scatter; stages 1 and 2 all-gather the
-updated weights after the step, and stage 3 all-gathers a stage's weights before the ops that need them instead:
+Under ZeRO (``GradSync.zero``, docs/parallelism.md) the all-reduce is a reduce-scatter (stages 2 and 3: after every
+microbatch's backward, into each replica's accumulated shard); stages 1 and 2 all-gather the updated weights after
+the step, and stage 3 all-gathers a stage's weights before the ops that need them instead:
 before each forward and each input-gradient backward (``reshard_after_forward``, FSDP's default), or once a step
 before the stage's first op, held to its last backward (torch.distributed.pipelining's UNSHARD/RESHARD, Llama 3's
 choice). Each gather is prefetched: issued when the device's op before starts (the device's first op has none, so
@@ -44,13 +45,15 @@ class GradSync:
     """How replicas synchronise gradients: bucket size in bytes, overlapped with the backward or all at the end;
     ``zero``: the ZeRO stage (0 none; 1 Megatron's distributed optimizer, which reduce-scatters the gradients, steps
     its shard and all-gathers the weights after the step, with ``overlap`` behind the next iteration's forwards as
-    ``--overlap-param-gather`` does: not in this iteration; 2 the same traffic with sharded gradients; 3 sharded
-    weights, gathered before use: see the module doc); ``reshard_after_forward``: stage 3's choice (module doc)."""
+    ``--overlap-param-gather`` does: not in this iteration; 2 sharded gradients, reduce-scattered after every
+    microbatch's backward; 3 sharded weights too, gathered before use: see the module doc);
+    ``reshard_after_forward``: stage 3's choice (module doc)."""
 
     bucket_bytes: int = DDP_BUCKET_BYTES
     overlap: bool = True
     zero: int = 0
     reshard_after_forward: bool = True
+    unit_params: int = 0  # ZeRO-2/3's unit (``mesh.Sharding.unit_params``); 0: a stage's op is one unit
 
     @property
     def sharded(self) -> bool:
@@ -138,11 +141,14 @@ def _param_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_b
 def _syncs(base: Program, schedule: Schedule, mesh: DeviceMesh, grad_bytes: list[int], sync: GradSync
            ) -> list[_Sync]:
     """Every bucket all-reduce of every stage and step group (an iteration, or a microbatch under PipeDream:
-    ``lowering.step_group``), in a fixed order."""
+    ``lowering.step_group``), in a fixed order. ZeRO-2 and 3 reduce-scatter after every microbatch's backward
+    instead, into the shard each replica accumulates (DeepSpeed's and FSDP's micro-step reduction), and the
+    iteration's optimizer step waits for them all."""
     if mesh.data < 2:
         return []
     cols, m, update = base.columns, schedule.num_microbatches, schedule.weight_update
-    groups = step_group(update, m, cols.microbatch)
+    per_microbatch = sync.zero >= 2
+    groups = cols.microbatch if per_microbatch else step_group(update, m, cols.microbatch)
     iteration = cols.microbatch // m
     steps = cols.kind == KIND_CODE[K.OPT]
     compute = (cols.role == Role.COMPUTE) & ~steps  # the optimizer step waits for the all-reduce: never its trigger
@@ -164,14 +170,18 @@ def _syncs(base: Program, schedule: Schedule, mesh: DeviceMesh, grad_bytes: list
             else:
                 trigger = int(np.flatnonzero(compute & (cols.device == home) & (groups == g)).max())
                 offsets = [base.duration[trigger]] * len(buckets)
-            if update is WeightUpdate.ASYNC_STASH:  # the stage's next forward runs on the newest weights
-                later = np.flatnonzero(forwards & mine & (np.arange(len(steps)) > trigger))
+            if per_microbatch:  # the iteration's step waits; the next forwards wait for the step
+                later = np.array([], dtype=np.int64)
+                step = np.flatnonzero(steps & mine & (iteration == g // m))
             else:
-                later = np.flatnonzero(forwards & mine & (iteration == g + lag))
-            step = np.flatnonzero(steps & mine & (groups == g))
+                if update is WeightUpdate.ASYNC_STASH:  # the stage's next forward runs on the newest weights
+                    later = np.flatnonzero(forwards & mine & (np.arange(len(steps)) > trigger))
+                else:
+                    later = np.flatnonzero(forwards & mine & (iteration == g + lag))
+                step = np.flatnonzero(steps & mine & (groups == g))
             blocks = [int(later.min())] if len(later) else []
             blocks += step.tolist()  # the optimizer step applies the reduced gradients
-            last_microbatch = step_microbatch(update, m, g)
+            last_microbatch = g if per_microbatch else step_microbatch(update, m, g)
             kind = K.REDUCE_SCATTER if sync.sharded else K.ALL_REDUCE
             for j, (size, offset) in enumerate(zip(buckets, offsets)):
                 collective = Collective(stage, kind, last_microbatch, group, size, j)

@@ -46,7 +46,8 @@ def test_a_shard_is_rounded_up_never_lost() -> None:
 def test_every_stage_end_to_end_saves_what_it_shards_and_runs_its_collectives() -> None:
     """In a whole run (overheads and step counters are the same in each), each stage's static bytes fall by the
     closed form's saving; stages 1-2 reduce-scatter, stage 3 also gathers weights before its ops."""
-    results = [small(f"parallel.zero={zero}", "memory.runtime=torch") for zero in range(4)]
+    # a small vocabulary: the embedding is not the largest unit, so a stage holds 4 units (two at once under ZeRO-3)
+    results = [small(f"parallel.zero={zero}", "memory.runtime=torch", "model.vocab=4096") for zero in range(4)]
     psi = sum(c.params for c in results[0].stage_costs[:1])  # stage 0 lives alone on device 0
     saved = [results[0].devices[0].static_memory_bytes - r.devices[0].static_memory_bytes for r in results]
     assert saved == [0, 12 * psi - -(-12 * psi // 4), 14 * psi - -(-14 * psi // 4), 16 * psi - -(-16 * psi // 4)]
@@ -54,12 +55,24 @@ def test_every_stage_end_to_end_saves_what_it_shards_and_runs_its_collectives() 
              for r in results]
     assert kinds == [{"ALL_REDUCE"}, {"REDUCE_SCATTER"}, {"REDUCE_SCATTER"}, {"REDUCE_SCATTER", "ALL_GATHER"}]
     peaks = [r.devices[0].peak_memory_bytes for r in results]
-    kept = small("parallel.zero=3", "memory.runtime=torch", "parallel.reshard_after_forward=false")
-    # stage 2 holds whole gradients through the backward (one reduce-scatter an iteration), and stage 3 without
-    # resharding its whole weights through the step: the peak is stage 1's
-    assert peaks[0] > peaks[1] == peaks[2] == kept.devices[0].peak_memory_bytes
-    # resharding after each op, the next op's weights are gathered while the op runs: two copies at the peak
-    assert peaks[3] - results[3].devices[0].static_memory_bytes >= 2 * (2 * psi - -(-2 * psi // 4))
+    kept = small("parallel.zero=3", "memory.runtime=torch", "model.vocab=4096", "parallel.reshard_after_forward=false")
+    # stage 3 without resharding gathers back during the step the weights it saves between steps: stage 2's peak
+    assert peaks[0] > peaks[1] > peaks[2] == kept.devices[0].peak_memory_bytes
+    # resharding after each op, only two units are whole at once
+    assert results[3].devices[0].static_memory_bytes < peaks[3] < peaks[2]
+
+
+def test_stages_2_and_3_reduce_scatter_after_every_microbatch_and_stage_1_once() -> None:
+    """Per stage and iteration: ZeRO-1 one reduce-scatter a bucket, ZeRO-2 one a bucket and microbatch (the
+    micro-step reduction of DeepSpeed and FSDP); the step waits for them all."""
+    sets = ["cluster.bucket_size=1PiB", "cluster.overlap_grad_sync=false"]
+    counts = {}
+    for zero in (1, 2):
+        rows = small(f"parallel.zero={zero}", *sets).timeline.query("kind == 'REDUCE_SCATTER' and device == 0")
+        counts[zero] = len(rows)
+        step = small(f"parallel.zero={zero}", *sets).timeline.query("kind == 'OPT' and device == 0")
+        assert step.start_ns.min() >= rows.end_ns.max()
+    assert counts == {1: 1, 2: 4}
 
 
 def _wire_bytes(result) -> float:
@@ -144,3 +157,11 @@ def test_the_planner_searches_zero_stages_and_ranks_them_exactly(cli) -> None:
     assert code == 2 and "--set: parallel.zero is what the planner searches, expected --zero instead" in err
     code, _, err = cli(["plan", "--global-batch", "8", "--zero", "0,5", "--no-progress"])
     assert code == 2 and "--zero" in err
+
+
+def test_an_op_holds_two_units_whole_or_its_whole_stage_when_smaller() -> None:
+    sharded = Sharding(3, 4, unit_params=10)
+    assert sharded.in_flight(2 * 1000, "weights", 2) == 2 * 10 * 2  # two units of 10 parameters, 2 bytes each
+    assert sharded.in_flight(2 * 16, "weights", 2) == 32 - 8  # a stage smaller than two units: all but the shard
+    assert Sharding(3, 4).in_flight(2 * 1000, "weights", 2) == 2000 - 500  # no units: the whole stage
+    assert Sharding(2, 4, unit_params=10).in_flight(2 * 1000, "weights", 2) == 0  # stage 2 keeps weights whole
