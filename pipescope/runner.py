@@ -159,7 +159,8 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
     except ValueError as err:
         raise ConfigError(str(err)) from None
     p = config.parallel
-    sync = config.cluster.grad_sync(p.zero_stage, p.reshard_after_forward, fsdp_unit_params(model, p.tensor))
+    sync = config.cluster.grad_sync(p.zero_stage, p.reshard_after_forward, fsdp_unit_params(model, p.tensor),
+                                    p.zero_prefetch)
     try:
         result = simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,
                           data_parallel=config.cluster.data_parallel, grad_sync=sync,

@@ -53,12 +53,14 @@ class Sharding:
     (docs/parallelism.md, "ZeRO"); ``reshard_after_forward``: stage 3 frees a stage's gathered weights after each op
     (FSDP's default) or holds them to the stage's last backward of the iteration. ``unit_params``: FSDP gathers
     and reduces one unit at a time (a transformer block; the embedding and the output layer each one, as torchtitan
-    wraps them) and prefetches the next, so at most two units are whole at once during an op."""
+    wraps them) and prefetches the next ``prefetch``, so at most ``prefetch + 1`` units are whole at once during an
+    op (their gradients: two, the one being reduced and the one being made)."""
 
     zero: int = 0
     shards: int = 1
     reshard_after_forward: bool = True
     unit_params: int = 0  # one GPU's parameters of the largest unit stages 2 and 3 work in (0: a stage's op)
+    prefetch: int = 1  # stage 3: units gathered ahead of the one in use
 
     def part(self, nbytes: int, state: str) -> int:
         """What one GPU holds of ``nbytes`` of ``state`` (a key of ``SHARDED_FROM``): its shard, rounded up, once
@@ -70,10 +72,12 @@ class Sharding:
         return nbytes - self.part(nbytes, state)
 
     def in_flight(self, nbytes: int, state: str, per_param: int) -> int:
-        """What an op holds whole of ``nbytes`` of ``state`` (``per_param`` bytes a parameter) beyond its shard: two
-        units' worth, or all of it when the stage is smaller or there are no units."""
+        """What an op holds whole of ``nbytes`` of ``state`` (``per_param`` bytes a parameter) beyond its shard: the
+        units in flight (``prefetch + 1`` of weights, 2 of gradients), or all of it when the stage is smaller or there
+        are no units."""
         whole = self.gathered(nbytes, state)
-        return min(whole, 2 * self.unit_params * per_param) if self.unit_params else whole
+        units = self.prefetch + 1 if state == "weights" else 2
+        return min(whole, units * self.unit_params * per_param) if self.unit_params else whole
 
 
 NO_SHARDING = Sharding()

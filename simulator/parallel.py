@@ -56,8 +56,9 @@ class ParallelConfig:
     norms and dropouts split over t; needs tensor > 1); ``tp_comm_overlap``: those all-gathers and reduce-scatters
     run in chunks behind the matmuls they feed or follow (Transformer Engine's userbuffers; needs sequence);
     ``zero``: the ZeRO stage over the data-parallel replicas (0 none; 1 optimizer state, 2 and gradients, 3 and
-    weights: ``mesh.Sharding``), ``reshard_after_forward`` its stage 3's choice; ``distributed_optimizer``: the older
-    spelling of ``zero: 1`` (Megatron's distributed optimizer), kept working. docs/parallelism.md, docs/cli.md."""
+    weights: ``mesh.Sharding``), ``reshard_after_forward`` and ``zero_prefetch`` its stage 3's choices;
+    ``distributed_optimizer``: the older spelling of ``zero: 1`` (Megatron's distributed optimizer), kept working.
+    docs/parallelism.md, docs/cli.md."""
 
     tensor: int = 1
     sequence: bool = False
@@ -65,6 +66,7 @@ class ParallelConfig:
     distributed_optimizer: bool = False
     zero: int = 0
     reshard_after_forward: bool = True
+    zero_prefetch: int = 1  # ZeRO-3: ops ahead a weight gather is issued (FSDP's prefetch of the next unit: 1)
 
     @property
     def zero_stage(self) -> int:
@@ -77,7 +79,7 @@ class ParallelConfig:
 
     def sharding(self, data_parallel: int) -> Sharding:
         """ZeRO's states and shards over ``data_parallel`` replicas (the memory ledger and the planner read it)."""
-        return Sharding(self.zero_stage, data_parallel, self.reshard_after_forward)
+        return Sharding(self.zero_stage, data_parallel, self.reshard_after_forward, prefetch=self.zero_prefetch)
 
 
 def check_parallel(parallel: ParallelConfig, model: ModelSpec | None, gpus_per_node: int | None) -> None:

@@ -14,8 +14,8 @@ microbatch's backward, into each replica's accumulated shard); stages 1 and 2 al
 the step, and stage 3 all-gathers a stage's weights before the ops that need them instead:
 before each forward and each input-gradient backward (``reshard_after_forward``, FSDP's default), or once a step
 before the stage's first op, held to its last backward (torch.distributed.pipelining's UNSHARD/RESHARD, Llama 3's
-choice). Each gather is prefetched: issued when the device's op before starts (the device's first op has none, so
-its gather starts with the run).
+choice). Each gather is prefetched: issued when the device's op ``prefetch`` before starts (FSDP's default: the one
+before; the device's first ops have none, so their gathers start with the run).
 docs/network.md has the rules and what they leave out.
 """
 
@@ -54,6 +54,7 @@ class GradSync:
     zero: int = 0
     reshard_after_forward: bool = True
     unit_params: int = 0  # ZeRO-2/3's unit (``mesh.Sharding.unit_params``); 0: a stage's op is one unit
+    prefetch: int = 1  # ZeRO-3: a gather is issued when the op this many before the one it feeds starts
 
     @property
     def sharded(self) -> bool:
@@ -92,7 +93,7 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
     if sync.sharded and sync.zero < 3 and not sync.overlap and width > 1:
         syncs += _weight_gathers(base, schedule, mesh, weights, sync)
     if sync.zero >= 3 and width > 1:
-        syncs += _param_gathers(base, schedule, mesh, weights, sync.reshard_after_forward)
+        syncs += _param_gathers(base, schedule, mesh, weights, sync.reshard_after_forward, sync.prefetch)
     return _replicate(base, mesh, syncs)
 
 
@@ -115,8 +116,8 @@ def _weight_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_
 GATHERED_KINDS = (K.F, K.I, K.B)  # the ops that read a stage's weights (W reads activations and output gradients)
 
 
-def _param_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_bytes: list[int], reshard: bool
-                   ) -> list[_Sync]:
+def _param_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_bytes: list[int], reshard: bool,
+                   prefetch: int = 1) -> list[_Sync]:
     """ZeRO-3's all-gathers of a stage's weights (the module doc), in each device's op order: the memory ledger
     pairs them with the ops they feed in that order (``memory.gathered_events``)."""
     cols, m = base.columns, schedule.num_microbatches
@@ -134,7 +135,7 @@ def _param_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_b
                     continue
                 started.add((stage, microbatch // m))
             collective = Collective(stage, K.ALL_GATHER, microbatch, group, weight_bytes[stage], 0)
-            found.append(_Sync(ops[k - 1] if k else -1, 0, collective, [i], d))
+            found.append(_Sync(ops[k - prefetch] if k >= prefetch else -1, 0, collective, [i], d))
     return found
 
 

@@ -92,25 +92,28 @@ def test_stage_3_moves_one_and_a_half_times_the_bytes_of_plain_data_parallelism(
     assert _wire_bytes(kept) == pytest.approx(_wire_bytes(plain), rel=1e-9)
 
 
-def _zero3_program(reshard: bool):
+def _zero3_program(reshard: bool, prefetch: int = 1):
     schedule = build("1f1b", 2, 4)
     program, stage_costs = prepare(schedule, StepCosts())
     grads = [c.params * 2 for c in stage_costs]
-    sync = GradSync(bucket_bytes=512 << 20, zero=3, reshard_after_forward=reshard)
+    sync = GradSync(bucket_bytes=512 << 20, zero=3, reshard_after_forward=reshard, prefetch=prefetch)
     return schedule, data_parallel(program, schedule, 2, grads, sync, grads)
 
 
-@pytest.mark.parametrize("reshard", [True, False])
-def test_stage_3_gathers_are_prefetched_waited_for_and_replayed_alike_by_engine_and_oracle(reshard: bool) -> None:
-    """Each gather starts when the device's op before the one it feeds starts (the first with the run), and that
-    op starts after it ends; the engine equals the test oracle; without resharding, one gather a stage."""
-    schedule, program = _zero3_program(reshard)
+@pytest.mark.parametrize("reshard, prefetch", [(True, 1), (False, 1), (True, 3)])
+def test_stage_3_gathers_are_prefetched_waited_for_and_replayed_alike_by_engine_and_oracle(reshard: bool,
+                                                                                           prefetch: int) -> None:
+    """Each gather starts when the device's op ``prefetch`` before the one it feeds starts (the first ones with the
+    run), and that op starts after it ends; the engine equals the test oracle; without resharding, one gather a
+    stage."""
+    schedule, program = _zero3_program(reshard, prefetch)
     engine = Engine(program, servers(2, 2, 450 * GB, 2 * GB)).run()
     assert engine == Oracle(program, servers(2, 2, 450 * GB, 2 * GB)).run()
     gathers = [f for f, c in enumerate(program.flow_collective) if c is not None and c.kind is ActionKind.ALL_GATHER]
     # F and B of 4 microbatches on each of 2 stages: 16 a replica's pair of devices, shared by the 2 replicas
     assert len(gathers) == (16 if reshard else 2)
-    assert len(program.start_joins) == 2 * 2  # each device's first gather, joined by both replicas
+    # each device's first gathers (a stage's one without resharding), joined by both replicas
+    assert len(program.start_joins) == 2 * 2 * (prefetch if reshard else 1)
     for entry, waits in enumerate(program.waits):
         for flow in (s - program.num_entries for s in waits if s >= program.num_entries):
             if flow in gathers:
@@ -165,3 +168,5 @@ def test_an_op_holds_two_units_whole_or_its_whole_stage_when_smaller() -> None:
     assert sharded.in_flight(2 * 16, "weights", 2) == 32 - 8  # a stage smaller than two units: all but the shard
     assert Sharding(3, 4).in_flight(2 * 1000, "weights", 2) == 2000 - 500  # no units: the whole stage
     assert Sharding(2, 4, unit_params=10).in_flight(2 * 1000, "weights", 2) == 0  # stage 2 keeps weights whole
+    deeper = Sharding(3, 4, unit_params=10, prefetch=3)  # three units gathered ahead of the one in use
+    assert deeper.in_flight(2 * 1000, "weights", 2) == 4 * 10 * 2 and deeper.in_flight(4000, "gradients", 4) == 80
