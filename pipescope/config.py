@@ -78,7 +78,7 @@ RANGES: dict[str, tuple[int, int]] = {
     **{f"model.{key}": limits for key, limits in DIMENSION_RANGES.items()}, "model.microbatch_size": (1, 1 << 20),
     "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1 << 20, 1 << 50),
     "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1), "parallel.tensor": (1, 1024),
-    "parallel.zero": (0, 3), "parallel.zero_prefetch": (1, 64),
+    "parallel.zero": (0, 3), "parallel.zero_prefetch": (1, 64), "parallel.shard_group": (1, 100_000),
     "cluster.host_cores": (1, 1 << 16), "memory.cuda_context": (0, 1 << 40), "memory.nccl_communicator": (0, 1 << 40),
 }
 TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p", "costs.optimizer",

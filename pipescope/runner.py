@@ -121,6 +121,7 @@ def prepare_checked(config: Config) -> Prepared:
     if model is not None and _generated(config):
         _check_layers(model.layers, config.schedule.p * _chunks(config))  # before building a schedule that big
     schedule = _schedule(config)
+    _check_shard_group(config)
     if config.parallel.zero_stage and schedule.weight_update is not WeightUpdate.FLUSH:
         raise ConfigError(f"{_zero_key(config)} with schedule.name {config.schedule.name}, expected a flush schedule "
                           f"(one synchronous step per iteration, which ZeRO shards)")
@@ -160,7 +161,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
         raise ConfigError(str(err)) from None
     p = config.parallel
     sync = config.cluster.grad_sync(p.zero_stage, p.reshard_after_forward, fsdp_unit_params(model, p.tensor),
-                                    p.zero_prefetch)
+                                    p.zero_prefetch, p.shard_group or 0)
     try:
         result = simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,
                           data_parallel=config.cluster.data_parallel, grad_sync=sync,
@@ -347,6 +348,19 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
         check_parallel(config.parallel, model, per_node)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_shard_group(config: Config) -> None:
+    """``parallel.shard_group`` (HSDP) needs ZeRO and must divide the replicas, naming the key otherwise."""
+    group, width = config.parallel.shard_group, config.cluster.data_parallel
+    if group is None:
+        return
+    if not config.parallel.zero_stage:
+        raise ConfigError(f"parallel.shard_group: got {group} with parallel.zero 0, expected parallel.zero 1 to 3 "
+                          f"(the group shards ZeRO's states)")
+    if width % group:
+        raise ConfigError(f"parallel.shard_group: got {group}, expected a divisor of cluster.data_parallel "
+                          f"(={width}): each shard group holds one whole set of shards")
 
 
 def _zero_key(config: Config) -> str:

@@ -119,6 +119,9 @@ class Engine:
         if self.pending[self.n + flow] is event:  # else re-planned: a newer event stands for this flow
             self.times.flow_end[flow] = self.env.now
             self._fire(self.n + flow)
+            if self.p.flow_joins:  # HSDP: members that join when this flow ends
+                for later in self.p.flow_joins.get(flow, ()):
+                    self.join(later)
 
     def _fire(self, signal: int) -> None:
         self.fired[signal] = True

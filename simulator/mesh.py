@@ -13,12 +13,37 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DeviceMesh:
-    """Degrees of the parallel axes: ``pipeline`` devices per replica, ``data`` replicas (ZeRO shards over them all),
-    ``tensor`` GPUs per device."""
+    """Degrees of the parallel axes: ``pipeline`` devices per replica, ``data`` replicas, ``tensor`` GPUs per device;
+    ``shard``: the replicas ZeRO shards over (HSDP: groups of ``shard`` consecutive replicas, each holding one set of
+    shards, replicated across the groups)."""
 
     pipeline: int
     data: int = 1
     tensor: int = 1
+    shard: int = 0  # replicas a ZeRO shard group spans (HSDP: a divisor of data); 0: all of them
+
+    @property
+    def shard_size(self) -> int:
+        return self.shard or self.data
+
+    @property
+    def hybrid(self) -> bool:
+        """HSDP: shard groups smaller than the data axis, replicated across."""
+        return self.shard_size < self.data
+
+    def shard_replicas(self) -> list[tuple[int, ...]]:
+        """The replicas of each shard group: ``shard`` consecutive ones."""
+        size = self.shard_size
+        return [tuple(range(k, k + size)) for k in range(0, self.data, size)]
+
+    def replicate_replicas(self) -> list[tuple[int, ...]]:
+        """The replicas of each replicate group: the same position in every shard group."""
+        size = self.shard_size
+        return [tuple(range(i, self.data, size)) for i in range(size)]
+
+    def ranks(self, replicas: tuple[int, ...], d: int) -> tuple[int, ...]:
+        """Pipeline device ``d`` of each of ``replicas``."""
+        return tuple(self.device(r, d) for r in replicas)
 
     @property
     def devices(self) -> int:

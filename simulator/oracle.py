@@ -97,6 +97,8 @@ class Oracle:
                 if fired[signal] or due[signal - n] != now:
                     continue  # re-planned: a later entry stands for this flow
                 times.flow_end[signal - n] = now
+                for later in p.flow_joins.get(signal - n, ()):
+                    join(later, now)
             fired[signal] = True
             if signal < n:
                 busy[device[signal]] = False

@@ -57,7 +57,8 @@ class ParallelConfig:
     run in chunks behind the matmuls they feed or follow (Transformer Engine's userbuffers; needs sequence);
     ``zero``: the ZeRO stage over the data-parallel replicas (0 none; 1 optimizer state, 2 and gradients, 3 and
     weights: ``mesh.Sharding``), ``reshard_after_forward`` and ``zero_prefetch`` its stage 3's choices;
-    ``distributed_optimizer``: the older spelling of ``zero: 1`` (Megatron's distributed optimizer), kept working.
+    ``shard_group``: HSDP's shard group, in replicas; ``distributed_optimizer``: the older spelling of ``zero: 1``
+    (Megatron's distributed optimizer), kept working.
     docs/parallelism.md, docs/cli.md."""
 
     tensor: int = 1
@@ -67,6 +68,7 @@ class ParallelConfig:
     zero: int = 0
     reshard_after_forward: bool = True
     zero_prefetch: int = 1  # ZeRO-3: ops ahead a weight gather is issued (FSDP's prefetch of the next unit: 1)
+    shard_group: int | None = None  # HSDP: replicas one set of ZeRO shards spans; None: all of them
 
     @property
     def zero_stage(self) -> int:
@@ -74,12 +76,14 @@ class ParallelConfig:
         return max(self.zero, 1 if self.distributed_optimizer else 0)
 
     def optimizer_shards(self, data_parallel: int) -> int:
-        """How many shards each GPU's optimizer state and step are cut into: the replicas under ZeRO, else 1."""
-        return data_parallel if self.zero_stage else 1
+        """How many shards each GPU's optimizer state and step are cut into: the replicas of a shard group under
+        ZeRO (all of them, or ``shard_group`` under HSDP), else 1."""
+        return (self.shard_group or data_parallel) if self.zero_stage else 1
 
     def sharding(self, data_parallel: int) -> Sharding:
         """ZeRO's states and shards over ``data_parallel`` replicas (the memory ledger and the planner read it)."""
-        return Sharding(self.zero_stage, data_parallel, self.reshard_after_forward, prefetch=self.zero_prefetch)
+        return Sharding(self.zero_stage, self.optimizer_shards(data_parallel), self.reshard_after_forward,
+                        prefetch=self.zero_prefetch)
 
 
 def check_parallel(parallel: ParallelConfig, model: ModelSpec | None, gpus_per_node: int | None) -> None:

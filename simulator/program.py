@@ -69,6 +69,9 @@ class Program:
     joins: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     # Members that join at the run's start (ZeRO-3's first weight gather of a device: no op before it), one per member
     start_joins: list[int] = field(default_factory=list)
+    # Members that join when another flow ends (HSDP's all-reduce of a shard after its group's reduce-scatter): per
+    # flow, the flows it makes one member join
+    flow_joins: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_entries(self) -> int:

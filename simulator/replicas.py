@@ -55,6 +55,7 @@ class GradSync:
     reshard_after_forward: bool = True
     unit_params: int = 0  # ZeRO-2/3's unit (``mesh.Sharding.unit_params``); 0: a stage's op is one unit
     prefetch: int = 1  # ZeRO-3: a gather is issued when the op this many before the one it feeds starts
+    shard_group: int = 0  # HSDP: replicas a shard group spans (``mesh.DeviceMesh.shard``); 0: all
 
     @property
     def sharded(self) -> bool:
@@ -62,16 +63,21 @@ class GradSync:
         return self.zero >= 1
 
 
+START, AFTER = -1, -2  # _Sync.trigger: it starts with the run; each of its members joins when a sync of ``after`` ends
+
+
 @dataclass
 class _Sync:
-    """One bucket's collective: the base entry whose start launches it (-1: it starts with the run), when after that
-    start, the collective (its group is replica 0's) and its base device."""
+    """One bucket's collective: the base entry whose start launches it (or START, AFTER), when after that start,
+    the collective (over the ranks of its member replicas) and its base device."""
 
     trigger: int
     offset: int
     collective: Collective
     blocks: list[int] = field(default_factory=list)  # base entries (later forwards) that wait for its end
     device: int = -1  # -1: the trigger's
+    replicas: tuple[int, ...] = ()  # the replicas whose copies join it (empty: all)
+    after: tuple[int, ...] = ()  # AFTER: the syncs (indices) whose end makes one member join
 
 
 def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: list[int], sync: GradSync,
@@ -87,14 +93,37 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
         sync: bucket size, overlap, and whether the optimizer is sharded.
         weight_bytes: per stage, the bytes of its weights, which a sharded optimizer all-gathers after its step.
     """
-    mesh = DeviceMesh(schedule.num_devices, width)
+    mesh = DeviceMesh(schedule.num_devices, width, shard=sync.shard_group if sync.sharded else 0)
     syncs = _syncs(base, schedule, mesh, grad_bytes, sync)
     weights = weight_bytes or [0] * len(grad_bytes)
     if sync.sharded and sync.zero < 3 and not sync.overlap and width > 1:
         syncs += _weight_gathers(base, schedule, mesh, weights, sync)
     if sync.zero >= 3 and width > 1:
         syncs += _param_gathers(base, schedule, mesh, weights, sync.reshard_after_forward, sync.prefetch)
-    return _replicate(base, mesh, syncs)
+    return _replicate(base, mesh, _hybrid(syncs, mesh, base) if mesh.hybrid else syncs)
+
+
+def _hybrid(syncs: list[_Sync], mesh: DeviceMesh, base: Program) -> list[_Sync]:
+    """HSDP (docs/parallelism.md): each sync over every replica, run over the shard groups instead. A gradient
+    reduce-scatter is one per shard group, then each shard is all-reduced over its replicate group (the replicas
+    holding that shard), which every member joins when its group's reduce-scatter ends; what waited for the
+    reduction waits for the all-reduce. A weight gather is one per shard group."""
+    out: list[_Sync] = []
+    for s in syncs:
+        home = s.device if s.device >= 0 else base.device[s.trigger]
+        c = s.collective
+        scattered = []
+        for replicas in mesh.shard_replicas():
+            part = _Sync(s.trigger, s.offset, c._replace(group=mesh.ranks(replicas, home)),
+                         [] if c.kind is K.REDUCE_SCATTER else s.blocks, home, replicas)
+            scattered.append(len(out))
+            out.append(part)
+        if c.kind is K.REDUCE_SCATTER:
+            shard = -(-c.nbytes // mesh.shard_size)
+            for replicas in mesh.replicate_replicas():
+                reduced = c._replace(kind=K.ALL_REDUCE, group=mesh.ranks(replicas, home), nbytes=shard)
+                out.append(_Sync(AFTER, 0, reduced, s.blocks, home, replicas, tuple(scattered)))
+    return out
 
 
 def _weight_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_bytes: list[int], sync: GradSync
@@ -135,7 +164,7 @@ def _param_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_b
                     continue
                 started.add((stage, microbatch // m))
             collective = Collective(stage, K.ALL_GATHER, microbatch, group, weight_bytes[stage], 0)
-            found.append(_Sync(ops[k - prefetch] if k >= prefetch else -1, 0, collective, [i], d))
+            found.append(_Sync(ops[k - prefetch] if k >= prefetch else START, 0, collective, [i], d))
     return found
 
 
@@ -200,11 +229,12 @@ def _split(nbytes: int, bucket: int) -> list[int]:
 
 
 def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync]) -> Program:
-    """Entries: each replica's copy of the base entries, then each replica's member entries of the syncs. Flows:
-    each replica's transfers, then one flow per sync shared by its replicas."""
+    """Entries: each replica's copy of the base entries, then each member entry of the syncs (one per member replica).
+    Flows: each replica's transfers, then one flow per sync shared by its members."""
     n, flows, width = base.num_entries, base.num_flows, mesh.data
-    members = len(syncs)
-    total = width * (n + members)
+    every = tuple(range(width))
+    members = [(c, r) for c, s in enumerate(syncs) for r in (s.replicas or every)]
+    total = width * n + len(members)
     first_sync_flow = width * flows
     homes = [s.device if s.device >= 0 else base.device[s.trigger] for s in syncs]
 
@@ -216,45 +246,47 @@ def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync]) -> Program:
 
     out = Program(actions=[], device=[], role=[], device_steps=[], launches=[], duration=[], waits=[], flow_of=[],
                   columns=base.columns)
-    blocked: dict[int, list[int]] = {}
-    for c, s in enumerate(syncs):
-        for entry in s.blocks:
-            blocked.setdefault(entry, []).append(total + first_sync_flow + c)
+    blocked: dict[tuple[int, int], list[int]] = {}  # (replica, base entry) -> the sync flows it waits for
+    for c, r in members:
+        for entry in syncs[c].blocks:
+            blocked.setdefault((r, entry), []).append(total + first_sync_flow + c)
     for r in range(width):
         out.actions += [moved(a, r) if role is Role.COLLECTIVE else a for a, role in zip(base.actions, base.role)]
         out.device += [mesh.device(r, d) for d in base.device]
         out.role += base.role
         out.launches += [tuple(f + r * flows for f in fs) for fs in base.launches]
         out.duration += base.duration
-        out.waits += [[signal(s, r) for s in w] + blocked.get(i, []) for i, w in enumerate(base.waits)]
+        out.waits += [[signal(s, r) for s in w] + blocked.get((r, i), []) for i, w in enumerate(base.waits)]
         out.flow_of += [f + r * flows if f >= 0 else -1 for f in base.flow_of]
         out.device_steps += [[i + r * n for i in steps] for steps in base.device_steps]
-    for r in range(width):
-        out.actions += [s.collective for s in syncs]
-        out.device += [mesh.device(r, d) for d in homes]
-        out.role += [Role.COLLECTIVE] * members
-        out.launches += [()] * members
-        out.duration += [0] * members
-        out.waits += [[] for _ in syncs]
-        out.flow_of += [first_sync_flow + c for c in range(members)]
+    out.actions += [syncs[c].collective for c, _ in members]
+    out.device += [mesh.device(r, homes[c]) for c, r in members]
+    out.role += [Role.COLLECTIVE] * len(members)
+    out.launches += [()] * len(members)
+    out.duration += [0] * len(members)
+    out.waits += [[] for _ in members]
+    out.flow_of += [first_sync_flow + c for c, _ in members]
     out.joins = {i + r * n: [(f + r * flows, offset) for f, offset in joined]
                  for r in range(width) for i, joined in base.joins.items()}
+    for c, r in members:
+        s, flow = syncs[c], first_sync_flow + c
+        if s.trigger == START:
+            out.start_joins.append(flow)
+        elif s.trigger >= 0:
+            out.joins.setdefault(s.trigger + r * n, []).append((flow, s.offset))
     for c, s in enumerate(syncs):
-        for r in range(width):
-            if s.trigger < 0:
-                out.start_joins.append(first_sync_flow + c)
-            else:
-                out.joins.setdefault(s.trigger + r * n, []).append((first_sync_flow + c, s.offset))
+        for earlier in s.after:  # each member of ``s`` joins when one of these ends
+            out.flow_joins.setdefault(first_sync_flow + earlier, []).append(first_sync_flow + c)
     for r in range(width):
         out.flow_src += [mesh.device(r, d) if d >= 0 else -1 for d in base.flow_src]
         out.flow_dst += [mesh.device(r, d) if d >= 0 else -1 for d in base.flow_dst]
         out.flow_bytes += base.flow_bytes
         out.flow_producer += [i + r * n if i >= 0 else -1 for i in base.flow_producer]
         out.flow_collective += [moved(c, r) for c in base.flow_collective]
-    out.flow_src += [-1] * members
-    out.flow_dst += [-1] * members
+    out.flow_src += [-1] * len(syncs)
+    out.flow_dst += [-1] * len(syncs)
     out.flow_bytes += [s.collective.nbytes for s in syncs]
-    out.flow_producer += [-1] * members
+    out.flow_producer += [-1] * len(syncs)
     out.flow_collective += [s.collective for s in syncs]
     out.columns = Columns.of(out.actions, np.asarray(out.device, dtype=np.int64))
     return out

@@ -81,8 +81,9 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         result = build_result(schedule, records, stage_costs, costs.precision, samples,
                               warnings=costs.notes() + _run_notes(schedule),
                               gradient_buffers=gradient_buffers(deferred),
-                              sharding=Sharding(sync.zero, width, sync.reshard_after_forward, sync.unit_params,
-                                                sync.prefetch) if width > 1 else Sharding(), **extra)
+                              sharding=Sharding(sync.zero, sync.shard_group or width, sync.reshard_after_forward,
+                                                sync.unit_params, sync.prefetch) if width > 1 else Sharding(),
+                              **extra)
     if isinstance(network, RoutedNetwork):
         result.links, result.network = network.link_stats(result.makespan_ns), network.counters()
         result.link_spans = network.busy_spans()

@@ -54,9 +54,10 @@ class ClusterConfig:
         return DEVICES[machine_device(self.topology)]
 
     def grad_sync(self, zero: int = 0, reshard_after_forward: bool = True, unit_params: int = 0,
-                  prefetch: int = 1) -> GradSync:
+                  prefetch: int = 1, shard_group: int = 0) -> GradSync:
         """The gradient sync these keys ask for, under ZeRO stage ``zero`` (``parallel``; ``GradSync``)."""
-        return GradSync(self.bucket_size, self.overlap_grad_sync, zero, reshard_after_forward, unit_params, prefetch)
+        return GradSync(self.bucket_size, self.overlap_grad_sync, zero, reshard_after_forward, unit_params, prefetch,
+                        shard_group)
 
     def build(self, devices: int, tensor: int = 1) -> Cluster:
         """The cluster for ``devices`` devices per replica, each ``tensor`` GPUs of one node (ValueError naming the
