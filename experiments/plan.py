@@ -167,7 +167,8 @@ def _allreduce_floor(built, costs: list) -> int:
     # shared NIC's backlog binds (docs/planner.md, "Steady state"), so the server floor bounds flush schedules only
     flush = built.schedule.iterations == 1 and isinstance(network(), RoutedNetwork)
     # (not under HSDP, whose groups' bytes into a server the full group's collective does not bound from below)
-    hybrid = config.parallel.optimizer_shards(config.cluster.data_parallel) < config.cluster.data_parallel
+    hybrid = bool(config.parallel.zero_stage) and config.parallel.optimizer_shards(config.cluster.data_parallel) \
+        < config.cluster.data_parallel
     return max(groups, _server_floor(built, costs, network()) if flush and not hybrid else 0)
 
 
@@ -276,28 +277,34 @@ FIT_TRIALS = 4  # simulations per node count: the candidates with the least memo
 
 
 def _what_would_fit(pool: Executor, request: PlanRequest, workers: int, progress: bool) -> dict[str, Any] | None:
-    """When nothing fits: a plan that fits once simulated, at the fewest nodes (the cluster's, then 2x, 4x ... 64x)
-    where the search with its least-memory settings (full recompute, microbatch 1, the deepest pipelines) has one;
+    """When nothing fits: a plan that fits once simulated, on the cluster as it is with ZeRO-3 (``_fits_sharded``),
+    else at the fewest nodes (the cluster's, then 2x, 4x ... 64x) where the search with its least-memory settings
+    (full recompute, microbatch 1, the deepest pipelines, and the widest under ZeRO-3) has one;
     the fastest of the ``FIT_TRIALS`` candidates there with the least memory bound, not the best plan there (the
     command it prints plans that). None when none fits up to 64x, or when more nodes stop lowering the least memory
     any candidate needs (the embedding and output layer, say, which no pipeline splits)."""
     if progress:
-        print("plan: nothing fits; looking for what would (full recompute, microbatch 1, more nodes)",
+        print("plan: nothing fits; looking for what would (ZeRO-3, full recompute, microbatch 1, more nodes)",
               file=sys.stderr)
     nodes = validated_config(request.base, {}).cluster.nodes
+    sharded = _fits_sharded(pool, request, workers)
+    if sharded is not None:
+        return {**sharded, "nodes": nodes}
     searched = "full" in request.recompute and 1 in request.microbatch_sizes  # then 1x is the search just run
     least = math.inf
     for factor in NODE_FACTORS[1:] if searched else NODE_FACTORS:
         base = copy.deepcopy(request.base)
         base.setdefault("cluster", {})["nodes"] = nodes * factor
-        wider = dataclasses.replace(request, base=base, top=1, **LEAST_MEMORY)
+        wider = dataclasses.replace(request, base=base, top=1, zero=_and_zero_3(request.zero), **LEAST_MEMORY)
         try:
             gpus, _ = planned_cluster(base)
-            points = _deepest(candidates(wider, gpus))
+            every = candidates(wider, gpus)
+            points = _deepest([c for c in every if c.zero != 3]) + _widest([c for c in every if c.zero == 3])
         except ConfigError:  # a topology of fixed size, say: no more nodes to try
             return None
         screened = _screen_all(pool, wider, points, workers, False)
-        fitting = sorted((s for s in screened if not s.reason), key=lambda s: s.memory_bound_bytes)[:FIT_TRIALS]
+        fitting = _least_memory([s for s in screened if s.candidate.zero != 3]) + \
+            _least_memory([s for s in screened if s.candidate.zero == 3])  # each family its trials: the fastest wins
         ranked, _, _ = _simulate_in_bound_order(pool, wider, fitting, workers, False)
         if ranked:
             return {**ranked[0], "nodes": nodes * factor, "gpus": gpus}
@@ -308,13 +315,46 @@ def _what_would_fit(pool: Executor, request: PlanRequest, workers: int, progress
     return None
 
 
+def _fits_sharded(pool: Executor, request: PlanRequest, workers: int) -> dict[str, Any] | None:
+    """On the cluster as it is: the search with ZeRO-3 and the least-memory settings, every width (sharding saves
+    most where the replicas are many); the fastest of the ``FIT_TRIALS`` candidates with the least memory bound, or
+    None. Skipped where the request searched ZeRO-3 already."""
+    if request.zero is not None and 3 in request.zero:
+        return None
+    sharded = dataclasses.replace(request, top=1, zero=(3,), **LEAST_MEMORY)
+    gpus, _ = planned_cluster(sharded.base)
+    points = [c for c in candidates(sharded, gpus) if c.zero == 3]
+    screened = _screen_all(pool, sharded, points, workers, False)
+    ranked, _, _ = _simulate_in_bound_order(pool, sharded, _least_memory(screened), workers, False)
+    return {**ranked[0], "gpus": gpus} if ranked else None
+
+
+def _least_memory(screened: list[Screened]) -> list[Screened]:
+    """The ``FIT_TRIALS`` candidates that passed the screen with the least memory bound."""
+    return sorted((s for s in screened if not s.reason), key=lambda s: s.memory_bound_bytes)[:FIT_TRIALS]
+
+
+def _and_zero_3(stages: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The ZeRO stages a search for what would fit tries: the request's (or none) and stage 3."""
+    return tuple(sorted({*(stages or (0,)), 3}))
+
+
 def _deepest(points: list[Candidate]) -> list[Candidate]:
     """Of each schedule and tensor width, the candidates with the fewest replicas: the deepest pipelines, whose
     GPUs each hold the fewest layers (a screen of every width at 64x the nodes took minutes)."""
-    fewest: dict[tuple[str, int], int] = {}
+    return _extreme(points, min)
+
+
+def _widest(points: list[Candidate]) -> list[Candidate]:
+    """Of each schedule and tensor width, the candidates with the most replicas: where ZeRO cuts the states finest."""
+    return _extreme(points, max)
+
+
+def _extreme(points: list[Candidate], pick) -> list[Candidate]:
+    best: dict[tuple[str, int], int] = {}
     for c in points:
-        fewest[c.schedule, c.tensor] = min(fewest.get((c.schedule, c.tensor), c.width), c.width)
-    return [c for c in points if c.width == fewest[c.schedule, c.tensor]]
+        best[c.schedule, c.tensor] = pick(best.get((c.schedule, c.tensor), c.width), c.width)
+    return [c for c in points if c.width == best[c.schedule, c.tensor]]
 
 
 def _screen_all(pool: Executor, request: PlanRequest, points: list[Candidate], workers: int,

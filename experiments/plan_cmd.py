@@ -223,14 +223,17 @@ def _nothing_fits(report: PlanReport) -> list[str]:
         lines.append(f"closest to fitting: {_label(closest)}: {closest['reason']}")
     fit = report.would_fit
     if fit is None:
-        lines.append("no plan fits with full recompute and microbatch 1 on up to 64x the nodes, or more nodes "
-                     "stopped lowering the memory it needs: the model needs memory that pipelining and recompute "
-                     "do not split (the embedding and output layer, say)")
+        lines.append("no plan fits with full recompute and microbatch 1 (and ZeRO-3) on up to 64x the nodes, or more "
+                     "nodes stopped lowering the memory it needs: each GPU needs memory that pipelining, recompute "
+                     "and sharding do not split (the CUDA context and NCCL's buffers, or an embedding no pipeline "
+                     "splits, say)")
     else:
-        lines.append(f"would fit: {fit['nodes']} nodes ({fit['gpus']} GPUs) with full recompute and microbatch 1, "
-                     f"e.g. {_label(fit)}: {fit['throughput_samples_per_s']:.1f} samples/s, peak "
-                     f"{format_bytes(fit['peak_memory_bytes'])} (pipescope plan --nodes {fit['nodes']} "
-                     f"--recompute full --microbatch-sizes 1 ...)")
+        zero = f" --zero {fit['zero']}" if fit.get("zero") else ""
+        lines.append(f"would fit: {counted(fit['nodes'], 'node')} ({fit['gpus']} GPUs) with full recompute and "
+                     f"microbatch 1"
+                     f"{' and ZeRO-' + str(fit['zero']) if zero else ''}, e.g. {_label(fit)}: "
+                     f"{fit['throughput_samples_per_s']:.1f} samples/s, peak {format_bytes(fit['peak_memory_bytes'])} "
+                     f"(pipescope plan --nodes {fit['nodes']}{zero} --recompute full --microbatch-sizes 1 ...)")
     return lines
 
 

@@ -4,6 +4,8 @@ the weights, prefetched, and what the ledger holds while they are gathered."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipescope import ConfigError, load_config, run
@@ -216,3 +218,41 @@ def test_hsdp_is_refused_where_it_has_no_meaning() -> None:
         small("parallel.shard_group=2")
     with pytest.raises(ConfigError, match=r"parallel.shard_group: got 3, expected a divisor of cluster.data_parallel"):
         small("parallel.zero=1", "parallel.shard_group=3")
+
+
+@pytest.mark.parametrize("sets", [["parallel.zero=1"], ["parallel.zero=2"], ["parallel.zero=3"],
+                                  ["parallel.zero=3", "parallel.reshard_after_forward=false"],
+                                  ["parallel.zero=3", "parallel.shard_group=2"]])
+def test_the_planners_bounds_hold_under_zero(sets: list[str]) -> None:
+    """The floors the planner prunes with stay below what the simulation gives: the reduce-scatter's time and the
+    memory with the sharded static state (so its ranking stays exact)."""
+    from pipescope.experiments.plan import _allreduce_floor
+    from pipescope.runner import prepare
+    from pipescope.simulator.bounds import memory_lower_bounds
+
+    config = load_config(None, [*SMALL, *sets])
+    built = prepare(config)
+    costs = built.stage_costs()
+    result = run(config)
+    assert 0 < _allreduce_floor(built, costs) <= result.iteration_time_s * 1e9
+    c = built.config
+    bounds = memory_lower_bounds(built.schedule, costs, c.model.precision, c.memory.runtime,
+                                 sharding=c.parallel.sharding(c.cluster.data_parallel),
+                                 overhead_bytes=built.overheads.total)
+    assert all(b <= d.peak_memory_bytes for b, d in zip(bounds, result.devices))
+
+
+def test_when_nothing_fits_the_plan_tries_zero_3_before_more_nodes(cli) -> None:
+    """GPT 1.3B on one DGX A100 under 6 GiB: no pipeline fits, ZeRO-3 over the 8 GPUs does; under 5 GiB it takes 2
+    nodes of it. The line says so and prints the command that plans it."""
+    flags = ["plan", "--model", "gpt-1.3b", "--topology", "dgx-a100", "--global-batch", "64", "--schedules", "1f1b",
+             "--tensor", "1", "--recompute", "none", "--microbatch-sizes", "1,2", "--vocab", "naive", "--workers", "1",
+             "--no-progress"]
+    for cap, nodes in (("6GiB", 1), ("5GiB", 2)):
+        code, out, _ = cli([*flags, "--memory-cap", cap, "--json"])
+        fit = json.loads(out)["would_fit"]
+        assert code == 1 and (fit["nodes"], fit["zero"], fit["depth"]) == (nodes, 3, 1)
+        assert fit["peak_memory_bytes"] <= int(cap[0]) << 30
+    code, out, _ = cli([*flags, "--memory-cap", "6GiB"])
+    assert "would fit: 1 node (8 GPUs) with full recompute and microbatch 1 and ZeRO-3, e.g. 1f1b w=8 d=1" in out
+    assert "(pipescope plan --nodes 1 --zero 3 --recompute full --microbatch-sizes 1 ...)" in out
