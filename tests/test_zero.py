@@ -256,3 +256,26 @@ def test_when_nothing_fits_the_plan_tries_zero_3_before_more_nodes(cli) -> None:
     code, out, _ = cli([*flags, "--memory-cap", "6GiB"])
     assert "would fit: 1 node (8 GPUs) with full recompute and microbatch 1 and ZeRO-3, e.g. 1f1b w=8 d=1" in out
     assert "(pipescope plan --nodes 1 --zero 3 --recompute full --microbatch-sizes 1 ...)" in out
+
+
+# On real gloo ranks: torch's own ZeRO against one process and against the ledger ----------------------------------
+
+@pytest.mark.parametrize("stage, world, reshard", [(1, 2, True), (3, 2, True), (3, 4, False)])
+def test_torchs_zero_on_gloo_ranks_trains_as_one_process_and_holds_what_the_ledger_says(stage: int, world: int,
+                                                                                        reshard: bool) -> None:
+    """One AdamW step of the executor's tiny GPT under ZeroRedundancyOptimizer (stage 1) or fully_shard (stage 3)
+    on 2 and 4 CPU ranks: the loss, every gradient and every weight after the step are one process's on the whole
+    batch, and each rank's weights, gradients and Adam moments are the ledger's static bytes for that stage (fp32:
+    4 + 4 + 8 per parameter, sharded as ``memory.static_memory`` shards them) within 5%."""
+    torch = pytest.importorskip("torch")
+    from pipescope.calibration.presets import resolve
+    from pipescope.calibration.zero_check import check_zero
+
+    check = check_zero(resolve("tiny"), stage, world, reshard_after_forward=reshard, timeout_s=120)
+    assert check.loss == pytest.approx(check.reference_loss, rel=1e-5)
+    for name, grad in check.reference_grads.items():
+        torch.testing.assert_close(check.grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(check.weights[name], check.reference_weights[name], rtol=1e-4, atol=1e-6,
+                                   msg=name)
+    ledger = static_memory(check.params, 1, "fp32", "torch", Sharding(stage, world)).total
+    assert all(abs(measured / ledger - 1) < 0.05 for measured in check.state_bytes), (check.state_bytes, ledger)
