@@ -232,7 +232,12 @@ def _is_int(value: object) -> bool:
 
 def check_request(request: PlanRequest) -> None:
     _check_types(request)
-    if validated_config(request.base, {}).costs.kind is CostKind.UNIFORM:
+    config = validated_config(request.base, {})
+    if config.parallel.context > 1:
+        raise ConfigError(f"parallel.context: got {config.parallel.context}, expected 1: the planner does not search "
+                          f"context parallelism yet, and every candidate would need {config.parallel.context} times "
+                          f"the GPUs it plans")
+    if config.costs.kind is CostKind.UNIFORM:
         raise ConfigError("costs.kind: got uniform, expected analytic or profile: the planner compares candidates "
                           "by what their model, microbatch size and widths cost, which uniform costs leave out")
     if request.global_batch < 1:

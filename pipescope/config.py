@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipescope.simulator.context import CONTEXT_COMMS
 from pipescope.simulator.costs import MAX_OP_SECONDS, AnalyticCostsConfig, CostKind, UniformCostsConfig
 from pipescope.simulator.models import ATTENTIONS, DIMENSION_RANGES, FAMILIES, PRECISIONS, PRESETS, ModelConfig
 from pipescope.simulator.parallel import ParallelConfig, parse_recompute
@@ -79,6 +80,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1 << 20, 1 << 50),
     "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1), "parallel.tensor": (1, 1024),
     "parallel.zero": (0, 3), "parallel.zero_prefetch": (1, 64), "parallel.shard_group": (1, 100_000),
+    "parallel.context": (1, 1024),
     "cluster.host_cores": (1, 1 << 16), "memory.cuda_context": (0, 1 << 40), "memory.nccl_communicator": (0, 1 << 40),
 }
 TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p", "costs.optimizer",
@@ -89,6 +91,7 @@ CHOICES = {
     "model.preset": tuple(PRESETS),
     "model.attention": ATTENTIONS,
     "model.family": FAMILIES,
+    "parallel.context_comm": CONTEXT_COMMS,
     "cluster.fabric": FABRICS,
     "cluster.collective": COLLECTIVE_ALGORITHMS,
     "memory.runtime": RUNTIMES,

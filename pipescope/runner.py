@@ -35,6 +35,8 @@ from pipescope.simulator.measured_gemms import MeasuredGemms, load_gemms
 from pipescope.simulator.memory_overheads import NO_OVERHEADS, Overheads, overheads
 from pipescope.simulator.memory_runtime import grad_bytes
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
+from pipescope.simulator.context import check_context, context_times
+from pipescope.simulator.mesh import DeviceMesh
 from pipescope.simulator.parallel import TensorSplit, check_parallel, stage_times
 from pipescope.simulator.profiled import ProfiledCosts, ProfiledCostsConfig
 from pipescope.simulator.replicas import SyncError
@@ -168,7 +170,8 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
                           faults=faults, memory_capacity_bytes=built.capacity,
                           model_flops_per_iteration=model_flops(model, config, schedule) if analytic else None,
                           hardware_flops_per_iteration=hardware_flops(model, config, schedule) if analytic else None,
-                          peak_flops_per_device=_peak(config, cluster) * config.parallel.tensor if analytic else None,
+                          peak_flops_per_device=_peak(config, cluster) * config.parallel.gpus_per_device
+                          if analytic else None,
                           config=config, memory_runtime=config.memory.runtime,
                           memory_overheads=built.overheads,
                           host_cores=config.cluster.host_cores, progress=progress)
@@ -181,7 +184,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
     if isinstance(costs, AnalyticCosts):
         result.kernels = costs.kernel_report(schedule.num_stages)
     result.cluster_name = cluster.name
-    result.gpus_per_device = config.parallel.tensor
+    result.gpus_per_device = config.parallel.gpus_per_device
     result.tokens_per_sample = model.seq if analytic else None
     result.model_params = model.total_params() if analytic else None
     return result
@@ -316,7 +319,7 @@ def _torch_schedule(name: str, stages: int, microbatches: int, chunks: int) -> S
 
 def _cluster(config: Config, devices: int) -> Cluster:
     try:
-        return config.cluster.build(devices, config.parallel.tensor)
+        return config.cluster.build(devices, config.parallel.tensor, config.parallel.context)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -333,6 +336,9 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
     if not analytic and config.parallel.tensor > 1:
         raise ConfigError(f"parallel.tensor: got {config.parallel.tensor} under costs.kind {kind}, expected 1 (only "
                           f"analytic costs split the kernels over tensor-parallel GPUs)")
+    if not analytic and config.parallel.context > 1:
+        raise ConfigError(f"parallel.context: got {config.parallel.context} under costs.kind {kind}, expected 1 (only "
+                          f"analytic costs split the tokens over context-parallel GPUs)")
     if not analytic and config.parallel.zero_stage:
         raise ConfigError(f"{_zero_key(config)} under costs.kind {kind}, expected none (only analytic costs shard "
                           f"the model states)")
@@ -344,8 +350,11 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
             raise ConfigError(f"memory.{key}: got {getattr(config.memory, key)} under costs.kind {kind}, expected "
                               f"unset (only analytic costs count what a GPU process holds besides tensors)")
     per_node = cluster.graph.graph["gpus_per_node"] if cluster is not None else None
+    p = config.parallel
     try:
-        check_parallel(config.parallel, model, per_node)
+        check_context(p.context, p.context_comm, p.tensor, model.seq if model else None, config.model.attention,
+                      per_node)
+        check_parallel(p, model, per_node)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -370,18 +379,39 @@ def _zero_key(config: Config) -> str:
 
 
 def _tensor_split(config: Config, cluster: Cluster, model: ModelSpec, schedule: Schedule) -> TensorSplit:
-    """Tensor parallelism and selective recompute for the analytic costs, with each stage's collective times."""
+    """Tensor and context parallelism and selective recompute for the analytic costs, with each stage's collective
+    times on its device's groups."""
     p, b = config.parallel, config.model.microbatch_size
-    split = TensorSplit(p.tensor, p.sequence, config.schedule.recompute == "selective", overlap=p.tp_comm_overlap)
-    if p.tensor < 2:
+    split = TensorSplit(p.tensor, p.sequence, config.schedule.recompute == "selective", overlap=p.tp_comm_overlap,
+                        context=p.context, context_comm=p.context_comm)
+    if p.gpus_per_device < 2:
         return split
     network = cluster.tensor_network(schedule.num_devices, config.seed, config.cluster.collective, config.faults)
-    activation = model.seq * b * model.hidden * PRECISIONS[config.model.precision].activation_bytes
+    mesh = DeviceMesh(schedule.num_devices, tensor=p.tensor, context=p.context)
+    tokens, width = model.seq * b // p.context, PRECISIONS[config.model.precision].activation_bytes
+    devices = list(schedule.stage_to_device)
     try:
-        times = stage_times(network, p.tensor, list(schedule.stage_to_device), activation, model.seq * b)
+        if p.tensor > 1:
+            split = dataclasses.replace(split, times=stage_times(network, mesh, devices, tokens * model.hidden * width,
+                                                                 tokens))
+        if p.context > 1:
+            block = 2 * (model.kv_width // p.tensor) * tokens * width  # one GPU's keys and values
+            split = dataclasses.replace(split, context_times=context_times(
+                network, mesh, devices, block, block * p.context, _stage_grad_bytes(config, model, split, schedule)))
     except NetworkError as err:
         raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
-    return dataclasses.replace(split, times=times)
+    return split
+
+
+def _stage_grad_bytes(config: Config, model: ModelSpec, split: TensorSplit, schedule: Schedule) -> list[int]:
+    """Per stage, one GPU's gradient bytes (what its context group all-reduces before the step)."""
+    try:
+        layers = stage_layers(model.layers, schedule.num_stages, config.model.layers_per_stage)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    last = schedule.num_stages - 1
+    per_param = grad_bytes(config.memory.runtime, config.model.precision)
+    return [split.params(model, n, s == 0, s == last) * per_param for s, n in enumerate(layers)]
 
 
 def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: Schedule) -> CostModel:

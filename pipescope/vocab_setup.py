@@ -40,6 +40,10 @@ def apply_vocab(config: Config, schedule: Schedule, costs: CostModel, model: Mod
         raise ConfigError(f"schedule.vocab: {method.value} with parallel.tensor={config.parallel.tensor} is not "
                           f"modelled (vocabulary shards split again over the tensor group); expected naive or "
                           f"redistribute with tensor parallelism, or parallel.tensor 1")
+    if config.parallel.context > 1 and method is not VocabMethod.REDISTRIBUTE:
+        raise ConfigError(f"schedule.vocab: {method.value} with parallel.context={config.parallel.context} is not "
+                          f"modelled (each vocabulary shard's tokens split again over the context group); expected "
+                          f"naive or redistribute with context parallelism, or parallel.context 1")
     if isinstance(config.costs, UniformCostsConfig) and method is VocabMethod.REDISTRIBUTE:
         raise ConfigError("schedule.vocab: redistribute moves transformer layers, which costs.kind uniform does not "
                           "model; expected costs.kind analytic or profile")

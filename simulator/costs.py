@@ -22,6 +22,7 @@ from pipescope.simulator.kernels import (
     output_kernels,
 )
 from pipescope.simulator.models import ModelSpec, check_attention, stage_layers
+from pipescope.simulator.context import exposed_ns
 from pipescope.simulator.parallel import TensorSplit
 from pipescope.simulator.vocab import VocabShards
 
@@ -311,26 +312,44 @@ class AnalyticCosts(PerStageCache):
         stash += output
         block_input = self.split.stage_input_bytes(self.model, self.microbatch_size, self.precision)
         kept = (n * block_input + output) if self.checkpoint_layers else block_input if stage \
-            else self.microbatch_size * self.model.seq * TOKEN_ID_BYTES  # the first stage keeps its token ids
+            else self.microbatch_size * self.model.seq * TOKEN_ID_BYTES // self.split.context  # its token ids
         gemm_ns = self._layer_gemm_ns()
         comm_f, comm_i = self.split.comm_ns(stage, n, stage == 0, stage == num_stages - 1, gemm_ns)
+        context_f, context_i = self._context_ns(stage, n)
         vocab = self._vocab_passes(stage)
         return StageCost(
-            forward_ns=seconds_to_ns(seconds["F"]) + comm_f,
-            input_grad_ns=seconds_to_ns(seconds["I"]) + comm_i,
+            forward_ns=seconds_to_ns(seconds["F"]) + comm_f + context_f,
+            input_grad_ns=seconds_to_ns(seconds["I"]) + comm_i + context_i,
             weight_grad_ns=seconds_to_ns(seconds["W"]),
             # full recompute re-runs the blocks' forwards with their collectives, not the output layer (Megatron
             # checkpoints the transformer blocks only)
-            recompute_ns=seconds_to_ns(layers_forward) + self.split.comm_ns(stage, n, False, False, gemm_ns)[0],
+            recompute_ns=seconds_to_ns(layers_forward) + self.split.comm_ns(stage, n, False, False, gemm_ns)[0]
+            + context_f,
             boundary_bytes=work.boundary_bytes,
             activation_bytes=stash,
             weight_grad_bytes=n * work.weight_grad_bytes,
             input_bytes=kept,
             rebuilt_bytes=work.activation_bytes if self.checkpoint_layers else None,
             params=self._params(stage, num_stages, n),
-            optimizer_ns=seconds_to_ns(seconds["optimizer"]),
+            optimizer_ns=seconds_to_ns(seconds["optimizer"]) + self._context_grad_ns(stage),
             **vocab,
         )
+
+    def _context_ns(self, stage: int, layers: int) -> tuple[int, int]:
+        """(ns added to F, to I) for the stage's context-parallel key/value exchange (``context.exposed_ns``)."""
+        s = self.split
+        if s.context < 2 or not s.context_times:
+            return 0, 0
+        kernels = layer_kernels(self.model, self.microbatch_size, self.precision, self.attention, s.tensor,
+                                s.sequence, s.context)
+        attention = {k.op: seconds_to_ns(self.roofline.seconds(k)) for k in kernels if k.flash is not None}
+        return exposed_ns(s.context_times[stage], s.context, s.context_comm, layers,
+                          (attention.get("F", 0), attention.get("I", 0)))
+
+    def _context_grad_ns(self, stage: int) -> int:
+        """The all-reduce of the stage's gradients over its context group, before its step (``simulator/context``)."""
+        s = self.split
+        return s.context_times[stage].grad_all_reduce if s.context > 1 and s.context_times else 0
 
     def _layer_gemm_ns(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One block's matmul times in F and I, in the order its tensor-parallel collectives pair with them
@@ -339,7 +358,7 @@ class AnalyticCosts(PerStageCache):
         if not self.split.overlap:
             return (), ()
         kernels = layer_kernels(self.model, self.microbatch_size, self.precision, self.attention, self.split.tensor,
-                                self.split.sequence)
+                                self.split.sequence, self.split.context)
         ns = {(k.op, k.name): seconds_to_ns(self.roofline.seconds(k)) for k in kernels if k.gemm is not None}
         forward = ("QKV", "out projection", "MLP up", "MLP down")
         return tuple(ns["F", name] for name in forward), tuple(ns["I", name] for name in reversed(forward))
@@ -364,12 +383,13 @@ class AnalyticCosts(PerStageCache):
         """(component, instances, kernels of one instance) of the stage: its blocks, the output layer on the last
         stage, and one optimizer step over its parameters (without a memory bandwidth: none)."""
         n, t, sp = self._layers_of(stage, num_stages, self.model.layers), self.split.tensor, self.split.sequence
-        parts = [("layer", n, layer_kernels(self.model, self.microbatch_size, self.precision, self.attention, t, sp))]
+        cp, b = self.split.context, self.microbatch_size
+        parts = [("layer", n, layer_kernels(self.model, b, self.precision, self.attention, t, sp, cp))]
         if self.split.selective:  # the backward re-runs the attention core's forward first
-            core = attention_core_kernels(self.model, self.microbatch_size, self.precision, self.attention, t)
+            core = attention_core_kernels(self.model, b, self.precision, self.attention, t, cp)
             parts.append(("recompute", n, [replace(k, op="I") for k in core]))
         if stage == num_stages - 1 and self.vocab is None:
-            parts.append(("output", 1, output_kernels(self.model, self.microbatch_size, self.precision, t, sp)))
+            parts.append(("output", 1, output_kernels(self.model, b, self.precision, t, sp, cp)))
         if self.memory_bandwidth:
             params = -(-self._params(stage, num_stages, n) // self.optimizer_shards)
             parts.append(("optimizer", 1, optimizer_kernels(params, self.precision, self.grad_bytes)))

@@ -73,9 +73,11 @@ class _Shape:
 
     @classmethod
     def of(cls, model: ModelSpec, microbatch_size: int, precision: str, tensor: int = 1,
-           sequence: bool = False) -> _Shape:
+           sequence: bool = False, context: int = 1) -> _Shape:
+        """The block's sizes on one GPU: under context parallelism its 1/``context`` of the tokens, whose queries
+        attend to all ``seq`` keys (``simulator/context.py``)."""
         p = PRECISIONS[precision]
-        return cls(model.seq * microbatch_size, model.hidden, model.seq, model.heads, model.vocab,
+        return cls(model.seq * microbatch_size // context, model.hidden, model.seq, model.heads, model.vocab,
                    p.activation_bytes, p.weight_bytes, p.grad_bytes, tensor, sequence, model.kv_width, model.ffn,
                    model.family == "llama")
 
@@ -242,21 +244,21 @@ def _layer_weight_grad(x: _Shape) -> list[Kernel]:
 
 
 def layer_kernels(model: ModelSpec, microbatch_size: int, precision: str, attention: str = "flash",
-                  tensor: int = 1, sequence: bool = False) -> list[Kernel]:
+                  tensor: int = 1, sequence: bool = False, context: int = 1) -> list[Kernel]:
     """The kernels of one transformer block's F, I and W (pre-LN, as Megatron's block, with the dropouts the ZB
     paper's M_B counts). Their FLOPs add up to ``layer_work``'s per pass. With ``tensor`` t, one GPU's share:
     matmuls, the attention core and GeLU over t; layer norms, dropouts and residuals whole unless ``sequence``
-    (docs/costs.md, "Tensor parallelism")."""
+    (docs/costs.md, "Tensor parallelism"); with ``context`` cp, its 1/cp of the tokens."""
     check_attention(attention)
-    x = _Shape.of(model, microbatch_size, precision, tensor, sequence)
+    x = _Shape.of(model, microbatch_size, precision, tensor, sequence, context)
     return [*_layer_forward(x, attention), *_layer_input_grad(x, attention), *_layer_weight_grad(x)]
 
 
 def attention_core_kernels(model: ModelSpec, microbatch_size: int, precision: str, attention: str = "flash",
-                           tensor: int = 1) -> list[Kernel]:
+                           tensor: int = 1, context: int = 1) -> list[Kernel]:
     """The attention core's forward kernels on one of t GPUs: what selective recompute re-runs in the backward."""
     check_attention(attention)
-    return _attention(_Shape.of(model, microbatch_size, precision, tensor).split(), "F", attention)
+    return _attention(_Shape.of(model, microbatch_size, precision, tensor, context=context).split(), "F", attention)
 
 
 CROSS_ENTROPY_FORWARD_BYTES = 36  # per logit beyond its read: fp32 copy 4, max 4, subtract 8, exp 8, sum 4, divide 8
@@ -264,13 +266,13 @@ CROSS_ENTROPY_BACKWARD_BYTES = 12  # per logit beyond its write: the saved softm
 
 
 def output_kernels(model: ModelSpec, microbatch_size: int, precision: str, tensor: int = 1,
-                   sequence: bool = False) -> list[Kernel]:
+                   sequence: bool = False, context: int = 1) -> list[Kernel]:
     """The output layer's kernels: final layer norm, logits, and Megatron's vocabulary-parallel cross-entropy
     (``cross_entropy.py``, not fused): F copies the logits to fp32, takes the row max, subtracts it in place, takes
     the exponentials into a new buffer, sums them and divides in place (the fp32 softmax it keeps for the backward);
     I scales that softmax in place and hands it to the logits' matmul. Their FLOPs add up to ``output_layer_flops``;
-    with ``tensor`` t, one GPU's vocabulary slice."""
-    x = _Shape.of(model, microbatch_size, precision, tensor, sequence)
+    with ``tensor`` t, one GPU's vocabulary slice; with ``context`` cp, its share of the tokens."""
+    x = _Shape.of(model, microbatch_size, precision, tensor, sequence, context)
     h, v, sbh = x.hidden, x.split().vocab, x.whole().sbh
     logits, targets = x.tokens * v, 8 * x.tokens  # int64 targets
     norm = "final RMSNorm" if x.llama else "final layer norm"

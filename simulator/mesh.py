@@ -1,9 +1,9 @@
 """The device mesh: the one home of "which rank is this device of this replica" and "which ranks form this axis's
 group" (docs/parallelism.md).
 
-A simulated device is one pipeline device of one data-parallel replica; it stands for ``tensor`` GPUs of one node.
-Device ``d`` of replica ``r`` is device ``r * pipeline + d``; its GPUs are the network's GPUs ``device * tensor``
-to ``device * tensor + tensor - 1`` (``Cluster.tensor_network``'s numbering).
+A simulated device is one pipeline device of one data-parallel replica; it stands for ``tensor x context`` GPUs of
+one node. Device ``d`` of replica ``r`` is device ``r * pipeline + d``; its GPUs are the network's GPUs from
+``device * tensor * context`` on (``Cluster.tensor_network``'s numbering), tensor ranks innermost.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ class DeviceMesh:
     data: int = 1
     tensor: int = 1
     shard: int = 0  # replicas a ZeRO shard group spans (HSDP: a divisor of data); 0: all of them
+    context: int = 1  # GPUs of a device that split the sequence, per tensor rank
+
+    @property
+    def gpus_per_device(self) -> int:
+        return self.tensor * self.context
 
     @property
     def shard_size(self) -> int:
@@ -52,7 +57,7 @@ class DeviceMesh:
 
     @property
     def gpus(self) -> int:
-        return self.devices * self.tensor
+        return self.devices * self.gpus_per_device
 
     def device(self, replica: int, d: int) -> int:
         """Replica ``replica``'s pipeline device ``d``."""
@@ -63,8 +68,15 @@ class DeviceMesh:
         return [self.device(r, d) for r in range(self.data)]
 
     def tensor_gpus(self, device: int) -> list[int]:
-        """The GPUs of ``device`` (numbered as ``Cluster.tensor_network`` numbers them)."""
-        return list(range(device * self.tensor, (device + 1) * self.tensor))
+        """The tensor-parallel group of ``device``'s first context rank (numbered as ``Cluster.tensor_network``
+        numbers a device's GPUs: tensor innermost, then context, as Megatron-LM orders them)."""
+        first = device * self.gpus_per_device
+        return list(range(first, first + self.tensor))
+
+    def context_gpus(self, device: int) -> list[int]:
+        """The context-parallel group of ``device``'s first tensor rank."""
+        first = device * self.gpus_per_device
+        return [first + c * self.tensor for c in range(self.context)]
 
 
 ZERO_STAGES = (0, 1, 2, 3)  # parallel.zero

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from pipescope.simulator.context import ContextTimes
 from pipescope.simulator.mesh import DeviceMesh, Sharding
 from pipescope.simulator.models import (
     PRECISIONS,
@@ -57,7 +58,8 @@ class ParallelConfig:
     run in chunks behind the matmuls they feed or follow (Transformer Engine's userbuffers; needs sequence);
     ``zero``: the ZeRO stage over the data-parallel replicas (0 none; 1 optimizer state, 2 and gradients, 3 and
     weights: ``mesh.Sharding``), ``reshard_after_forward`` and ``zero_prefetch`` its stage 3's choices;
-    ``shard_group``: HSDP's shard group, in replicas; ``distributed_optimizer``: the older spelling of ``zero: 1``
+    ``shard_group``: HSDP's shard group, in replicas; ``context`` and ``context_comm``: context parallelism
+    (``simulator/context.py``); ``distributed_optimizer``: the older spelling of ``zero: 1``
     (Megatron's distributed optimizer), kept working.
     docs/parallelism.md, docs/cli.md."""
 
@@ -69,6 +71,13 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     zero_prefetch: int = 1  # ZeRO-3: ops ahead a weight gather is issued (FSDP's prefetch of the next unit: 1)
     shard_group: int | None = None  # HSDP: replicas one set of ZeRO shards spans; None: all of them
+    context: int = 1  # context parallelism: GPUs of a tensor rank that split the sequence (simulator/context.py)
+    context_comm: str = "p2p"  # how they exchange keys and values: p2p (ring) or all_gather
+
+    @property
+    def gpus_per_device(self) -> int:
+        """The GPUs one simulated device stands for: tensor x context."""
+        return self.tensor * self.context
 
     @property
     def zero_stage(self) -> int:
@@ -130,7 +139,8 @@ class CollectiveTimes:
 
 @dataclass(frozen=True)
 class TensorSplit:
-    """What one of a stage's ``tensor`` GPUs computes, holds and waits for; the defaults are no split at all.
+    """What one of a stage's ``tensor`` (x ``context``) GPUs computes, holds and waits for; the defaults are no split
+    at all.
 
     Attributes:
         tensor: t, the tensor-parallel width.
@@ -144,6 +154,9 @@ class TensorSplit:
     selective: bool = False
     times: tuple[CollectiveTimes, ...] = ()
     overlap: bool = False  # parallel.tp_comm_overlap: each layer collective runs behind its matmul
+    context: int = 1  # parallel.context: each of the device's GPUs holds 1/context of the tokens
+    context_comm: str = "p2p"
+    context_times: tuple[ContextTimes, ...] = ()  # per stage (empty: free, as at context 1)
 
     def layer_work(self, model: ModelSpec, microbatch_size: int, precision: str, attention: str) -> LayerWork:
         """``models.layer_work`` with per-GPU bytes (FLOPs stay the whole layer's: the MFU convention's).
@@ -156,26 +169,30 @@ class TensorSplit:
         """
         whole = layer_work(model, microbatch_size, precision, attention)
         t, w = self.tensor, stash_widths(model)
-        s, b, a = model.seq, microbatch_size, model.heads
+        s, a = model.seq, model.heads
+        tokens = s * microbatch_size // self.context  # context parallelism: this GPU's share of the sequence
         scale = PRECISIONS[precision].activation_bytes / 2  # the paper's counts are for 2-byte activations
         kept_whole, split = (0, (w.whole + w.split) // t) if self.sequence else (w.whole, w.split // t)
-        stash = int(s * b * (kept_whole + split) * scale)
+        stash = int(tokens * (kept_whole + split) * scale)
         if not self.selective:
-            stash += (int(s * b * w.scores * (a // t) * s * scale) if attention == "eager"
-                      else 4 * (a // t) * s * b)  # flash's fp32 log-sum-exp per row and head
+            stash += (int(tokens * w.scores * (a // t) * s * scale) if attention == "eager"
+                      else 4 * (a // t) * tokens)  # flash's fp32 log-sum-exp per row and head
         w_whole, w_split = (0, (w.weight_whole + w.weight_split) // t) if self.sequence \
             else (w.weight_whole, w.weight_split // t)
-        return replace(whole, activation_bytes=stash, weight_grad_bytes=int(s * b * (w_whole + w_split) * scale),
-                       boundary_bytes=whole.boundary_bytes // t)
+        return replace(whole, activation_bytes=stash, weight_grad_bytes=int(tokens * (w_whole + w_split) * scale),
+                       boundary_bytes=whole.boundary_bytes // t // self.context)
 
     def stage_input_bytes(self, model: ModelSpec, microbatch_size: int, precision: str) -> int:
-        """The stage input, all ``F`` keeps under full recompute: whole on every GPU, or its 1/t sequence slice."""
-        nbytes = model.seq * microbatch_size * model.hidden * PRECISIONS[precision].activation_bytes
+        """The stage input, all ``F`` keeps under full recompute: whole on every GPU, or its 1/t sequence slice (of
+        its 1/cp share under context parallelism)."""
+        nbytes = model.seq * microbatch_size * model.hidden * PRECISIONS[precision].activation_bytes // self.context
         return nbytes // self.tensor if self.sequence else nbytes
 
     def output_bytes(self, model: ModelSpec, microbatch_size: int, precision: str) -> int:
-        """The output layer's stash on one GPU: its vocabulary slice of the logits plus their fp32 softmax."""
-        return output_activation_bytes(replace(model, vocab=self.vocab_slice(model)), microbatch_size, precision)
+        """The output layer's stash on one GPU: its vocabulary slice of the logits plus their fp32 softmax, for its
+        share of the tokens."""
+        whole = output_activation_bytes(replace(model, vocab=self.vocab_slice(model)), microbatch_size, precision)
+        return whole // self.context
 
     def vocab_slice(self, model: ModelSpec) -> int:
         """Vocabulary rows per GPU: ceil(V / t) (Megatron pads the vocabulary to a multiple of t)."""
@@ -248,10 +265,9 @@ def collective_times(network: RoutedNetwork, group: list[int], activation_bytes:
                            alone(K.REDUCE_SCATTER, activation_bytes), alone(K.ALL_REDUCE, 4 * tokens))
 
 
-def stage_times(network: RoutedNetwork, tensor: int, stage_to_device: list[int], activation_bytes: int,
+def stage_times(network: RoutedNetwork, mesh: DeviceMesh, stage_to_device: list[int], activation_bytes: int,
                 tokens: int) -> tuple[CollectiveTimes, ...]:
     """Per stage, its device's group times (its GPUs: ``DeviceMesh.tensor_gpus``), each distinct group priced once."""
-    mesh = DeviceMesh(max(stage_to_device) + 1, tensor=tensor)
     by_device: dict[int, CollectiveTimes] = {}
     for device in stage_to_device:
         if device not in by_device:

@@ -59,20 +59,22 @@ class ClusterConfig:
         return GradSync(self.bucket_size, self.overlap_grad_sync, zero, reshard_after_forward, unit_params, prefetch,
                         shard_group)
 
-    def build(self, devices: int, tensor: int = 1) -> Cluster:
-        """The cluster for ``devices`` devices per replica, each ``tensor`` GPUs of one node (ValueError naming the
-        key if it cannot)."""
-        total = devices * self.data_parallel
-        if total * tensor > MAX_GPUS:
-            raise ValueError(f"cluster.data_parallel: {_product(tensor)} = {total * tensor:,} GPUs, expected at most "
-                             f"{MAX_GPUS:,}")
+    def build(self, devices: int, tensor: int = 1, context: int = 1) -> Cluster:
+        """The cluster for ``devices`` devices per replica, each ``tensor`` x ``context`` GPUs of one node
+        (ValueError naming the key if it cannot)."""
+        total, per_device = devices * self.data_parallel, tensor * context
+        if total * per_device > MAX_GPUS:
+            raise ValueError(f"cluster.data_parallel: {_product(tensor, context)} = {total * per_device:,} GPUs, "
+                             f"expected at most {MAX_GPUS:,}")
         graph = load_topology(self.topology, self.nodes, self.fabric, self.oversubscription)
-        return Cluster(graph, self.placement, total, tensor)
+        return Cluster(graph, self.placement, total, tensor, context)
 
 
-def _product(tensor: int) -> str:
+def _product(tensor: int, context: int = 1) -> str:
     """How a run's GPU count is made, for messages (t = 1 keeps the words it always had)."""
-    return "stages x data_parallel" if tensor == 1 else "stages x parallel.tensor x data_parallel"
+    return "stages x " + "".join(f"{key} x " for key, degree in (("parallel.tensor", tensor),
+                                                                 ("parallel.context", context)) if degree > 1) \
+        + "data_parallel"
 
 
 def gpu_nodes(graph: nx.DiGraph) -> list[str]:
@@ -85,19 +87,23 @@ class Cluster:
     """A topology graph plus the GPU rank each simulated device runs on: with ``tensor`` t, the first of the t
     consecutive GPUs of one node the device stands for (its p2p transfers and gradient all-reduces start there)."""
 
-    def __init__(self, graph: nx.DiGraph, placement: str, devices: int, tensor: int = 1):
+    def __init__(self, graph: nx.DiGraph, placement: str, devices: int, tensor: int = 1, context: int = 1):
         self.graph = graph
         self.gpus = gpu_nodes(graph)
         self.name = graph.graph.get("name", "cluster")
-        self.tensor = tensor
+        self.tensor = tensor = tensor * context  # the GPUs a device stands for (its lanes)
         per_node, nodes = graph.graph["gpus_per_node"], graph.graph["nodes"]
+        if per_node % tensor and context > 1:
+            raise ValueError(f"parallel.context: got {context} with parallel.tensor {tensor // context}, expected "
+                             f"context x tensor to divide the {per_node} GPUs per node of {self.name} (a device's "
+                             f"GPUs share one node)")
         if per_node % tensor:
             raise ValueError(f"parallel.tensor: got {tensor}, expected a divisor of the {per_node} GPUs per node of "
                              f"{self.name} (a stage's tensor-parallel GPUs share one node)")
         if devices * tensor > len(self.gpus):
-            raise ValueError(f"cluster.nodes: the run needs {devices * tensor:,} GPUs ({_product(tensor)}) but "
-                             f"{nodes} x {per_node} GPUs of {self.name} give {len(self.gpus):,}; expected "
-                             f"cluster.nodes >= {-(-devices * tensor // per_node)}")
+            raise ValueError(f"cluster.nodes: the run needs {devices * tensor:,} GPUs "
+                             f"({_product(tensor // context, context)}) but {nodes} x {per_node} GPUs of {self.name} "
+                             f"give {len(self.gpus):,}; expected cluster.nodes >= {-(-devices * tensor // per_node)}")
         self.rank_of = placement_ranks(placement, devices, nodes, per_node, tensor)
 
     @property

@@ -1,0 +1,77 @@
+"""Context parallelism (docs/parallelism.md, "Context parallelism"; simulator/context.py): each GPU of a context group
+computes and stashes its 1/cp of the tokens, exchanges keys and values in a ring behind its attention (or by
+all-gather, as Llama 3 did), and all-reduces its gradients over the group before the step."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipescope import ConfigError, load_config, run
+from pipescope.runner import prepare
+from pipescope.simulator.context import ContextTimes, exposed_ns
+from pipescope.simulator.kernels import layer_kernels
+from pipescope.simulator.models import PRESETS, layer_work
+
+LONG = ["model.preset=llama3-8b", "model.seq=32768", "model.layers=8", "schedule.stages=2",
+        "schedule.microbatches=4", "parallel.tensor=2", "cluster.topology=dgx-h100", "cluster.nodes=2"]
+
+
+def test_each_gpu_runs_its_share_of_the_tokens_against_every_key() -> None:
+    """At cp = 4 a GPU's kernels add up to a quarter of the block's FLOPs in every pass (its queries attend to all
+    keys, the causal balance giving each the same share), and its flash kernel still sees the whole sequence."""
+    spec = PRESETS["llama3-8b"]
+    work = layer_work(spec, 1, "bf16")
+    kernels = layer_kernels(spec, 1, "bf16", context=4)
+    for op, flops in (("F", work.forward_flops), ("I", work.input_grad_flops), ("W", work.weight_grad_flops)):
+        assert sum(k.flops for k in kernels if k.op == op) == pytest.approx(flops / 4, rel=1e-12)
+    assert {k.flash.seq for k in kernels if k.flash is not None} == {spec.seq}
+
+
+def test_a_ring_step_costs_only_what_its_transfer_takes_beyond_its_block_of_attention() -> None:
+    times = ContextTimes(ring_step=30, gather=100, scatter=70)
+    assert exposed_ns(times, 2, "p2p", 3, (80, 160)) == (0, 0)  # 30 < 80/2 and 60 < 160/2: hidden
+    assert exposed_ns(times, 4, "p2p", 3, (80, 160)) == (3 * 3 * 10, 3 * 3 * 20)  # 3 steps of 30 - 20 and 60 - 40
+    assert exposed_ns(times, 4, "all_gather", 3, (80, 160)) == (3 * 100, 3 * 170)  # nothing hidden
+    assert exposed_ns(times, 1, "p2p", 3, (80, 160)) == (0, 0)
+
+
+def test_a_long_sequence_splits_its_time_and_activations_over_the_group() -> None:
+    """Llama 3 8B (8 layers) at 32k tokens on 2 stages of t = 2: cp = 2 holds half the activations a GPU stashes and
+    takes close to half the time on twice the GPUs; each step first all-reduces the gradients over the group."""
+    one, two = (run(load_config(None, [*LONG, f"parallel.context={cp}"])) for cp in (1, 2))
+    assert two.gpus == 2 * one.gpus
+    assert 0.5 <= two.iteration_time_s / one.iteration_time_s < 0.56
+    for a, b in zip(one.stage_costs, two.stage_costs):
+        assert b.activation_bytes == pytest.approx(a.activation_bytes / 2, abs=2)
+        assert b.params == a.params  # the weights are whole on every GPU of the group
+    built = prepare(load_config(None, [*LONG, "parallel.context=2"]))
+    grads = built.costs.split.context_times[0].grad_all_reduce
+    assert grads > 0 and two.stage_costs[0].optimizer_ns == one.stage_costs[0].optimizer_ns + grads
+    gathered = run(load_config(None, [*LONG, "parallel.context=2", "parallel.context_comm=all_gather"]))
+    assert gathered.iteration_time_s > two.iteration_time_s  # nothing of the all-gather hides behind attention
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["parallel.context=4", "parallel.tensor=4"], "parallel.context: got 4 with parallel.tensor 4, expected context "
+                                                  "x tensor to divide the 8 GPUs per node"),
+    (["parallel.context=2", "model.seq=32766"], "expected 2 x context to divide model.seq"),
+    (["parallel.context=2", "model.attention=eager"], "with model.attention eager, expected flash"),
+    (["parallel.context=2", "parallel.tensor=1", "costs.kind=uniform"],
+     "parallel.context: got 2 under costs.kind uniform, expected 1"),
+    (["parallel.context=2", "parallel.context_comm=ring"], "parallel.context_comm: got 'ring', expected one of p2p, "
+                                                            "all_gather"),
+    (["parallel.context=2", "parallel.tensor=1", "schedule.name=1f1b", "schedule.vocab=vocab-1"],
+     "schedule.vocab: vocab-1 with parallel.context=2 is not modelled"),
+])
+def test_context_parallelism_is_refused_where_it_has_no_meaning(sets: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        run(load_config(None, [*LONG, *sets]))
+
+
+def test_the_planner_says_it_does_not_search_context_parallelism() -> None:
+    from pipescope.experiments.plan import plan
+    from pipescope.experiments.plan_space import PlanRequest, base_config
+
+    request = PlanRequest(base_config("gpt-355m", "dgx-a100", 1, None, {"parallel": {"context": 2}}), 8)
+    with pytest.raises(ConfigError, match="parallel.context: got 2, expected 1: the planner does not search"):
+        plan(request, workers=1, progress=False)
