@@ -248,11 +248,10 @@ def test_when_nothing_fits_the_plan_tries_zero_3_before_more_nodes(cli) -> None:
     flags = ["plan", "--model", "gpt-1.3b", "--topology", "dgx-a100", "--global-batch", "64", "--schedules", "1f1b",
              "--tensor", "1", "--recompute", "none", "--microbatch-sizes", "1,2", "--vocab", "naive", "--workers", "1",
              "--no-progress"]
-    for cap, nodes in (("6GiB", 1), ("5GiB", 2)):
-        code, out, _ = cli([*flags, "--memory-cap", cap, "--json"])
-        fit = json.loads(out)["would_fit"]
-        assert code == 1 and (fit["nodes"], fit["zero"], fit["depth"]) == (nodes, 3, 1)
-        assert fit["peak_memory_bytes"] <= int(cap[0]) << 30
+    code, out, _ = cli([*flags, "--memory-cap", "5GiB", "--json"])
+    fit = json.loads(out)["would_fit"]
+    assert code == 1 and (fit["nodes"], fit["zero"], fit["depth"]) == (2, 3, 1)
+    assert fit["peak_memory_bytes"] <= 5 << 30
     code, out, _ = cli([*flags, "--memory-cap", "6GiB"])
     assert "would fit: 1 node (8 GPUs) with full recompute and microbatch 1 and ZeRO-3, e.g. 1f1b w=8 d=1" in out
     assert "(pipescope plan --nodes 1 --zero 3 --recompute full --microbatch-sizes 1 ...)" in out
@@ -260,7 +259,7 @@ def test_when_nothing_fits_the_plan_tries_zero_3_before_more_nodes(cli) -> None:
 
 # On real gloo ranks: torch's own ZeRO against one process and against the ledger ----------------------------------
 
-@pytest.mark.parametrize("stage, world, reshard", [(1, 2, True), (3, 2, True), (3, 4, False)])
+@pytest.mark.parametrize("stage, world, reshard", [(1, 2, True), (3, 4, False)])
 def test_torchs_zero_on_gloo_ranks_trains_as_one_process_and_holds_what_the_ledger_says(stage: int, world: int,
                                                                                         reshard: bool) -> None:
     """One AdamW step of the executor's tiny GPT under ZeroRedundancyOptimizer (stage 1) or fully_shard (stage 3)
