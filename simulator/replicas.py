@@ -246,17 +246,24 @@ def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync]) -> Program:
 
     out = Program(actions=[], device=[], role=[], device_steps=[], launches=[], duration=[], waits=[], flow_of=[],
                   columns=base.columns)
-    blocked: dict[tuple[int, int], list[int]] = {}  # (replica, base entry) -> the sync flows it waits for
-    for c, r in members:
-        for entry in syncs[c].blocks:
-            blocked.setdefault((r, entry), []).append(total + first_sync_flow + c)
+    # what each base entry waits for: in every replica (a sync over all of them), or in some (HSDP's groups)
+    blocked: dict[int, list[int]] = {}
+    blocked_in: list[dict[int, list[int]]] = [{} for _ in range(width)]
+    for c, s in enumerate(syncs):
+        for entry in s.blocks:
+            if not s.replicas:
+                blocked.setdefault(entry, []).append(total + first_sync_flow + c)
+            for r in s.replicas:
+                blocked_in[r].setdefault(entry, []).append(total + first_sync_flow + c)
     for r in range(width):
         out.actions += [moved(a, r) if role is Role.COLLECTIVE else a for a, role in zip(base.actions, base.role)]
         out.device += [mesh.device(r, d) for d in base.device]
         out.role += base.role
         out.launches += [tuple(f + r * flows for f in fs) for fs in base.launches]
         out.duration += base.duration
-        out.waits += [[signal(s, r) for s in w] + blocked.get((r, i), []) for i, w in enumerate(base.waits)]
+        mine = blocked_in[r]
+        out.waits += [[signal(s, r) for s in w] + blocked.get(i, []) + mine.get(i, []) if mine else
+                      [signal(s, r) for s in w] + blocked.get(i, []) for i, w in enumerate(base.waits)]
         out.flow_of += [f + r * flows if f >= 0 else -1 for f in base.flow_of]
         out.device_steps += [[i + r * n for i in steps] for steps in base.device_steps]
     out.actions += [syncs[c].collective for c, _ in members]
