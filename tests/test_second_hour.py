@@ -112,21 +112,23 @@ def test_plan_ranks_with_tokens_mfu_and_the_runs_cost(cli) -> None:
     assert " ms " in out.splitlines()[2] or out.splitlines()[2].rstrip().endswith("days")
 
 
-def test_when_nothing_fits_the_plan_names_the_closest_and_what_would_fit(cli) -> None:
-    """It showed the first rejection of each kind (the worst as often as not) and said nothing of what would fit."""
-    code, out, _ = cli(["plan", "--model", "gpt-3.8b", "--topology", "dgx-a100", "--memory-cap", "8GiB",
-                        "--global-batch", "64", "--schedules", "1f1b", "--tensor", "1", "--recompute", "none",
-                        "--microbatch-sizes", "1,2", "--vocab", "naive", "--workers", "1", "--no-progress", "--json"])
-    report = json.loads(out)
-    assert code == 1 and report["best"] is None
+def test_when_nothing_fits_the_plan_names_the_closest_and_what_would_fit() -> None:
+    """It showed the first rejection of each kind (the worst as often as not) and said nothing of what would fit.
+    One plan, its JSON and its table (``plan_cmd.as_json`` and ``summary``, what the CLI prints)."""
+    from pipescope.experiments.plan import plan
+    from pipescope.experiments.plan_cmd import as_json, summary
+    from pipescope.experiments.plan_space import PlanRequest, base_config
+
+    request = PlanRequest(base_config("gpt-3.8b", "dgx-a100", None, 8 << 30), 64, schedules=("1f1b",), tensor=(1,),
+                          recompute=("none",), microbatch_sizes=(1, 2), vocab=("naive",))
+    result = plan(request, workers=1, progress=False)
+    report, out = as_json(result), summary(result, request.top)
+    assert report["best"] is None
     needs = [r["needs_bytes"] for r in report["rejected"] if "needs_bytes" in r]
     assert needs and min(needs) > 8 * 2**30
     fit = report["would_fit"]
     assert fit["nodes"] > 1 and fit["recompute"] == "full" and fit["microbatch_size"] == 1
     assert fit["peak_memory_bytes"] <= 8 * 2**30 and fit["gpus"] == 8 * fit["nodes"]
-    code, out, _ = cli(["plan", "--model", "gpt-3.8b", "--topology", "dgx-a100", "--memory-cap", "8GiB",
-                        "--global-batch", "64", "--schedules", "1f1b", "--tensor", "1", "--recompute", "none",
-                        "--microbatch-sizes", "1,2", "--vocab", "naive", "--workers", "1", "--no-progress"])
     closest = min((r for r in report["rejected"] if "needs_bytes" in r), key=lambda r: r["needs_bytes"])
     assert f"closest to fitting: 1f1b w={closest['width']} d={closest['depth']}" in out
     sharded = f" and ZeRO-{fit['zero']}" if fit["zero"] else ""  # ZeRO-3 is tried too (tests/test_zero.py)
