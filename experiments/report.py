@@ -32,10 +32,12 @@ def _cluster(result: SimResult) -> str:
 
 def _options(config: Config) -> str:
     """`` recompute`` or `` selective recompute``, then `` t=2`` (or `` t=2 sequence-parallel``) under tensor
-    parallelism and `` w=4`` with data-parallel replicas (`` w=4 ZeRO-3`` sharded over them)."""
+    parallelism, `` cp=2`` under context parallelism and `` w=4`` with data-parallel replicas (`` w=4 ZeRO-3``
+    sharded over them)."""
     text = {"full": " recompute", "selective": " selective recompute"}.get(config.schedule.recompute, "")
     p, w = config.parallel, config.cluster.data_parallel
     text += f" t={p.tensor}{' sequence-parallel' if p.sequence else ''}" if p.tensor > 1 else ""
+    text += f" cp={p.context}" + (" all-gather" if p.context_comm == "all_gather" else "") if p.context > 1 else ""
     return text + (f" w={w}" if w > 1 else "") + (f" ZeRO-{p.zero_stage}" if p.zero_stage and w > 1 else "")
 
 

@@ -49,6 +49,9 @@ def test_a_long_sequence_splits_its_time_and_activations_over_the_group() -> Non
     assert grads > 0 and two.stage_costs[0].optimizer_ns == one.stage_costs[0].optimizer_ns + grads
     gathered = run(load_config(None, [*LONG, "parallel.context=2", "parallel.context_comm=all_gather"]))
     assert gathered.iteration_time_s > two.iteration_time_s  # nothing of the all-gather hides behind attention
+    from pipescope.experiments.report import table
+
+    assert " t=2 cp=2  weight" in table(two) and " t=2 cp=2 all-gather  weight" in table(gathered)
 
 
 @pytest.mark.parametrize("sets, message", [
