@@ -160,16 +160,14 @@ def _allreduce_floor(built, costs: list) -> int:
         return _RATES[key]
 
     # under HSDP a shard group's reduce-scatter is part of what each iteration moves: its own floor, still a floor
-    groups = allreduce_floor_ns(built.schedule, costs, _grad_bytes(config),
-                                config.parallel.optimizer_shards(config.cluster.data_parallel)
-                                if config.parallel.zero_stage else config.cluster.data_parallel, ns_per_byte)
+    width = config.cluster.data_parallel
+    reduced_over = config.parallel.reduce_group(width)
+    groups = allreduce_floor_ns(built.schedule, costs, _grad_bytes(config), reduced_over, ns_per_byte)
     # A flush schedule's iteration holds all its all-reduces; a run of several (2BW, PipeDream) may end before a
     # shared NIC's backlog binds (docs/planner.md, "Steady state"), so the server floor bounds flush schedules only
     flush = built.schedule.iterations == 1 and isinstance(network(), RoutedNetwork)
     # (not under HSDP, whose groups' bytes into a server the full group's collective does not bound from below)
-    hybrid = bool(config.parallel.zero_stage) and config.parallel.optimizer_shards(config.cluster.data_parallel) \
-        < config.cluster.data_parallel
-    return max(groups, _server_floor(built, costs, network()) if flush and not hybrid else 0)
+    return max(groups, _server_floor(built, costs, network()) if flush and reduced_over == width else 0)
 
 
 def _gradient_collective(config):

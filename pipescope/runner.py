@@ -162,8 +162,9 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
     except ValueError as err:
         raise ConfigError(str(err)) from None
     p = config.parallel
-    sync = config.cluster.grad_sync(p.zero_stage, p.reshard_after_forward, fsdp_unit_params(model, p.tensor),
-                                    p.zero_prefetch, p.shard_group or 0)
+    sharding = dataclasses.replace(p.sharding(config.cluster.data_parallel),
+                                   unit_params=fsdp_unit_params(model, p.tensor))
+    sync = config.cluster.grad_sync(sharding)
     try:
         result = simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,
                           data_parallel=config.cluster.data_parallel, grad_sync=sync,

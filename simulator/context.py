@@ -18,7 +18,7 @@ as the tensor-parallel collectives are (``simulator/parallel.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pipescope.simulator.mesh import DeviceMesh
@@ -83,14 +83,17 @@ def context_times(network: RoutedNetwork, mesh: DeviceMesh, stage_to_device: lis
     from pipescope.simulator.ir import ActionKind as K
     from pipescope.simulator.routed import time_alone
 
+    def alone(kind: K, group: list[int], nbytes: int) -> int:
+        return time_alone(network, collective=(kind, group, nbytes))[0]
+
+    exchange: dict[int, ContextTimes] = {}  # per device: what its stages share (an interleaved device has several)
     out = []
     for stage, device in enumerate(stage_to_device):
         group = mesh.context_gpus(device)
-        ring = [(src, group[(i + 1) % len(group)], block_bytes, 0) for i, src in enumerate(group)]
-
-        def alone(kind: K, nbytes: int, members: list[int] = group) -> int:
-            return time_alone(network, collective=(kind, members, nbytes))[0]
-
-        out.append(ContextTimes(max(time_alone(network, ring).values()), alone(K.ALL_GATHER, kv_bytes),
-                                alone(K.REDUCE_SCATTER, kv_bytes), alone(K.ALL_REDUCE, grad_bytes[stage])))
+        if device not in exchange:
+            ring = [(src, group[(i + 1) % len(group)], block_bytes, 0) for i, src in enumerate(group)]
+            step = max(time_alone(network, ring).values())
+            exchange[device] = ContextTimes(step, alone(K.ALL_GATHER, group, kv_bytes),
+                                            alone(K.REDUCE_SCATTER, group, kv_bytes))
+        out.append(replace(exchange[device], grad_all_reduce=alone(K.ALL_REDUCE, group, grad_bytes[stage])))
     return tuple(out)

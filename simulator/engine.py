@@ -64,6 +64,7 @@ class Engine:
     def __init__(self, program: Program, network: Network, cores: SharedCores | None = None,
                  progress: Progress | None = None):
         self.p, self.network, self.cores = program, network, cores  # cores: CPU ranks sharing a host's cores
+        self.flow_joins = program.flow_joins  # HSDP: per flow, the members that join others when it ends
         self.progress = progress
         self.ended = 0  # compute and collective entries that ended
         self.n = n = program.num_entries
@@ -119,8 +120,8 @@ class Engine:
         if self.pending[self.n + flow] is event:  # else re-planned: a newer event stands for this flow
             self.times.flow_end[flow] = self.env.now
             self._fire(self.n + flow)
-            if self.p.flow_joins:  # HSDP: members that join when this flow ends
-                for later in self.p.flow_joins.get(flow, ()):
+            if self.flow_joins:
+                for later in self.flow_joins.get(flow, ()):
                     self.join(later)
 
     def _fire(self, signal: int) -> None:

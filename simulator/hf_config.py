@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 from pipescope.simulator.files import read_small_text
 from pipescope.simulator.units import short_repr
@@ -37,11 +38,16 @@ def read_hf_config(path: str) -> dict[str, int | str]:
             ``model_type`` other than llama or gpt2, a field missing or not a positive integer, or an activation or
             embedding tying the family does not have.
     """
-    return dict(_read(path))
+    try:  # keyed by the file's size and time too: a file edited in a notebook's session is read again
+        stat = os.stat(path)
+        version = (stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        version = None  # _read names why it cannot read it
+    return dict(_read(path, version))
 
 
 @functools.lru_cache(maxsize=16)
-def _read(path: str) -> tuple[tuple[str, int | str], ...]:
+def _read(path: str, version: tuple[int, int] | None) -> tuple[tuple[str, int | str], ...]:
     where = f"{KEY}: {short_repr(path)}"
     text = read_small_text(path, MAX_BYTES, where, "a Hugging Face config.json", "JSON")
     try:

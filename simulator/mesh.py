@@ -65,7 +65,7 @@ class DeviceMesh:
 
     def data_group(self, d: int) -> list[int]:
         """Pipeline device ``d`` of every replica: the ranks that reduce its gradients."""
-        return [self.device(r, d) for r in range(self.data)]
+        return list(self.ranks(tuple(range(self.data)), d))
 
     def tensor_gpus(self, device: int) -> list[int]:
         """The tensor-parallel group of ``device``'s first context rank (numbered as ``Cluster.tensor_network``

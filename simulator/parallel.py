@@ -84,10 +84,14 @@ class ParallelConfig:
         """The ZeRO stage that runs: ``zero``, or 1 under ``distributed_optimizer``."""
         return max(self.zero, 1 if self.distributed_optimizer else 0)
 
+    def reduce_group(self, data_parallel: int) -> int:
+        """The replicas a gradient reduction first spans: all of them, or under HSDP a shard group."""
+        return (self.shard_group or data_parallel) if self.zero_stage else data_parallel
+
     def optimizer_shards(self, data_parallel: int) -> int:
         """How many shards each GPU's optimizer state and step are cut into: the replicas of a shard group under
         ZeRO (all of them, or ``shard_group`` under HSDP), else 1."""
-        return (self.shard_group or data_parallel) if self.zero_stage else 1
+        return self.reduce_group(data_parallel) if self.zero_stage else 1
 
     def sharding(self, data_parallel: int) -> Sharding:
         """ZeRO's states and shards over ``data_parallel`` replicas (the memory ledger and the planner read it)."""

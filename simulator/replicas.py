@@ -28,7 +28,7 @@ import numpy as np
 
 from pipescope.simulator.ir import ActionKind, Collective, Role, Schedule, WeightUpdate
 from pipescope.simulator.lowering import LAG_WITHOUT_FLUSH, step_group, step_microbatch
-from pipescope.simulator.mesh import DeviceMesh
+from pipescope.simulator.mesh import NO_SHARDING, DeviceMesh, Sharding
 from pipescope.simulator.program import KIND_CODE, Columns, Program
 
 K = ActionKind
@@ -43,19 +43,19 @@ class SyncError(ValueError):
 @dataclass(frozen=True)
 class GradSync:
     """How replicas synchronise gradients: bucket size in bytes, overlapped with the backward or all at the end;
-    ``zero``: the ZeRO stage (0 none; 1 Megatron's distributed optimizer, which reduce-scatters the gradients, steps
-    its shard and all-gathers the weights after the step, with ``overlap`` behind the next iteration's forwards as
-    ``--overlap-param-gather`` does: not in this iteration; 2 sharded gradients, reduce-scattered after every
-    microbatch's backward; 3 sharded weights too, gathered before use: see the module doc);
-    ``reshard_after_forward``: stage 3's choice (module doc)."""
+    ``sharding``: ZeRO's stage and shards (``mesh.Sharding``: 0 none; 1 Megatron's distributed optimizer, which
+    reduce-scatters the gradients, steps its shard and all-gathers the weights after the step, with ``overlap`` behind
+    the next iteration's forwards as ``--overlap-param-gather`` does: not in this iteration; 2 sharded gradients,
+    reduce-scattered after every microbatch's backward; 3 sharded weights too, gathered before use: see the module
+    doc). Shards fewer than the replicas are HSDP's groups."""
 
     bucket_bytes: int = DDP_BUCKET_BYTES
     overlap: bool = True
-    zero: int = 0
-    reshard_after_forward: bool = True
-    unit_params: int = 0  # ZeRO-2/3's unit (``mesh.Sharding.unit_params``); 0: a stage's op is one unit
-    prefetch: int = 1  # ZeRO-3: a gather is issued when the op this many before the one it feeds starts
-    shard_group: int = 0  # HSDP: replicas a shard group spans (``mesh.DeviceMesh.shard``); 0: all
+    sharding: Sharding = NO_SHARDING
+
+    @property
+    def zero(self) -> int:
+        return self.sharding.zero
 
     @property
     def sharded(self) -> bool:
@@ -90,16 +90,17 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
         schedule: what ``base`` was compiled from (stage map, microbatches per iteration, weight-update rule).
         width: data-parallel replicas w >= 1.
         grad_bytes: per stage, the bytes of its gradients.
-        sync: bucket size, overlap, and whether the optimizer is sharded.
+        sync: bucket size, overlap, and ZeRO's stage and shards.
         weight_bytes: per stage, the bytes of its weights, which a sharded optimizer all-gathers after its step.
     """
-    mesh = DeviceMesh(schedule.num_devices, width, shard=sync.shard_group if sync.sharded else 0)
+    mesh = DeviceMesh(schedule.num_devices, width, shard=sync.sharding.shards if sync.sharded else 0)
     syncs = _syncs(base, schedule, mesh, grad_bytes, sync)
     weights = weight_bytes or [0] * len(grad_bytes)
     if sync.sharded and sync.zero < 3 and not sync.overlap and width > 1:
         syncs += _weight_gathers(base, schedule, mesh, weights, sync)
     if sync.zero >= 3 and width > 1:
-        syncs += _param_gathers(base, schedule, mesh, weights, sync.reshard_after_forward, sync.prefetch)
+        syncs += _param_gathers(base, schedule, mesh, weights, sync.sharding.reshard_after_forward,
+                                sync.sharding.prefetch)
     return _replicate(base, mesh, _hybrid(syncs, mesh, base) if mesh.hybrid else syncs)
 
 
@@ -110,8 +111,7 @@ def _hybrid(syncs: list[_Sync], mesh: DeviceMesh, base: Program) -> list[_Sync]:
     reduction waits for the all-reduce. A weight gather is one per shard group."""
     out: list[_Sync] = []
     for s in syncs:
-        home = s.device if s.device >= 0 else base.device[s.trigger]
-        c = s.collective
+        home, c = _home(s, base), s.collective
         scattered = []
         for replicas in mesh.shard_replicas():
             part = _Sync(s.trigger, s.offset, c._replace(group=mesh.ranks(replicas, home)),
@@ -124,6 +124,11 @@ def _hybrid(syncs: list[_Sync], mesh: DeviceMesh, base: Program) -> list[_Sync]:
                 reduced = c._replace(kind=K.ALL_REDUCE, group=mesh.ranks(replicas, home), nbytes=shard)
                 out.append(_Sync(AFTER, 0, reduced, s.blocks, home, replicas, tuple(scattered)))
     return out
+
+
+def _home(s: _Sync, base: Program) -> int:
+    """The base device a sync's members run on: its own, else its trigger's."""
+    return s.device if s.device >= 0 else base.device[s.trigger]
 
 
 def _weight_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_bytes: list[int], sync: GradSync
@@ -147,8 +152,8 @@ GATHERED_KINDS = (K.F, K.I, K.B)  # the ops that read a stage's weights (W reads
 
 def _param_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_bytes: list[int], reshard: bool,
                    prefetch: int = 1) -> list[_Sync]:
-    """ZeRO-3's all-gathers of a stage's weights (the module doc), in each device's op order: the memory ledger
-    pairs them with the ops they feed in that order (``memory.gathered_events``)."""
+    """ZeRO-3's all-gathers of a stage's weights (the module doc), in each device's op order: without resharding the
+    memory ledger pairs them with the stages' first ops in that order (``memory._gathered``)."""
     cols, m = base.columns, schedule.num_microbatches
     codes = [KIND_CODE[kind] for kind in GATHERED_KINDS]
     found = []
@@ -236,7 +241,7 @@ def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync]) -> Program:
     members = [(c, r) for c, s in enumerate(syncs) for r in (s.replicas or every)]
     total = width * n + len(members)
     first_sync_flow = width * flows
-    homes = [s.device if s.device >= 0 else base.device[s.trigger] for s in syncs]
+    homes = [_home(s, base) for s in syncs]
 
     def moved(c: Collective | None, r: int) -> Collective | None:  # a base collective over replica r's devices
         return c if c is None or not r else c._replace(group=tuple(mesh.device(r, d) for d in c.group))

@@ -15,7 +15,7 @@ from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
 from pipescope.simulator.lowering import add_optimizer_steps, defers_steps, gradient_buffers, lower
 from pipescope.simulator.memory_runtime import grad_bytes
-from pipescope.simulator.mesh import Sharding
+from pipescope.simulator.mesh import NO_SHARDING
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.network import FifoLinks, Network
 from pipescope.simulator.program import Program, compile_program, op_durations
@@ -81,9 +81,7 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         result = build_result(schedule, records, stage_costs, costs.precision, samples,
                               warnings=costs.notes() + _run_notes(schedule),
                               gradient_buffers=gradient_buffers(deferred),
-                              sharding=Sharding(sync.zero, sync.shard_group or width, sync.reshard_after_forward,
-                                                sync.unit_params, sync.prefetch) if width > 1 else Sharding(),
-                              **extra)
+                              sharding=sync.sharding if width > 1 else NO_SHARDING, **extra)
     if isinstance(network, RoutedNetwork):
         result.links, result.network = network.link_stats(result.makespan_ns), network.counters()
         result.link_spans = network.busy_spans()

@@ -98,7 +98,7 @@ def _zero3_program(reshard: bool, prefetch: int = 1):
     schedule = build("1f1b", 2, 4)
     program, stage_costs = prepare(schedule, StepCosts())
     grads = [c.params * 2 for c in stage_costs]
-    sync = GradSync(bucket_bytes=512 << 20, zero=3, reshard_after_forward=reshard, prefetch=prefetch)
+    sync = GradSync(bucket_bytes=512 << 20, sharding=Sharding(3, 2, reshard, prefetch=prefetch))
     return schedule, data_parallel(program, schedule, 2, grads, sync, grads)
 
 
@@ -183,7 +183,7 @@ def test_hsdp_reduce_scatters_in_each_group_then_all_reduces_each_shard_across_t
     schedule = build("1f1b", 2, 4)
     program, stage_costs = prepare(schedule, StepCosts())
     grads = [c.params * 2 for c in stage_costs]
-    sync = GradSync(bucket_bytes=1 << 50, zero=1, shard_group=2)
+    sync = GradSync(bucket_bytes=1 << 50, sharding=Sharding(1, 2))  # 2 shards over 4 replicas: 2 groups
     program = data_parallel(program, schedule, 4, grads, sync, grads)
     engine = Engine(program, servers(4, 2, 450 * GB, 2 * GB)).run()
     assert engine == Oracle(program, servers(4, 2, 450 * GB, 2 * GB)).run()

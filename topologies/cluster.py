@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from pipescope.simulator.faults import FaultsConfig, apply_link_faults, parse_stragglers
+from pipescope.simulator.mesh import NO_SHARDING, Sharding
 from pipescope.simulator.replicas import DDP_BUCKET_BYTES, GradSync
 from pipescope.simulator.routed import RoutedNetwork
 from pipescope.simulator.units import short_repr
@@ -53,11 +54,9 @@ class ClusterConfig:
         """The datasheet of the machine's GPU (ValueError naming the key if the machine cannot be loaded)."""
         return DEVICES[machine_device(self.topology)]
 
-    def grad_sync(self, zero: int = 0, reshard_after_forward: bool = True, unit_params: int = 0,
-                  prefetch: int = 1, shard_group: int = 0) -> GradSync:
-        """The gradient sync these keys ask for, under ZeRO stage ``zero`` (``parallel``; ``GradSync``)."""
-        return GradSync(self.bucket_size, self.overlap_grad_sync, zero, reshard_after_forward, unit_params, prefetch,
-                        shard_group)
+    def grad_sync(self, sharding: Sharding = NO_SHARDING) -> GradSync:
+        """The gradient sync these keys ask for, under ZeRO's ``sharding`` (``parallel``; ``GradSync``)."""
+        return GradSync(self.bucket_size, self.overlap_grad_sync, sharding)
 
     def build(self, devices: int, tensor: int = 1, context: int = 1) -> Cluster:
         """The cluster for ``devices`` devices per replica, each ``tensor`` x ``context`` GPUs of one node
