@@ -35,8 +35,12 @@ def device_name(device: str) -> str:
     if device == "cpu":
         return "cpu"
     import torch
-    name = torch.cuda.get_device_name(0).lower().removeprefix("nvidia ")
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    return folder_name(torch.cuda.get_device_name(0))
+
+
+def folder_name(gpu: str) -> str:
+    """``h200`` for "NVIDIA H200": the name of a GPU's folder under ``calibration/profiles``."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower().removeprefix("nvidia ")).strip("-")
 
 
 def steps(models: list[str], device: str, out: Path, budget_s: str, iterations: str, gemms: bool = True,
