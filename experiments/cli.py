@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from pipescope import __version__
 from pipescope.config import RANGES, Config, ConfigError, load_config, read_yaml, without_grid
-from pipescope.experiments.figure_formats import FORMATS
+from pipescope.experiments.figure_formats import FORMATS, format_of
 
 if TYPE_CHECKING:
     from pipescope.simulator.training_cost import TrainingGoal
@@ -339,11 +339,21 @@ def _torch_dry_run(schedule, unit_steps: int) -> tuple[str, str]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from pipescope.experiments import bench_scale
     from pipescope.experiments.bench import run_bench
     try:
         repeat = integer_flag("--repeat", args.repeat, 1, 1000)
-    except ValueError as err:
+        smallest = bench_scale.PIPELINE * bench_scale.TENSOR
+        max_gpus = integer_flag("--max-gpus", args.max_gpus, smallest, 1 << 20)
+        if args.plot is not None:
+            if not args.scale:
+                raise ValueError(f"--plot: got {args.plot!r} without --scale; expected --scale (the ladder it draws)")
+            format_of(args.plot, name="--plot")
+            _check_writable("plot", args.plot)
+    except (ValueError, ConfigError) as err:
         return usage_error(str(err))
+    if args.scale:
+        return bench_scale.run_scale(max_gpus, args.json, args.plot)
     return run_bench(repeat, args.quick, args.json, args.network, args.sweep)
 
 
@@ -390,6 +400,11 @@ def build_parser() -> Parser:
                    "parallelism: 64, 256 and 1,024 GPUs (about a minute)")
     p.add_argument("--sweep", action="store_true", help="also time a sweep of 200 small runs on a process pool and "
                    "on a local Dask cluster, 2 workers each (runs/s and overhead per run)")
+    p.add_argument("--scale", action="store_true", help="instead, time whole runs of one 16,384-GPU-class model "
+                   "with 1 to 128 data-parallel replicas (128 to 16,384 GPUs; minutes): wall time, peak memory, "
+                   "events/s and the exponent of the growth")
+    p.add_argument("--max-gpus", default="16384", help="--scale: the largest rung to run (default 16384)")
+    p.add_argument("--plot", metavar="FILE", help="--scale: draw wall time against GPUs, log-log (.png, .svg, .pdf)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench)
     from pipescope.experiments import collective_cmd, plan_cmd, plot_cmd, sweep_cmd, topology_cmd, validate_cmd

@@ -9,10 +9,16 @@ Rates are re-planned when a flow starts or ends, and only for the flows that sha
 through other flows (the "component"): a p2p transfer on its own path touches nothing else, and a collective's
 flows start together in one re-plan. Re-planning a component is progressive filling over all its (flow, edge)
 pairs in numpy (``max_min_rates``); docs/network.md says what keeps a run sub-quadratic.
+
+Each re-plan gives every flow whose rate changed a new time at which it will have drained. Those times wait in
+the fabric's own heap, and the clock is asked for one wake-up, at the earliest: a large run re-plans a million
+times, and a clock event per re-plan (most of them overtaken by the next re-plan) cost more than the solving.
+Drains due at the same time are handled in the order they were planned, as the clock's events would be.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -153,6 +159,9 @@ class FlowFabric:
         self._dirty: set[Flow] = set()
         self._solve_due = False
         self._seq = count()
+        self._drains: list[tuple[int, int, Flow, int]] = []  # (time, order, flow, its version then): see the doc
+        self._order = count()
+        self._wake_at = math.inf  # the one wake-up the clock holds for the earliest drain (inf: none)
         self.rate_updates = 0
         self.flows_started = 0
         self._flying = 0  # flows in flight
@@ -220,9 +229,31 @@ class FlowFabric:
             flow.rate, flow.since = rate, now
             flow.version += 1
             self.rate_updates += 1
-            version = flow.version
             drained = now + max(0, math.ceil(flow.remaining / rate - 1e-9))
-            clock.call_at(drained, lambda f=flow, v=version, t=drained: self._drained(clock, f, v, t))
+            heapq.heappush(self._drains, (drained, next(self._order), flow, flow.version))
+        self._wake(clock)
+
+    def _wake(self, clock: Clock) -> None:
+        """Ask the clock to call ``_drain_due`` at the earliest planned drain that still stands, unless it will
+        already by then."""
+        drains = self._drains
+        while drains and drains[0][2].version != drains[0][3]:
+            heapq.heappop(drains)  # superseded: waking for it would find nothing to drain
+        if drains and drains[0][0] < self._wake_at:
+            due = self._wake_at = drains[0][0]
+            clock.call_at(due, lambda: self._drain_due(clock, due))
+
+    def _drain_due(self, clock: Clock, now: int) -> None:
+        """Every flow planned to drain by ``now`` whose plan still stands (a later re-plan supersedes it)."""
+        if now != self._wake_at:
+            return  # an earlier wake-up took this one's place and drained what was due
+        self._wake_at = math.inf
+        drains = self._drains
+        while drains and drains[0][0] <= now:
+            _, _, flow, version = heapq.heappop(drains)
+            if flow.version == version:
+                self._drained(clock, flow, now)
+        self._wake(clock)
 
     def _component(self, seeds: set[Flow]) -> list[Flow]:
         """The ``seeds`` still in flight and every flow that shares an edge with them, transitively, in start
@@ -249,9 +280,7 @@ class FlowFabric:
             return [e for e in flow.distinct if len(self.on_edge[e]) > others]
         return flow.wide[self._users[flow.wide] > others].tolist()
 
-    def _drained(self, clock: Clock, flow: Flow, version: int, now: int) -> None:
-        if flow.version != version:
-            return  # re-planned since: a later call stands for this flow
+    def _drained(self, clock: Clock, flow: Flow, now: int) -> None:
         flow.version += 1
         self._flying -= 1
         for e in flow.distinct:  # once per edge: a lockstep flow may cross one twice, which is one busy span

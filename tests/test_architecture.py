@@ -75,14 +75,16 @@ def test_no_module_compares_action_kinds_as_strings() -> None:
 
 def test_the_replay_loops_are_the_engine_and_the_oracle() -> None:
     """Only simulator/engine.py (SimPy) and simulator/oracle.py (heapq) run an event loop over a program; routed.py's
-    IdleClock runs the network alone (one collective, no program). routing.py's heap is Dijkstra's, of distances."""
+    IdleClock runs the network alone (one collective, no program). routing.py's heap is Dijkstra's, of distances;
+    flows.py's holds the times its flows will have drained, which it reads at the clock's one wake-up."""
     loops = set()
     for folder in FOLDERS:
         for path in sources(folder):
             text = path.read_text()
             if "heapq.heappop" in text or "env.run(" in text or ".env.run()" in text:
                 loops.add(str(path.relative_to(ROOT)))
-    assert loops == {"simulator/engine.py", "simulator/oracle.py", "simulator/routed.py", "simulator/routing.py"}
+    assert loops == {"simulator/engine.py", "simulator/oracle.py", "simulator/routed.py", "simulator/routing.py",
+                     "simulator/flows.py"}
 
 
 def test_nothing_in_the_repository_points_outside_it() -> None:
