@@ -84,10 +84,10 @@ class Prepared:
         costs, which model no GPU process."""
         if self.model is None:
             return NO_OVERHEADS
-        m = self.config.memory
-        return overheads(self.cluster.graph.graph["device"], self.config.parallel.tensor,
-                         self.schedule.num_devices, self.config.cluster.data_parallel, m.cuda_context,
-                         m.nccl_communicator)
+        m, parallel, data = self.config.memory, self.config.parallel, self.config.cluster.data_parallel
+        hybrid = parallel.reduce_group(data) < data  # HSDP: a shard group narrower than the replicas
+        return overheads(self.cluster.graph.graph["device"], parallel.tensor, self.schedule.num_devices, data,
+                         m.cuda_context, m.nccl_communicator, parallel.context, hybrid)
 
     @property
     def capacity(self) -> int | None:

@@ -43,16 +43,21 @@ class Overheads:
 NO_OVERHEADS = Overheads()  # a run that models no GPU process (uniform or profiled costs)
 
 
-def communicators(tensor: int, pipeline: int, data: int) -> int:
-    """NCCL communicators a Megatron-style GPU uses: one per parallel axis wider than one (tensor, pipeline, data)
-    and one over the model-parallel ranks, which the gradient norm and loss all-reduce use."""
-    return sum(width > 1 for width in (tensor, pipeline, data)) + (tensor * pipeline > 1)
+def communicators(tensor: int, pipeline: int, data: int, context: int = 1, hybrid: bool = False) -> int:
+    """NCCL communicators a Megatron-style GPU uses: one per parallel axis wider than one (tensor, pipeline,
+    context), one over the ranks that reduce its gradients (data x context: Megatron's data-parallel group with
+    context parallelism), and one over the model-parallel ranks, which the gradient norm and loss all-reduce use.
+    ``hybrid`` (HSDP): the gradients go over two groups, the shard group and the replicate group (torch's 2-D
+    device mesh), one communicator each."""
+    axes = sum(width > 1 for width in (tensor, pipeline, context, data * context))
+    return axes + (hybrid and data > 1) + (tensor * pipeline > 1)
 
 
 def overheads(device: str, tensor: int, pipeline: int, data: int, cuda_context: int | None = None,
-              nccl_communicator: int | None = None) -> Overheads:
-    """A GPU's overheads: the measured defaults unless ``cuda_context`` / ``nccl_communicator`` bytes are given."""
-    context = CUDA_CONTEXT_BYTES if cuda_context is None else cuda_context
+              nccl_communicator: int | None = None, context: int = 1, hybrid: bool = False) -> Overheads:
+    """A GPU's overheads: the measured defaults unless ``cuda_context`` / ``nccl_communicator`` bytes are given;
+    ``context`` and ``hybrid`` as ``communicators`` takes them."""
+    cuda = CUDA_CONTEXT_BYTES if cuda_context is None else cuda_context
     per_communicator = NCCL_COMMUNICATOR_BYTES if nccl_communicator is None else nccl_communicator
     workspace = HOPPER_WORKSPACE_BYTES if device in HOPPER else WORKSPACE_BYTES
-    return Overheads(context, per_communicator * communicators(tensor, pipeline, data), workspace)
+    return Overheads(cuda, per_communicator * communicators(tensor, pipeline, data, context, hybrid), workspace)

@@ -170,3 +170,16 @@ def test_a_machine_file_gives_each_link_its_nccl_efficiency(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"edges\[0\]: efficiency: got 1\.5, expected a fraction of the line rate "
                                          r"in \(0, 1\]"):
         load_topology(str(path))
+
+
+def test_context_and_hsdp_groups_hold_communicators_of_their_own() -> None:
+    """Context parallelism adds its ring's group and reduces gradients over data x context; HSDP reduces over a shard
+    group and a replicate group: each a communicator (docs/memory.md, "Beyond the tensors")."""
+    assert communicators(1, 2, 1, context=2) == communicators(1, 2, 1) + 2  # the context group, data x context
+    assert communicators(1, 1, 4, hybrid=True) == communicators(1, 1, 4) + 1
+    assert communicators(2, 2, 2, context=2) == 5  # tensor, pipeline, context, data x context, model parallel
+    base = small("cluster.data_parallel=4", "cluster.nodes=2", "parallel.zero=3")
+    hsdp = small("cluster.data_parallel=4", "cluster.nodes=2", "parallel.zero=3", "parallel.shard_group=2")
+    assert hsdp.memory_overheads.nccl - base.memory_overheads.nccl == NCCL_COMMUNICATOR_BYTES
+    plain, cp = small("parallel.tensor=2"), small("parallel.tensor=2", "parallel.context=2")
+    assert cp.memory_overheads.nccl - plain.memory_overheads.nccl == 2 * NCCL_COMMUNICATOR_BYTES
