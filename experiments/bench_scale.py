@@ -62,12 +62,17 @@ def run_case(replicas: int) -> dict:
             "iteration_time_s": result["iteration_time_s"]}
 
 
-def exponent(rows: list[dict]) -> float | None:
-    """The slope of log wall time over log GPUs (None for fewer than two rungs)."""
+def log_fit(rows: list[dict]) -> np.poly1d | None:
+    """The least-squares line of log wall time over log GPUs (None for fewer than two rungs)."""
     if len(rows) < 2:
         return None
-    slope, _ = np.polyfit([math.log(r["gpus"]) for r in rows], [math.log(r["wall_s"]) for r in rows], 1)
-    return float(slope)
+    return np.poly1d(np.polyfit([math.log(r["gpus"]) for r in rows], [math.log(r["wall_s"]) for r in rows], 1))
+
+
+def exponent(rows: list[dict]) -> float | None:
+    """k of wall ~ GPUs^k: the slope of ``log_fit``."""
+    fit = log_fit(rows)
+    return None if fit is None else float(fit.coeffs[0])
 
 
 def run_scale(max_gpus: int, as_json: bool, plot: str | None) -> int:
@@ -82,7 +87,7 @@ def run_scale(max_gpus: int, as_json: bool, plot: str | None) -> int:
         return 1
     slope = exponent(rows)
     if plot:
-        plot_scale(rows, slope, plot)
+        plot_scale(rows, plot)
     if as_json:
         print(json.dumps({"cases": rows, "exponent": slope, "target": TARGET}))
         return 0
@@ -98,15 +103,14 @@ def run_scale(max_gpus: int, as_json: bool, plot: str | None) -> int:
     return 0
 
 
-def plot_scale(rows: list[dict], slope: float | None, path: str) -> None:
+def plot_scale(rows: list[dict], path: str) -> None:
     """Wall time against GPUs on log-log axes, with the fit and issue 30's target."""
     from pipescope.experiments.plots_style import plt, save_figure
     fig, ax = plt.subplots(figsize=(6, 4))
-    gpus, walls = [r["gpus"] for r in rows], [r["wall_s"] for r in rows]
+    gpus, walls, fit = [r["gpus"] for r in rows], [r["wall_s"] for r in rows], log_fit(rows)
     ax.loglog(gpus, walls, "o-", color="#4C72B0", label="measured (whole simulate)")
-    if slope is not None:
-        fit = np.poly1d(np.polyfit(np.log(gpus), np.log(walls), 1))
-        ax.loglog(gpus, np.exp(fit(np.log(gpus))), "--", color="grey", label=f"fit: wall ~ GPUs^{slope:.2f}")
+    if fit is not None:
+        ax.loglog(gpus, np.exp(fit(np.log(gpus))), "--", color="grey", label=f"fit: wall ~ GPUs^{fit.coeffs[0]:.2f}")
     ax.loglog([TARGET["gpus"]], [TARGET["wall_s"]], "*", color="#C44E52", markersize=12,
               label=f"target: {TARGET['wall_s']:g} s at {TARGET['gpus']:,} GPUs")
     ax.set_xlabel("GPUs")
