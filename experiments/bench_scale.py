@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 PIPELINE, CHUNKS, TENSOR, MICROBATCHES = 16, 2, 8, 16
+REPLICA_GPUS = PIPELINE * TENSOR  # one pipeline: the smallest rung
 LADDER = (1, 2, 8, 32, 128)  # data-parallel replicas: 128 to 16,384 GPUs
 GPUS_PER_NODE = 8  # dgx-h100
 TARGET = {"gpus": 16_384, "wall_s": 30.0, "peak_rss_bytes": 2 * 2**30}  # issue 30's first row
@@ -30,7 +31,7 @@ MODEL = {"layers": 128, "hidden": 16384, "heads": 128, "seq": 8192, "vocab": 128
 
 def case_args(replicas: int) -> list[str]:
     """``pipescope simulate`` arguments of the rung with ``replicas`` pipelines."""
-    gpus = PIPELINE * TENSOR * replicas
+    gpus = REPLICA_GPUS * replicas
     sets = {"parallel.tensor": TENSOR, "cluster.topology": "dgx-h100", "cluster.nodes": gpus // GPUS_PER_NODE,
             "cluster.data_parallel": replicas, **{f"model.{key}": value for key, value in MODEL.items()}}
     flags = [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
@@ -55,7 +56,7 @@ def run_case(replicas: int) -> dict:
         result = json.load(out)
     network = result["network"]
     events = result["ops"] + network.get("flows", 0) + network.get("rate_updates", 0)
-    return {"gpus": PIPELINE * TENSOR * replicas, "data_parallel": replicas, "wall_s": wall,
+    return {"gpus": REPLICA_GPUS * replicas, "data_parallel": replicas, "wall_s": wall,
             "peak_rss_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB
             "simulated_s": result["sim_wall_s"], "ops": result["ops"], "flows": network.get("flows", 0),
             "rate_updates": network.get("rate_updates", 0), "events_per_s": events / wall,
@@ -77,7 +78,7 @@ def exponent(rows: list[dict]) -> float | None:
 
 def run_scale(max_gpus: int, as_json: bool, plot: str | None) -> int:
     from tqdm import tqdm
-    ladder = [w for w in LADDER if PIPELINE * TENSOR * w <= max_gpus]
+    ladder = [w for w in LADDER if REPLICA_GPUS * w <= max_gpus]
     rows = []
     try:
         for replicas in tqdm(ladder, desc="bench --scale", unit="rung", file=sys.stderr, disable=None):

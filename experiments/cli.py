@@ -343,8 +343,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pipescope.experiments.bench import run_bench
     try:
         repeat = integer_flag("--repeat", args.repeat, 1, 1000)
-        smallest = bench_scale.PIPELINE * bench_scale.TENSOR
-        max_gpus = integer_flag("--max-gpus", args.max_gpus, smallest, 1 << 20)
+        max_gpus = integer_flag("--max-gpus", args.max_gpus, bench_scale.REPLICA_GPUS, 1 << 20)
         if args.plot is not None:
             if not args.scale:
                 raise ValueError(f"--plot: got {args.plot!r} without --scale; expected --scale (the ladder it draws)")

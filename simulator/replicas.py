@@ -266,9 +266,9 @@ def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync]) -> Program:
         out.role += base.role
         out.launches += [tuple(f + r * flows for f in fs) for fs in base.launches]
         out.duration += base.duration
-        mine = blocked_in[r]
-        out.waits += [[signal(s, r) for s in w] + blocked.get(i, []) + mine.get(i, []) if mine else
-                      [signal(s, r) for s in w] + blocked.get(i, []) for i, w in enumerate(base.waits)]
+        mine = blocked_in[r]  # merged once per replica, so the entries' loop looks up one table
+        waits = {i: blocked.get(i, []) + mine.get(i, []) for i in blocked.keys() | mine.keys()} if mine else blocked
+        out.waits += [[signal(s, r) for s in w] + waits.get(i, []) for i, w in enumerate(base.waits)]
         out.flow_of += [f + r * flows if f >= 0 else -1 for f in base.flow_of]
         out.device_steps += [[i + r * n for i in steps] for steps in base.device_steps]
     out.actions += [syncs[c].collective for c, _ in members]
