@@ -28,6 +28,27 @@ def sigterm_as_ctrl_c() -> contextlib.AbstractContextManager:
     return _on_sigterm(_raise_keyboard_interrupt)
 
 
+@contextlib.contextmanager
+def stops_deferred() -> Iterator[None]:
+    """A Ctrl-C or SIGTERM meanwhile acts when the block ends, not inside it: for work that must not be cut in two.
+    A process pool that starts a worker is one: a stop between the forkserver's fork and the pool's noting the
+    worker's pid leaves a worker no shutdown knows of, waiting for work forever and holding this process's stderr.
+    Elsewhere than in the main thread this does nothing (only the main thread may set a handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stops: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: stops.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(stops):  # each kind once, in the order they came, to the handlers just restored
+            signal.raise_signal(sig)
+
+
 def _raise_keyboard_interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 

@@ -42,6 +42,7 @@ from typing import Any, BinaryIO
 
 import pandas as pd
 
+from pipescope.experiments.processes import stops_deferred
 from pipescope.config import Config, ConfigError, _merge, load_config, read_yaml, without_grid
 from pipescope.runner import run
 from pipescope.simulator.costs import UniformCostsConfig
@@ -325,12 +326,15 @@ def process_pool(workers: int) -> WorkerPool:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     pool = WorkerPool(workers, mp_context=context, initializer=_ignore_sigint)
-    # Start every worker now. The pool starts them one per submit otherwise, and a shutdown that lands (Ctrl-C,
-    # SIGTERM) while one is still starting can leave it without the sentinel it waits for: shutdown then hangs.
+    # Start every worker now, whole: the pool starts them one per submit otherwise, and a stop (Ctrl-C, SIGTERM)
+    # while one is starting leaves it unknown to the pool's shutdown (processes.stops_deferred), which then hangs or
+    # leaves it running.
     try:
-        for started in [pool.submit(os.getpid) for _ in range(workers)]:
-            started.result()
+        with stops_deferred():
+            for started in [pool.submit(os.getpid) for _ in range(workers)]:
+                started.result()
     except BaseException:
+        pool.kill()
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     return pool

@@ -57,3 +57,20 @@ def test_validate_names_a_calibration_that_ran_past_its_time(monkeypatch: pytest
     monkeypatch.setattr(validate_cmd, "CALIBRATION_TIMEOUT_S", 1)
     with pytest.raises(RuntimeError, match=r"^calibrate failed: still running after 1 s, stopped$"):
         validate_cmd._run_step("calibrate", [sys.executable, "-c", "import time; time.sleep(30)"])
+
+
+def test_a_stop_inside_a_deferred_block_acts_when_the_block_ends() -> None:
+    """A pool's start is not cut in two by a stop (a worker left unknown to the pool's shutdown held the caller's
+    stderr open forever): SIGTERM and Ctrl-C inside the block raise only once it has ended, each kind once."""
+    import os
+
+    from pipescope.experiments.processes import sigterm_as_ctrl_c, stops_deferred
+    finished = False
+    with pytest.raises(KeyboardInterrupt), sigterm_as_ctrl_c():
+        with stops_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # a signal's handler runs at the next bytecode: here it must only note it
+            finished = True
+    assert finished
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are back
