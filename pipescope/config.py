@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipescope.simulator.context import CONTEXT_COMMS
+from pipescope.simulator.offload import OFFLOADS
 from pipescope.simulator.costs import MAX_OP_SECONDS, AnalyticCostsConfig, CostKind, UniformCostsConfig
 from pipescope.simulator.models import ATTENTIONS, DIMENSION_RANGES, FAMILIES, PRECISIONS, PRESETS, ModelConfig
 from pipescope.simulator.parallel import ParallelConfig, parse_recompute
@@ -78,6 +79,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "iterations": (1, 1_000),
     **{f"model.{key}": limits for key, limits in DIMENSION_RANGES.items()}, "model.microbatch_size": (1, 1 << 20),
     "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1 << 20, 1 << 50),
+    "cluster.host_memory": (1 << 20, 1 << 54),
     "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1), "parallel.tensor": (1, 1024),
     "parallel.zero": (0, 3), "parallel.zero_prefetch": (1, 64), "parallel.shard_group": (1, 100_000),
     "parallel.context": (1, 1024),
@@ -92,6 +94,7 @@ CHOICES = {
     "model.attention": ATTENTIONS,
     "model.family": FAMILIES,
     "parallel.context_comm": CONTEXT_COMMS,
+    "parallel.offload": OFFLOADS,
     "cluster.fabric": FABRICS,
     "cluster.collective": COLLECTIVE_ALGORITHMS,
     "memory.runtime": RUNTIMES,
@@ -102,7 +105,8 @@ LIST_RANGES: dict[str, tuple[int, int]] = {"model.layers_per_stage": (1, 100_000
 MAX_LIST_ENTRIES = 100_000  # one entry per stage, and stages x chunks <= model.layers <= 100,000
 # Inclusive (low, high) of every float key that is not a time.
 FLOAT_RANGES = {"cluster.oversubscription": (1.0, MAX_OVERSUBSCRIPTION), "faults.jitter": (0.0, 1.0),
-                "cluster.peak_flops": (1e9, 1e18), "cluster.memory_bandwidth": (1e6, 1e15)}
+                "cluster.peak_flops": (1e9, 1e18), "cluster.memory_bandwidth": (1e6, 1e15),
+                "cluster.host_memory_bandwidth": (1e6, 1e15)}
 # Fractions of a datasheet number a kernel reaches: in (0, 1].
 FRACTION_KEYS = {"costs.efficiency", "costs.memory_efficiency"}
 

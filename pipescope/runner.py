@@ -47,6 +47,7 @@ from pipescope.simulator.simulate import simulate
 from pipescope.simulator.units import short_repr
 
 from pipescope.topologies.cluster import Cluster
+from pipescope.offload_setup import check_host_memory, check_offload, host_offload, offloaded
 from pipescope.vocab_setup import apply_vocab
 
 # 500k microbatch-stages at 8 devices (1F1B, m = 62,500) took 16 s and 2.0 GB under uniform costs, 104 s and
@@ -124,6 +125,7 @@ def prepare_checked(config: Config) -> Prepared:
         _check_layers(model.layers, config.schedule.p * _chunks(config))  # before building a schedule that big
     schedule = _schedule(config)
     _check_shard_group(config)
+    check_offload(config, analytic, schedule.weight_update)
     if config.parallel.zero_stage and schedule.weight_update is not WeightUpdate.FLUSH:
         raise ConfigError(f"{_zero_key(config)} with schedule.name {config.schedule.name}, expected a flush schedule "
                           f"(one synchronous step per iteration, which ZeRO shards)")
@@ -136,6 +138,8 @@ def prepare_checked(config: Config) -> Prepared:
     if not isinstance(config.costs, UniformCostsConfig):
         _check_layers(config.model.layers or model.layers, schedule.num_stages)
     config, schedule, costs = apply_vocab(config, schedule, costs, model)  # schedule.vocab (docs/schedules.md 7)
+    if offloaded(config):
+        check_host_memory(config, cluster, _device_params(stage_costs(costs, schedule), schedule))
     if not isinstance(config.costs, UniformCostsConfig):
         config = _with_layer_split(config, schedule.num_stages)
     return Prepared(_with_what_ran(config, schedule), schedule, cluster, costs, model)
@@ -404,6 +408,14 @@ def _tensor_split(config: Config, cluster: Cluster, model: ModelSpec, schedule: 
     return split
 
 
+def _device_params(costs: list[StageCost], schedule: Schedule) -> list[int]:
+    """Each device's parameters: its stages' (one GPU's under tensor parallelism)."""
+    params = [0] * schedule.num_devices
+    for stage, device in enumerate(schedule.stage_to_device):
+        params[device] += costs[stage].params
+    return params
+
+
 def _stage_grad_bytes(config: Config, model: ModelSpec, split: TensorSplit, schedule: Schedule) -> list[int]:
     """Per stage, one GPU's gradient bytes (what its context group all-reduces before the step)."""
     try:
@@ -430,7 +442,8 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
                              flash=gpu.flash, gemms=gemms, warnings=_gemms_note(gemms, cluster),
                              grad_bytes=grad_bytes(config.memory.runtime, m.precision),
                              checkpoint_layers=config.memory.runtime == "megatron",
-                             optimizer_shards=p.optimizer_shards(config.cluster.data_parallel))
+                             optimizer_shards=p.optimizer_shards(config.cluster.data_parallel),
+                             offload=host_offload(config, cluster))
     if not c.profile:
         raise ConfigError("costs.profile: missing, expected a profile folder written by 'pipescope calibrate'")
     try:

@@ -21,7 +21,8 @@ from pipescope.simulator.kernels import (
     optimizer_kernels,
     output_kernels,
 )
-from pipescope.simulator.models import ModelSpec, check_attention, stage_layers
+from pipescope.simulator.models import PRECISIONS, ModelSpec, check_attention, stage_layers
+from pipescope.simulator.offload import HostOffload
 from pipescope.simulator.context import exposed_ns
 from pipescope.simulator.parallel import TensorSplit
 from pipescope.simulator.vocab import VocabShards
@@ -286,6 +287,7 @@ class AnalyticCosts(PerStageCache):
     grad_bytes: int | None = None  # per gradient, as the runtime keeps them (None: the precision's)
     checkpoint_layers: bool = False  # full recompute keeps each block's input and rebuilds one block at a time
     optimizer_shards: int = 1  # a distributed optimizer steps 1 / shards of the stage's parameters
+    offload: HostOffload | None = None  # the step on the host (ZeRO-Offload), else on the GPU
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -300,8 +302,8 @@ class AnalyticCosts(PerStageCache):
         n = self._layers_of(stage, num_stages, self.model.layers)
         work = self.split.layer_work(self.model, self.microbatch_size, self.precision, self.attention)
         seconds, layers_forward = dict.fromkeys(PASSES, 0.0), 0.0
-        for component, count, kernels in self._parts(stage, num_stages):
-            passes = self.roofline.pass_seconds(kernels)
+        for component, count, kernels, roofline in self._parts(stage, num_stages):
+            passes = roofline.pass_seconds(kernels)
             for op, value in passes.items():
                 seconds[op] += count * value
             if component == "layer":
@@ -379,9 +381,10 @@ class AnalyticCosts(PerStageCache):
             return layers * self.model.layer_params() + self.vocab.params(stage)
         return self.split.params(self.model, layers, stage == 0, stage == num_stages - 1)
 
-    def _parts(self, stage: int, num_stages: int) -> list[tuple[str, int, list[Kernel]]]:
-        """(component, instances, kernels of one instance) of the stage: its blocks, the output layer on the last
-        stage, and one optimizer step over its parameters (without a memory bandwidth: none)."""
+    def _parts(self, stage: int, num_stages: int) -> list[tuple[str, int, list[Kernel], Roofline]]:
+        """(component, instances, kernels of one instance, the rates that time them) of the stage: its blocks, the
+        output layer on the last stage, and one optimizer step over its parameters (without a memory bandwidth:
+        none), on the host when offloaded."""
         n, t, sp = self._layers_of(stage, num_stages, self.model.layers), self.split.tensor, self.split.sequence
         cp, b = self.split.context, self.microbatch_size
         parts = [("layer", n, layer_kernels(self.model, b, self.precision, self.attention, t, sp, cp))]
@@ -390,20 +393,28 @@ class AnalyticCosts(PerStageCache):
             parts.append(("recompute", n, [replace(k, op="I") for k in core]))
         if stage == num_stages - 1 and self.vocab is None:
             parts.append(("output", 1, output_kernels(self.model, b, self.precision, t, sp, cp)))
-        if self.memory_bandwidth:
-            params = -(-self._params(stage, num_stages, n) // self.optimizer_shards)
-            parts.append(("optimizer", 1, optimizer_kernels(params, self.precision, self.grad_bytes)))
+        gpu = self.roofline
+        parts = [(component, count, kernels, gpu) for component, count, kernels in parts]
+        params = -(-self._params(stage, num_stages, n) // self.optimizer_shards)
+        if self.offload is not None:
+            grads = self.grad_bytes or PRECISIONS[self.precision].grad_bytes
+            parts += [(component, 1, kernels, rates)
+                      for component, kernels, rates in self.offload.step_parts(params, self.precision, grads)]
+        elif self.memory_bandwidth:
+            parts.append(("optimizer", 1, optimizer_kernels(params, self.precision, self.grad_bytes), gpu))
         return parts
 
     def stage_kernels(self, stage: int, num_stages: int) -> list[dict]:
         """The stage's kernels for one microbatch (the optimizer's per iteration): component, kernel, pass,
         instances, and FLOPs, bytes and seconds over all instances, with the roofline term that set the time."""
-        rows, roofline = [], self.roofline
-        parts = [(component, count, kernels, None) for component, count, kernels in self._parts(stage, num_stages)]
+        rows = []
+        parts = [(component, count, kernels, None, rates)
+                 for component, count, kernels, rates in self._parts(stage, num_stages)]
         if self.vocab is not None and self.vocab.owns(stage):  # the device's S and T passes, under their own names
-            parts += [("vocab shard", 1, kernels, op) for op, kernels in self.vocab.pass_kernels().items()]
-        for component, count, kernels, op in parts:
-            rows += [_kernel_row(component, count, k, op, roofline) for k in kernels]
+            parts += [("vocab shard", 1, kernels, op, self.roofline)
+                      for op, kernels in self.vocab.pass_kernels().items()]
+        for component, count, kernels, op, rates in parts:
+            rows += [_kernel_row(component, count, k, op, rates) for k in kernels]
         return rows
 
     def kernel_report(self, num_stages: int) -> list[dict]:

@@ -41,11 +41,12 @@ def static_memory(params: int, versions: int, precision: str, runtime: str = "me
                   sharding: Sharding = NO_SHARDING) -> StaticMemory:
     """Weights times the versions held, one gradient buffer (in the runtime's precision: ``memory_runtime``), Adam
     state; under ZeRO each GPU's shard of the states its stage shards (``mesh.Sharding``): what it holds between
-    steps. ZeRO-1 keeps the gradients whole, as Megatron's reduce-scatter fills a full-size buffer."""
+    steps. ZeRO-1 keeps the gradients whole, as Megatron's reduce-scatter fills a full-size buffer. An offloaded
+    optimizer state is on the host, not here (``offload.host_bytes``)."""
     bytes_per = PRECISIONS[precision]  # simulator/models.py: the one precision table
     return StaticMemory(sharding.part(params * bytes_per.weight_bytes * versions, "weights"),
                         sharding.part(params * grad_bytes(runtime, precision), "gradients"),
-                        sharding.part(params * bytes_per.optimizer_bytes, "optimizer"))
+                        0 if sharding.offload else sharding.part(params * bytes_per.optimizer_bytes, "optimizer"))
 
 
 @dataclass(frozen=True)

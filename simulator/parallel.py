@@ -59,7 +59,8 @@ class ParallelConfig:
     ``zero``: the ZeRO stage over the data-parallel replicas (0 none; 1 optimizer state, 2 and gradients, 3 and
     weights: ``mesh.Sharding``), ``reshard_after_forward`` and ``zero_prefetch`` its stage 3's choices;
     ``shard_group``: HSDP's shard group, in replicas; ``context`` and ``context_comm``: context parallelism
-    (``simulator/context.py``); ``distributed_optimizer``: the older spelling of ``zero: 1``
+    (``simulator/context.py``); ``offload``: ``optimizer`` keeps the optimizer state on the host and steps it
+    there (``simulator/offload.py``); ``distributed_optimizer``: the older spelling of ``zero: 1``
     (Megatron's distributed optimizer), kept working.
     docs/parallelism.md, docs/cli.md."""
 
@@ -73,6 +74,7 @@ class ParallelConfig:
     shard_group: int | None = None  # HSDP: replicas one set of ZeRO shards spans; None: all of them
     context: int = 1  # context parallelism: GPUs of a tensor rank that split the sequence (simulator/context.py)
     context_comm: str = "p2p"  # how they exchange keys and values: p2p (ring) or all_gather
+    offload: str = "none"  # optimizer: its state and step on the host (ZeRO-Offload; simulator/offload.py)
 
     @property
     def gpus_per_device(self) -> int:
@@ -96,7 +98,7 @@ class ParallelConfig:
     def sharding(self, data_parallel: int) -> Sharding:
         """ZeRO's states and shards over ``data_parallel`` replicas (the memory ledger and the planner read it)."""
         return Sharding(self.zero_stage, self.optimizer_shards(data_parallel), self.reshard_after_forward,
-                        prefetch=self.zero_prefetch)
+                        prefetch=self.zero_prefetch, offload=self.offload == "optimizer")
 
 
 def check_parallel(parallel: ParallelConfig, model: ModelSpec | None, gpus_per_node: int | None) -> None:

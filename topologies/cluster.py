@@ -33,7 +33,8 @@ class ClusterConfig:
     ``collective`` forces an all-reduce algorithm (``auto``: the fastest, as NCCL's tuner picks);
     ``bucket_size`` and ``overlap_grad_sync`` shape the data-parallel gradient all-reduce. ``host_cores``: the
     devices are CPU ranks on one host sharing this many cores (``simulator.host_cores``; unset: each computes on
-    its own).
+    its own). ``host_memory`` and ``host_memory_bandwidth`` override a node's host memory and the rate a streaming
+    pass reaches in it (``topologies/hosts.py``), which an offloaded optimizer uses.
     """
 
     topology: str = "dgx-h100"
@@ -49,6 +50,8 @@ class ClusterConfig:
     bucket_size: int = field(default=DDP_BUCKET_BYTES, metadata={"unit": "size"})
     overlap_grad_sync: bool = True
     host_cores: int | None = None
+    host_memory: int | None = field(default=None, metadata={"unit": "size"})
+    host_memory_bandwidth: float | None = field(default=None, metadata={"unit": "bandwidth"})
 
     def device(self) -> DeviceSpec:
         """The datasheet of the machine's GPU (ValueError naming the key if the machine cannot be loaded)."""

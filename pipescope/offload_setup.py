@@ -1,0 +1,69 @@
+"""``parallel.offload`` applied to a run: the host's rates from the machine (``topologies/hosts.py``, overridable in
+``cluster``), the checks, and whether the node's host memory holds what its GPUs offload (docs/parallelism.md,
+"Offload"). ``pipescope.runner`` calls ``host_offload`` when it builds the analytic costs and
+``check_host_memory`` once the stages are known."""
+
+from __future__ import annotations
+
+from pipescope.config import Config, ConfigError
+from pipescope.simulator.ir import WeightUpdate
+from pipescope.simulator.offload import HostOffload, host_bytes, pcie_share
+from pipescope.simulator.units import format_bytes
+from pipescope.topologies.cluster import Cluster
+from pipescope.topologies.hosts import HOSTS
+
+
+def offloaded(config: Config) -> bool:
+    return config.parallel.offload == "optimizer"
+
+
+def check_offload(config: Config, analytic: bool, weight_update: WeightUpdate) -> None:
+    """Offload needs the analytic costs (the others time a GPU's step) and a flush schedule (one step an
+    iteration, which the host takes); ConfigError naming the key otherwise."""
+    if not offloaded(config):
+        return
+    if not analytic:
+        raise ConfigError(f"parallel.offload: got optimizer under costs.kind {config.costs.kind}, expected none (only "
+                          f"analytic costs time the host's step)")
+    if weight_update is not WeightUpdate.FLUSH:
+        raise ConfigError(f"parallel.offload: got optimizer with schedule.name {config.schedule.name}, expected a "
+                          f"flush schedule (one step an iteration, which the host takes)")
+
+
+def host_offload(config: Config, cluster: Cluster) -> HostOffload | None:
+    """What each GPU gets of its host's PCIe links and memory while all of the node's GPUs step (None: no offload).
+
+    Raises:
+        ConfigError: the machine has no CPU on its PCIe links, or no host facts and no ``cluster`` override.
+    """
+    if not offloaded(config):
+        return None
+    share = pcie_share(cluster.graph)
+    if share is None:
+        raise ConfigError(f"parallel.offload: got optimizer on cluster.topology {config.cluster.topology}, expected a "
+                          f"machine whose GPUs reach a CPU over PCIe links (kind pcie to a node of kind cpu)")
+    rate = config.cluster.host_memory_bandwidth or _host_fact(config, cluster, "memory_rate", "host_memory_bandwidth")
+    return HostOffload(share, rate / cluster.graph.graph["gpus_per_node"])
+
+
+def check_host_memory(config: Config, cluster: Cluster, device_params: list[int]) -> None:
+    """ConfigError unless a node's host memory holds what its GPUs offload, counting every GPU of the node as one
+    holding the shard of the device with the most parameters (a bound: a node's GPUs may hold fewer)."""
+    shards = config.parallel.optimizer_shards(config.cluster.data_parallel)
+    per_gpu = host_bytes(-(-max(device_params) // shards), config.model.precision)
+    gpus = min(cluster.graph.graph["gpus_per_node"], len(cluster.rank_of) * cluster.tensor)
+    capacity = config.cluster.host_memory or _host_fact(config, cluster, "memory_bytes", "host_memory")
+    if per_gpu * gpus > capacity:
+        raise ConfigError(f"parallel.offload: got optimizer, which needs up to {format_bytes(per_gpu * gpus)} of host "
+                          f"memory a node ({format_bytes(per_gpu)} for each of its {gpus} GPUs), expected at most "
+                          f"cluster.host_memory = {format_bytes(capacity)}; shard it over more replicas "
+                          f"(parallel.zero, cluster.data_parallel) or give the host more memory")
+
+
+def _host_fact(config: Config, cluster: Cluster, fact: str, key: str) -> float:
+    """A fact of the machine's host (``topologies/hosts.py``), or a ConfigError naming the key that supplies it."""
+    host = HOSTS.get(cluster.graph.graph.get("name", ""))
+    if host is None:
+        raise ConfigError(f"cluster.{key}: missing, expected a value for cluster.topology {config.cluster.topology} "
+                          f"(its host is not one pipescope has a datasheet of; parallel.offload needs it)")
+    return getattr(host, fact)
