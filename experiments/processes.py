@@ -25,7 +25,7 @@ def sigterm_as_ctrl_c() -> contextlib.AbstractContextManager:
     """Meanwhile SIGTERM (`kill PID`) stops this process as Ctrl-C does, so a sweep or a plan shuts its pool down
     (the sweep logging its running chunks first). By default the process would die at once and leave the pool's
     workers running, parented to init."""
-    return _on_sigterm(_raise_keyboard_interrupt)
+    return _handling(_raise_keyboard_interrupt, signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -34,17 +34,11 @@ def stops_deferred() -> Iterator[None]:
     A process pool that starts a worker is one: a stop between the forkserver's fork and the pool's noting the
     worker's pid leaves a worker no shutdown knows of, waiting for work forever and holding this process's stderr.
     Elsewhere than in the main thread this does nothing (only the main thread may set a handler)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     stops: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: stops.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        with _handling(lambda signum, _frame: stops.append(signum), signal.SIGINT, signal.SIGTERM):
+            yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         for sig in dict.fromkeys(stops):  # each kind once, in the order they came, to the handlers just restored
             signal.raise_signal(sig)
 
@@ -57,7 +51,8 @@ def run_in_group(command: list[str], timeout_s: float, **popen: Any) -> subproce
     """Run ``command`` in a process group of its own (``popen``: ``subprocess.Popen``'s arguments); None when it
     was still running after ``timeout_s`` and was stopped, with everything it started. A Ctrl-C or a SIGTERM here
     (its own group keeps a terminal's Ctrl-C from it) stops it too, then goes on as SystemExit or KeyboardInterrupt."""
-    with _on_sigterm(_exit):  # a stop of this process reaches the group it started in a session of its own
+    # a stop of this process reaches the group it started in a session of its own
+    with _handling(_exit, signal.SIGTERM):
         process = subprocess.Popen(command, start_new_session=True, **popen)
         try:
             out, err = process.communicate(timeout=timeout_s)
@@ -85,17 +80,18 @@ def stop_group(process: subprocess.Popen, grace_s: float) -> None:
 
 
 @contextlib.contextmanager
-def _on_sigterm(handler: Any) -> Iterator[None]:
-    """``handler`` takes SIGTERM meanwhile, then the previous one again; only the main thread may set a handler,
-    so elsewhere (a caller's thread) this does nothing."""
+def _handling(handler: Any, *signals: int) -> Iterator[None]:
+    """``handler`` takes ``signals`` meanwhile, then the previous handlers again; only the main thread may set a
+    handler, so elsewhere (a caller's thread) this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _exit(signum: int, _frame: object) -> None:

@@ -13,14 +13,10 @@ from pipescope.topologies.cluster import Cluster
 from pipescope.topologies.hosts import HOSTS
 
 
-def offloaded(config: Config) -> bool:
-    return config.parallel.offload == "optimizer"
-
-
 def check_offload(config: Config, analytic: bool, weight_update: WeightUpdate) -> None:
     """Offload needs the analytic costs (the others time a GPU's step) and a flush schedule (one step an
     iteration, which the host takes); ConfigError naming the key otherwise."""
-    if not offloaded(config):
+    if not config.parallel.offloads_optimizer:
         return
     if not analytic:
         raise ConfigError(f"parallel.offload: got optimizer under costs.kind {config.costs.kind}, expected none (only "
@@ -36,7 +32,7 @@ def host_offload(config: Config, cluster: Cluster) -> HostOffload | None:
     Raises:
         ConfigError: the machine has no CPU on its PCIe links, or no host facts and no ``cluster`` override.
     """
-    if not offloaded(config):
+    if not config.parallel.offloads_optimizer:
         return None
     share = pcie_share(cluster.graph)
     if share is None:

@@ -47,7 +47,7 @@ from pipescope.simulator.simulate import simulate
 from pipescope.simulator.units import short_repr
 
 from pipescope.topologies.cluster import Cluster
-from pipescope.offload_setup import check_host_memory, check_offload, host_offload, offloaded
+from pipescope.offload_setup import check_host_memory, check_offload, host_offload
 from pipescope.vocab_setup import apply_vocab
 
 # 500k microbatch-stages at 8 devices (1F1B, m = 62,500) took 16 s and 2.0 GB under uniform costs, 104 s and
@@ -138,7 +138,7 @@ def prepare_checked(config: Config) -> Prepared:
     if not isinstance(config.costs, UniformCostsConfig):
         _check_layers(config.model.layers or model.layers, schedule.num_stages)
     config, schedule, costs = apply_vocab(config, schedule, costs, model)  # schedule.vocab (docs/schedules.md 7)
-    if offloaded(config):
+    if config.parallel.offloads_optimizer:
         check_host_memory(config, cluster, _device_params(stage_costs(costs, schedule), schedule))
     if not isinstance(config.costs, UniformCostsConfig):
         config = _with_layer_split(config, schedule.num_stages)

@@ -17,11 +17,12 @@ from pipescope.simulator.kernels import (
     PASSES,
     Kernel,
     attention_core_kernels,
+    gradient_bytes,
     layer_kernels,
     optimizer_kernels,
     output_kernels,
 )
-from pipescope.simulator.models import PRECISIONS, ModelSpec, check_attention, stage_layers
+from pipescope.simulator.models import ModelSpec, check_attention, stage_layers
 from pipescope.simulator.offload import HostOffload
 from pipescope.simulator.context import exposed_ns
 from pipescope.simulator.parallel import TensorSplit
@@ -387,17 +388,16 @@ class AnalyticCosts(PerStageCache):
         none), on the host when offloaded."""
         n, t, sp = self._layers_of(stage, num_stages, self.model.layers), self.split.tensor, self.split.sequence
         cp, b = self.split.context, self.microbatch_size
-        parts = [("layer", n, layer_kernels(self.model, b, self.precision, self.attention, t, sp, cp))]
+        gpu = self.roofline
+        parts = [("layer", n, layer_kernels(self.model, b, self.precision, self.attention, t, sp, cp), gpu)]
         if self.split.selective:  # the backward re-runs the attention core's forward first
             core = attention_core_kernels(self.model, b, self.precision, self.attention, t, cp)
-            parts.append(("recompute", n, [replace(k, op="I") for k in core]))
+            parts.append(("recompute", n, [replace(k, op="I") for k in core], gpu))
         if stage == num_stages - 1 and self.vocab is None:
-            parts.append(("output", 1, output_kernels(self.model, b, self.precision, t, sp, cp)))
-        gpu = self.roofline
-        parts = [(component, count, kernels, gpu) for component, count, kernels in parts]
+            parts.append(("output", 1, output_kernels(self.model, b, self.precision, t, sp, cp), gpu))
         params = -(-self._params(stage, num_stages, n) // self.optimizer_shards)
         if self.offload is not None:
-            grads = self.grad_bytes or PRECISIONS[self.precision].grad_bytes
+            grads = gradient_bytes(self.precision, self.grad_bytes)
             parts += [(component, 1, kernels, rates)
                       for component, kernels, rates in self.offload.step_parts(params, self.precision, grads)]
         elif self.memory_bandwidth:

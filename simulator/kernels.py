@@ -285,6 +285,11 @@ def output_kernels(model: ModelSpec, microbatch_size: int, precision: str, tenso
             _matmul("logits", "W", x, h, v)]
 
 
+def gradient_bytes(precision: str, grad_bytes: int | None = None) -> int:
+    """Bytes per gradient: ``grad_bytes`` as the runtime keeps them, else the precision's."""
+    return PRECISIONS[precision].grad_bytes if grad_bytes is None else grad_bytes
+
+
 def optimizer_kernels(params: int, precision: str, grad_bytes: int | None = None) -> list[Kernel]:
     """One optimizer step over ``params`` parameters, each pass reading and writing every parameter's bytes once
     (fused multi-tensor kernels): fp16 unscales its loss-scaled gradients (and checks them for infinities), the
@@ -292,7 +297,7 @@ def optimizer_kernels(params: int, precision: str, grad_bytes: int | None = None
     (master copy where mixed precision keeps one, else the weights themselves) and writes the state and the weights
     the next forward reads. ``grad_bytes``: per gradient, as the runtime keeps it (default the precision's)."""
     p = PRECISIONS[precision]
-    g = p.grad_bytes if grad_bytes is None else grad_bytes
+    g = gradient_bytes(precision, grad_bytes)
     read = g + p.optimizer_bytes + (p.weight_bytes if p.master_bytes == 0 else 0)
     write = p.optimizer_bytes + p.weight_bytes
     unscale = [Kernel("loss-scale unscale", "optimizer", 0, 2 * params * g)] if precision == "fp16" else []

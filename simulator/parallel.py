@@ -82,6 +82,10 @@ class ParallelConfig:
         return self.tensor * self.context
 
     @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload == "optimizer"
+
+    @property
     def zero_stage(self) -> int:
         """The ZeRO stage that runs: ``zero``, or 1 under ``distributed_optimizer``."""
         return max(self.zero, 1 if self.distributed_optimizer else 0)
@@ -98,7 +102,7 @@ class ParallelConfig:
     def sharding(self, data_parallel: int) -> Sharding:
         """ZeRO's states and shards over ``data_parallel`` replicas (the memory ledger and the planner read it)."""
         return Sharding(self.zero_stage, self.optimizer_shards(data_parallel), self.reshard_after_forward,
-                        prefetch=self.zero_prefetch, offload=self.offload == "optimizer")
+                        prefetch=self.zero_prefetch, offload=self.offloads_optimizer)
 
 
 def check_parallel(parallel: ParallelConfig, model: ModelSpec | None, gpus_per_node: int | None) -> None:
