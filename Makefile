@@ -21,10 +21,10 @@ demo: $(STAMP)
 
 # The demo command itself; tests/test_outputs.py runs this target with its own PIPESCOPE and DEMO_OUT.
 demo-run:
-	$(PIPESCOPE) simulate --config experiments/configs/demo.yaml --gantt $(DEMO_OUT)/gantt.png --trace $(DEMO_OUT)/trace.json.gz
+	$(PIPESCOPE) simulate --config pipescope/configs/demo.yaml --gantt $(DEMO_OUT)/gantt.png --trace $(DEMO_OUT)/trace.json.gz
 
 test: $(STAMP)
-	$(PY) -m ruff check pipescope simulator topologies calibration experiments tests
+	$(PY) -m ruff check pipescope simulator topologies calibration executor experiments tests
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Any
 
-from pipescope.simulator.units import parse_size, short_repr
+from pipescope.simulator.readers.units import parse_size, short_repr
 
 INSTALL_HINT = "pip install 'pipescope[calibration]'"
 MAX_INT = 2**31 - 1  # no count on these command lines needs more, and every product torch forms stays in int64

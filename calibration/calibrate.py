@@ -14,7 +14,7 @@ from pipescope.calibration import env, ops
 from pipescope.calibration.model import Block, Embedding, OutputLayer
 from pipescope.calibration.presets import Shape
 from pipescope.calibration.profile_io import ensure_writable, write_json, write_table
-from pipescope.simulator.profile_schema import COMPUTE_META, SCHEMA_VERSION
+from pipescope.simulator.readers.profile_schema import COMPUTE_META, SCHEMA_VERSION
 from pipescope.calibration.timing import Timer, TimingConfig, make_timer
 
 # Keyed like simulator.models.PRECISIONS (the byte counts live there); a test checks the keys agree.

@@ -30,7 +30,7 @@ from pipescope.calibration.commfit import bandwidths, fit_rows
 from pipescope.calibration.args import UsageError, usage_error
 from pipescope.calibration.comms_args import CommsConfig, add_comms_args, comms_config
 from pipescope.calibration.profile_io import write_json, write_table
-from pipescope.simulator.profile_schema import COMMS_META, SCHEMA_VERSION
+from pipescope.simulator.readers.profile_schema import COMMS_META, SCHEMA_VERSION
 from pipescope.calibration.timing import stats
 
 # torch >= 2.13 renamed the tensor collectives; keep working on the older names too.

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipescope.calibration.args import UsageError, add_timing_args, integer, size_arg, timing_config
-from pipescope.simulator.profile_schema import COLLECTIVES
+from pipescope.simulator.readers.profile_schema import COLLECTIVES
 
 LAUNCH_HINT = "torchrun --nproc-per-node N -m pipescope.calibration.comms --out DIR"
 MAX_RANGE_EDGES = 16  # one least-squares fit per range; more ranges than sizes measured fit nothing

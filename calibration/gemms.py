@@ -25,7 +25,7 @@ from pipescope.calibration.args import (
     usage_error,
 )
 from pipescope.calibration.presets import PRECISIONS
-from pipescope.simulator.profile_schema import MAX_GEMM_SHAPES
+from pipescope.simulator.readers.profile_schema import MAX_GEMM_SHAPES
 
 # Rows (tokens), columns and inner sizes of a transformer's matmuls, from a short microbatch to a large model's
 # hidden size times 4: 6^3 = 216 shapes, about a minute on an H100 with --budget-s 0.25. A CPU thread takes
@@ -118,7 +118,7 @@ def run(config: GemmSweepConfig) -> Path:
     from pipescope.calibration.calibrate import DTYPES, measuring_threads, pinned_threads
     from pipescope.calibration.profile_io import write_json, write_table
     from pipescope.calibration.timing import Bench, make_timer
-    from pipescope.simulator.profile_schema import GEMMS_META, SCHEMA_VERSION
+    from pipescope.simulator.readers.profile_schema import GEMMS_META, SCHEMA_VERSION
 
     device = torch.device(config.device)
     with pinned_threads(measuring_threads(config.threads, device)):

@@ -18,7 +18,7 @@ from torch import nn
 
 from pipescope.calibration.memory import peak_backward_bytes, saved_tensor_bytes
 from pipescope.calibration.model import Block, Embedding, OutputLayer
-from pipescope.simulator.profile_schema import EMBEDDING, LAYER, OPTIMIZER, OUTPUT, OUTPUT_SHARD
+from pipescope.simulator.readers.profile_schema import EMBEDDING, LAYER, OPTIMIZER, OUTPUT, OUTPUT_SHARD
 from pipescope.calibration.timing import Bench, Stats, Timer, spread
 from pipescope.calibration.vocab_parallel import Reduced, Shard, SPass, reduce_shards, s_pass, t_pass
 

@@ -1,4 +1,4 @@
-"""Writing profiles atomically (``simulator.files.write_atomic``: a temporary name in the same folder, renamed
+"""Writing profiles atomically (``simulator.readers.files.write_atomic``: a temporary name in the same folder, renamed
 into place), tables first and the JSON metadata last, so a killed run never leaves a profile that loads as valid.
 Parquet when pyarrow is installed, CSV otherwise. No pickle anywhere."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipescope.simulator.files import write_atomic
-from pipescope.simulator.profile_schema import TABLE_COLUMNS
+from pipescope.simulator.readers.files import write_atomic
+from pipescope.simulator.readers.profile_schema import TABLE_COLUMNS
 
 
 def has_parquet() -> bool:

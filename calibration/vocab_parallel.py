@@ -17,7 +17,7 @@ The output layer, on X (the last stage's normalised hidden states, broadcast to 
   "vocab-1") this shard's partial grad X, whose all-reduce SUM is C2, the second barrier. Vocab-2's T pass computes
   grad W only and can be delayed like a W.
 
-``reduce_shards`` is C1 over shards held in one process; ``calibration/vocab_exec.py`` runs the same functions with
+``reduce_shards`` is C1 over shards held in one process; ``executor/vocab_exec.py`` runs the same functions with
 torch.distributed collectives. ``calibration/ops.py`` times ``s_pass`` and ``t_pass`` (rows S, T, S2, T2). See
 docs/validation.md, "Vocabulary parallelism, run for real".
 """

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from pipescope.simulator.training_cost import TrainingGoal
     from pipescope.simulator.result import SimResult
 from pipescope.simulator.ir import ScheduleError
-from pipescope.simulator.units import counted, short_repr
+from pipescope.simulator.readers.units import counted, short_repr
 from pipescope.simulator.vocab import SHARDED
 
 
@@ -164,7 +164,7 @@ def training_goal(args: argparse.Namespace) -> TrainingGoal | None:
     """The goal ``--train-tokens`` and ``--gpu-hour-price`` ask for (None without them); ConfigError naming the
     flag otherwise."""
     from pipescope.simulator.training_cost import TrainingGoal
-    from pipescope.simulator.units import parse_count
+    from pipescope.simulator.readers.units import parse_count
 
     if args.train_tokens is None:
         if args.gpu_hour_price is not None:
@@ -251,7 +251,7 @@ def _oom_exit(result: SimResult, allow_oom: bool) -> int:
     return EXIT_OOM
 
 
-OUTPUT_WRITERS = {"csv": ("pipescope.simulator.csvio", "write_csv"),
+OUTPUT_WRITERS = {"csv": ("pipescope.simulator.readers.csvio", "write_csv"),
                   "trace": ("pipescope.simulator.trace", "write_trace"),
                   "gantt": ("pipescope.experiments.plots", "write_gantt"),
                   "timeline": ("pipescope.experiments.tables", "write_timeline")}  # flag -> (module, writer)
@@ -286,7 +286,7 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from pipescope.simulator.check import check
-    from pipescope.simulator.csvio import read_csv
+    from pipescope.simulator.readers.csvio import read_csv
     if not os.path.isfile(args.file):
         return usage_error(f"FILE: {args.file!r} does not exist or is not a file")
     try:

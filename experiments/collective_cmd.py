@@ -13,7 +13,7 @@ from pipescope.experiments.cli import as_flag, choice_flag, integer_flag
 from pipescope.experiments.topology_cmd import CLUSTER_FLAGS, OVERSUBSCRIPTION, decimal_flag
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.routed import RoutedNetwork, time_alone
-from pipescope.simulator.units import parse_size, short_repr
+from pipescope.simulator.readers.units import parse_size, short_repr
 
 OPS = {"all_reduce": ActionKind.ALL_REDUCE, "all_gather": ActionKind.ALL_GATHER,
        "reduce_scatter": ActionKind.REDUCE_SCATTER, "broadcast": ActionKind.BROADCAST}

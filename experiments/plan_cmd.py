@@ -13,8 +13,8 @@ from pipescope.experiments.cli import (add_training_goal_args, as_flag, choice_f
                                        usage_error)
 from pipescope.experiments.processes import sigterm_as_ctrl_c
 from pipescope.experiments.sweep_cmd import DASK_ADDRESS, MAX_WORKERS
-from pipescope.simulator.units import (counted, format_bytes, format_count, format_duration, format_time,
-                                       parse_size, short_repr)
+from pipescope.simulator.readers.units import (counted, format_bytes, format_count, format_duration, format_time,
+                                               parse_size, short_repr)
 
 if TYPE_CHECKING:  # the simulator loads when a plan runs, not for every 'pipescope --help'
     from pipescope.experiments.plan import PlanReport

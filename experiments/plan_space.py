@@ -13,7 +13,7 @@ from pipescope.experiments.sweep import validated_config
 from pipescope.simulator.costs import CostKind
 from pipescope.simulator.mesh import ZERO_STAGES
 from pipescope.simulator.schedules import named_generator
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.units import short_repr
 
 # The 2BW paper's planner space plus the zero-bubble and V families (issue 14); PipeDream's weight stashing rarely
 # fits, but the planner says so rather than leaving it out.

@@ -11,7 +11,7 @@ import pandas as pd
 
 from pipescope.simulator.ir import Action, ActionKind, producers
 from pipescope.simulator.result import SimResult
-from pipescope.simulator.units import format_time
+from pipescope.simulator.readers.units import format_time
 
 LANES = ("compute", "send", "recv", "collective")
 # A stream's lane: the timeline's ``send->3`` and ``recv<-1`` and the trace's ``collective 2`` drop their peer or

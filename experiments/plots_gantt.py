@@ -19,7 +19,7 @@ from pipescope.experiments.plots_style import (COLLECTIVE_COLOR, COLORS, COMM_CO
                                                ODD_CHUNK_COLORS, UNKNOWN_COLOR, byte_unit, plain, time_unit)
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.result import SimResult
-from pipescope.simulator.units import format_bytes
+from pipescope.simulator.readers.units import format_bytes
 
 MAX_LABELLED_OPS = 600  # beyond this, microbatch numbers turn into noise
 MAX_DRAWN_MICROBATCHES = 256  # beyond this, a device's row of ops is a barcode: draw its busy share per kind instead

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from pipescope.experiments.plots_data import SWEEP_COLUMNS, RunData, from_ops, lanes
-from pipescope.simulator.table_bounds import TableTooBig, check_csv_header, parquet_shape
+from pipescope.simulator.readers.table_bounds import TableTooBig, check_csv_header, parquet_shape
 from pipescope.simulator.trace import KIND_NAMES
 
 MAX_FILE_BYTES = 512 * 2**20  # read (after gunzip); a trace of the largest run pipescope simulates is about this

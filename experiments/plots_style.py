@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from pipescope.experiments.figure_formats import format_of  # noqa: E402
-from pipescope.simulator.files import write_atomic  # noqa: E402
+from pipescope.simulator.readers.files import write_atomic  # noqa: E402
 from pipescope.simulator.ir import ActionKind as K  # noqa: E402
 
 # One table per fact, keyed by the enum (a StrEnum: the timeline's kind strings look them up as they are).

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from pipescope.config import ConfigError
-from pipescope.simulator.safe_yaml import YamlError, read_yaml_file
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.safe_yaml import YamlError, read_yaml_file
+from pipescope.simulator.readers.units import short_repr
 
 CORPUS = Path(__file__).resolve().parent / "published" / "runs.yaml"
 GIB = 1 << 30

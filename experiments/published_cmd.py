@@ -28,7 +28,7 @@ from pipescope.experiments.published import (
     relative_error,
     select,
 )
-from pipescope.simulator.units import format_bytes
+from pipescope.simulator.readers.units import format_bytes
 
 TARGETS = {"time_mean": 0.05, "time_worst": 0.10, "source_mean": 0.07, "memory_worst": 0.05}  # issue 27's
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from pipescope.simulator.costs import CostKind
 from pipescope.simulator.ir import Role
 from pipescope.simulator.result import SimResult
-from pipescope.simulator.units import format_bytes, format_count, format_duration, format_time
+from pipescope.simulator.readers.units import format_bytes, format_count, format_duration, format_time
 
 if TYPE_CHECKING:
     from pipescope.config import Config

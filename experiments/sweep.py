@@ -46,11 +46,11 @@ from pipescope.experiments.processes import stops_deferred
 from pipescope.config import Config, ConfigError, _merge, load_config, read_yaml, without_grid
 from pipescope.runner import run
 from pipescope.simulator.costs import UniformCostsConfig
-from pipescope.simulator.files import write_atomic
+from pipescope.simulator.readers.files import write_atomic
 from pipescope.simulator.models import SHAPE_KEYS
 from pipescope.simulator.result import SimResult
 from pipescope.simulator.schedules import named_generator
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.units import short_repr
 
 # Validation takes ~0.6 ms a run (mostly load_config), so the cap costs ~1 min before the first run; a bigger study is
 # several files (or several --out folders), each resumable on its own.

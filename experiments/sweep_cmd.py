@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from pipescope.config import ConfigError
 from pipescope.experiments.cli import integer_flag, usage_error
 from pipescope.experiments.processes import sigterm_as_ctrl_c
-from pipescope.simulator.units import counted
+from pipescope.simulator.readers.units import counted
 
 if TYPE_CHECKING:  # the simulator loads when a sweep runs, not for every 'pipescope --help'
     from pipescope.experiments.sweep import SweepPlan, SweepReport
@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "Dask cluster, log one JSON line per finished run (a re-run skips those), and write "
                     "results.parquet and results.csv (docs/sweeps.md).")
     p.add_argument("file", metavar="FILE.yaml", help="experiment file: a config plus sweep: and zip: sections, or "
-                   "the name of one in experiments/configs")
+                   "the name of one in pipescope/configs")
     p.add_argument("--workers", metavar="N", help="worker processes of the pool or of --dask local (default: the "
                    f"CPUs this process may use; 1 to {MAX_WORKERS})")
     p.add_argument("--dask", metavar="local|tcp://HOST:PORT", help="run on Dask instead of a process pool: 'local' "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from pipescope.simulator.files import write_atomic
+from pipescope.simulator.readers.files import write_atomic
 from pipescope.simulator.result import SimResult
 
 

@@ -1,6 +1,6 @@
 """``pipescope validate``: calibrate (or load a profile), simulate, run the same program for real, report the error.
 
-The real run is ``calibration.executor`` (gloo ranks on this machine, one thread each, or nccl ranks with a GPU
+The real run is ``executor.run`` (gloo ranks on this machine, one thread each, or nccl ranks with a GPU
 each; AdamW with clipping after each iteration); the prediction is ``pipescope.run`` on the profile. Warm-up
 iterations are dropped and the median of the measured ones is compared: iteration time (the optimizer steps
 included, as both timelines have them), busy time, each op matched by device and name (``sOPTk`` included), and
@@ -335,7 +335,7 @@ def _calibrate(args: argparse.Namespace, folder: str, comms: bool) -> str:
         return folder
     backend = "nccl" if args.device == "cuda" else "gloo"
     _phase(f"calibrate-comms (p2p and collectives over {args.stages} {backend} ranks)")
-    from pipescope.calibration.executor import free_port
+    from pipescope.executor.run import free_port
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.stages),
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     largest = "64MiB" if args.device == "cuda" else "1MiB"  # a GPU model's activations; CPU's stay small
@@ -358,7 +358,7 @@ def _run_step(name: str, command: list[str]) -> None:
 
 def _spec(schedule, config, iterations: int, warmup: int, timeout: int, device: str = "cpu"):
     """The executor's ``RunSpec`` of ``schedule`` on the config's model."""
-    from pipescope.calibration.executor import RunSpec
+    from pipescope.executor.run import RunSpec
     from pipescope.calibration.presets import Shape
 
     m = config.model
@@ -371,9 +371,9 @@ def _spec(schedule, config, iterations: int, warmup: int, timeout: int, device: 
 def _measure(result, config, iterations: int, warmup: int, timeout: int,
              device: str) -> tuple[pd.DataFrame, list, list[list[int]]]:
     """Every measured row of every iteration (columns as the timeline's and ``iteration``, times from the
-    iteration's first compute op), each rank's measured memory (``executor_memory.RankMemory``), and per iteration
+    iteration's first compute op), each rank's measured memory (``executor.memory.RankMemory``), and per iteration
     each rank's process CPU time (ns)."""
-    from pipescope.calibration.executor import execute_timed
+    from pipescope.executor.run import execute_timed
 
     run = execute_timed(_spec(result.schedule, config, iterations, warmup, timeout, device))
     frames = []

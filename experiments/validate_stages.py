@@ -14,7 +14,7 @@ from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.program import op_durations
 
 if TYPE_CHECKING:
-    from pipescope.calibration.executor_spec import RunSpec
+    from pipescope.executor.spec import RunSpec
     from pipescope.runner import Prepared
 
 STAGE_TIMING_ITERATIONS = 10  # serial runs whose op means become the simulation's op times
@@ -23,7 +23,7 @@ STAGE_TIMING_ITERATIONS = 10  # serial runs whose op means become the simulation
 def time_stages(built: Prepared, spec: RunSpec, copies: int = 1, cpu_time: bool = False) -> tuple[Prepared, list[dict]]:
     """(``built`` with its profile's op times replaced by the measured ones, the per-op table ``stage_op_table``);
     ``copies`` and ``cpu_time`` as ``stage_timing.stage_op_times`` takes them."""
-    from pipescope.calibration.stage_timing import stage_op_times
+    from pipescope.executor.stage_timing import stage_op_times
     measured = stage_op_times(spec, copies, cpu_time)
     table = stage_op_table(op_durations(built.stage_costs(), built.schedule.recompute), measured)
     costs = dataclasses.replace(built.costs, op_times=tuple(measured), _cache={})

@@ -2,8 +2,8 @@
 
 The public API (``__all__``) is loaded lazily, so ``import pipescope.simulator.ir`` on a GPU box that has torch but
 none of the simulator's dependencies imports nothing heavy. The subpackages are the repository's top-level
-folders (``simulator/``, ``topologies/``, ``calibration/``, ``experiments/``), installed as ``pipescope.simulator``
-and so on; see docs/architecture.md.
+folders (``simulator/``, ``topologies/``, ``calibration/``, ``executor/``, ``experiments/``), installed as
+``pipescope.simulator`` and so on; see docs/architecture.md.
 
 Example::
 

@@ -26,10 +26,10 @@ from pipescope.simulator.costs import MAX_OP_SECONDS, AnalyticCostsConfig, CostK
 from pipescope.simulator.models import ATTENTIONS, DIMENSION_RANGES, FAMILIES, PRECISIONS, PRESETS, ModelConfig
 from pipescope.simulator.parallel import ParallelConfig, parse_recompute
 from pipescope.simulator.profiled import ProfiledCostsConfig
-from pipescope.simulator.safe_yaml import MAX_INT_DIGITS, YamlError, parse_yaml, read_yaml_file
+from pipescope.simulator.readers.safe_yaml import MAX_INT_DIGITS, YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig, check_iterations
-from pipescope.simulator.units import (did_you_mean, format_bytes, parse_bandwidth, parse_flops, parse_size, parse_time,
-                                       short_repr)
+from pipescope.simulator.readers.units import (did_you_mean, format_bytes, parse_bandwidth, parse_flops, parse_size,
+                                               parse_time, short_repr)
 from pipescope.simulator.vocab import VocabMethod, vocab_method
 from pipescope.simulator.faults import FaultsConfig
 from pipescope.simulator.memory_runtime import RUNTIMES, MemoryConfig
@@ -322,7 +322,7 @@ def _merge(tree: dict, path: list[str], value: Any) -> None:
 
 
 def config_path(name: str) -> Path:
-    """A config file by path, or a shipped example by name (``demo`` is experiments/configs/demo.yaml).
+    """A config file by path, or a shipped example by name (``demo`` is pipescope/configs/demo.yaml).
 
     Raises:
         ConfigError: neither exists; the message says where both were looked for.
@@ -339,9 +339,7 @@ def config_path(name: str) -> Path:
 
 
 def _shipped_configs() -> dict[str, Path]:
-    from pipescope import experiments  # the installed or source package: its configs/ is package data
-
-    folder = Path(experiments.__file__).parent / "configs"
+    folder = Path(__file__).parent / "configs"  # package data, installed or in the source tree
     return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pipescope.config import Config, ConfigError
 from pipescope.simulator.ir import WeightUpdate
 from pipescope.simulator.offload import HostOffload, host_bytes, pcie_share
-from pipescope.simulator.units import format_bytes
+from pipescope.simulator.readers.units import format_bytes
 from pipescope.topologies.cluster import Cluster
 from pipescope.topologies.hosts import HOSTS
 

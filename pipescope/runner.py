@@ -44,7 +44,7 @@ from pipescope.simulator.result import SimResult
 from pipescope.simulator.schedules import ALIASES, GENERATORS, build_schedule, generator
 from pipescope.simulator.schedules.pipedream import DEFAULT_ITERATIONS
 from pipescope.simulator.simulate import simulate
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.units import short_repr
 
 from pipescope.topologies.cluster import Cluster
 from pipescope.offload_setup import check_host_memory, check_offload, host_offload

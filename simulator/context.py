@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pipescope.simulator.mesh import DeviceMesh
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.units import short_repr
 
 if TYPE_CHECKING:
     from pipescope.simulator.routed import RoutedNetwork

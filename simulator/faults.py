@@ -18,7 +18,7 @@ import numpy as np
 
 from pipescope.simulator.ir import Role
 from pipescope.simulator.program import Program
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.units import short_repr
 
 MAX_FACTOR = 1000.0  # a straggler 1000x slower, or a link at 1/1000: beyond, a run is not worth simulating
 MAX_ITEMS = 10_000

@@ -13,8 +13,8 @@ import functools
 import json
 import os
 
-from pipescope.simulator.files import read_small_text
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.files import read_small_text
+from pipescope.simulator.readers.units import short_repr
 
 KEY = "model.from_hf"
 MAX_BYTES = 1 << 20  # Hugging Face model configs are a few KB

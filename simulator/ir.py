@@ -1,6 +1,6 @@
 """Schedule IR: actions, schedules and their dependencies.
 
-Standard library only, so the real executor in ``calibration/`` can import it on a
+Standard library only, so the real executor in ``executor/`` can import it on a
 GPU machine that has torch but none of the simulator's dependencies.
 
 Stage numbering is torch's: with ``v`` chunks per device there are ``p * v`` stages,
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import NamedTuple
 
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.units import short_repr
 
 
 class ActionKind(StrEnum):

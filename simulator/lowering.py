@@ -182,7 +182,7 @@ NORM_BYTES = 8  # clipping's squared gradient norm, one float64, all-reduced ove
 
 def step_group(update: WeightUpdate, m: int, microbatch: int) -> int:
     """The optimizer step a microbatch's gradient belongs to: its own under PipeDream (one step per backward), else
-    its iteration's. The executor (``calibration/executor_weights.py``) uses the same rule."""
+    its iteration's. The executor (``executor/weights.py``) uses the same rule."""
     return microbatch if update is WeightUpdate.ASYNC_STASH else microbatch // m
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipescope.simulator import profile_schema as schema
+from pipescope.simulator.readers import profile_schema as schema
 from pipescope.simulator.gpu_rates import Tiling
 from pipescope.simulator.kernels import Gemm
-from pipescope.simulator.profile_schema import MAX_GEMM_SHAPES, ProfileError
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.profile_schema import MAX_GEMM_SHAPES, ProfileError
+from pipescope.simulator.readers.units import short_repr
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from pipescope.simulator.units import did_you_mean, short_repr
+from pipescope.simulator.readers.units import did_you_mean, short_repr
 
 
 @dataclass(frozen=True)

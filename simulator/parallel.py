@@ -24,7 +24,7 @@ from pipescope.simulator.models import (
     output_activation_bytes,
     stash_widths,
 )
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.units import short_repr
 
 if TYPE_CHECKING:
     from pipescope.simulator.routed import RoutedNetwork

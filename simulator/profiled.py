@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pipescope.simulator import profile_schema as schema
-from pipescope.simulator import table_bounds
+from pipescope.simulator.readers import profile_schema as schema
+from pipescope.simulator.readers import table_bounds
 from pipescope.simulator.costs import (
     MAX_BYTES,
     MAX_OP_SECONDS,
@@ -35,8 +35,8 @@ from pipescope.simulator.costs import (
     seconds_to_ns,
 )
 from pipescope.simulator.network import Link
-from pipescope.simulator.profile_schema import ProfileError
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.profile_schema import ProfileError
+from pipescope.simulator.readers.units import short_repr
 
 # The p2p fit must time a transfer of this size (and of every size it measured, and of the stage boundary)
 # within MAX_OP_SECONDS: a slower "link" is a corrupt fit, not a network.
@@ -242,7 +242,7 @@ class ProfiledCosts(PerStageCache):
     vocab_shards: int = 0  # vocabulary parallelism over this many devices (0: naive, the output on the last stage)
     vocab_2: bool = False  # vocab-2's passes (S2, T2) rather than vocab-1's (S, T)
     # Per stage, op times (ns by kind: F, B, I, W, OPT) measured stage by stage in the executor, which replace the
-    # profile's (``validate --op-times stages``, calibration/stage_timing.py); bytes stay the profile's
+    # profile's (``validate --op-times stages``, executor/stage_timing.py); bytes stay the profile's
     op_times: tuple[dict[str, int], ...] | None = None
     warnings: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # table name -> the file it was read from (for errors)

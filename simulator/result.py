@@ -18,7 +18,7 @@ from pipescope.simulator.program import KIND_CODE
 from pipescope.simulator.memory import DeviceMemory, ledger
 from pipescope.simulator.mesh import NO_SHARDING, Sharding
 from pipescope.simulator.timeline import Timeline, uncovered_ns
-from pipescope.simulator.units import format_bytes, format_time
+from pipescope.simulator.readers.units import format_bytes, format_time
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 
-from pipescope.simulator.files import write_atomic
+from pipescope.simulator.readers.files import write_atomic
 from pipescope.simulator.ir import Collective
 from pipescope.simulator.result import SimResult
 

@@ -27,7 +27,7 @@ from enum import StrEnum
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.kernels import Kernel, output_kernels
 from pipescope.simulator.models import PRECISIONS, ModelSpec, output_activation_bytes
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.units import short_repr
 
 K = ActionKind
 

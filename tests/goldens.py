@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from pipescope.calibration.torch_schedules import canonical_name, torch_schedule
-from pipescope.simulator.csvio import write_csv
+from pipescope.simulator.readers.csvio import write_csv
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 

@@ -124,7 +124,7 @@ def test_wheel_installs_only_the_pipescope_package(tmp_path: Path) -> None:
     tops = {name.split("/")[0] for name in names}
     assert tops == {"pipescope", next(t for t in tops if t.endswith(".dist-info"))}
     for sub in ("simulator/engine.py", "topologies/machines/dgx-h100.yaml", "calibration/comms.py",
-                "experiments/configs/demo.yaml", "experiments/cli.py"):
+                "configs/demo.yaml", "executor/run.py", "experiments/cli.py"):
         assert f"pipescope/{sub}" in names, sub
 
 
@@ -170,7 +170,7 @@ def test_doc_examples_that_start_workers_run_as_scripts_from_any_folder(doc: str
 
 
 def demo_in_python() -> pipescope.Config:
-    """experiments/configs/demo.yaml, built in Python."""
+    """pipescope/configs/demo.yaml, built in Python."""
     return pipescope.Config(schedule=pipescope.ScheduleConfig("1f1b", stages=4, microbatches=8),
                             model=pipescope.ModelConfig("gpt-1.3b", microbatch_size=4, precision="bf16"),
                             cluster=pipescope.ClusterConfig("dgx-h100", nodes=1),

@@ -3,7 +3,7 @@
 import pytest
 
 from pipescope.simulator.check import check, unit_steps
-from pipescope.simulator.csvio import from_csv_text, write_csv
+from pipescope.simulator.readers.csvio import from_csv_text, write_csv
 from pipescope.simulator.ir import Action, ActionKind, Schedule, ScheduleError, parse_action
 from pipescope.simulator.lowering import add_send_recv
 from pipescope.simulator.schedules import build

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from pipescope.calibration import commfit
-from pipescope.simulator.profile_schema import COMMS_FIT_RULES
+from pipescope.simulator.readers.profile_schema import COMMS_FIT_RULES
 
 SIZES = [1 << k for k in range(15, 31)]  # calibrate-comms' default sweep: 32 KiB .. 1 GiB, doubling
 US = 1000.0  # ns

@@ -1,4 +1,4 @@
-"""Every config shipped in experiments/configs loads and simulates: a plain config as it is, an experiment file
+"""Every config shipped in pipescope/configs loads and simulates: a plain config as it is, an experiment file
 (``sweep:``/``zip:``) through ``experiments.sweep.expand``, its first and last run."""
 
 import glob
@@ -11,7 +11,7 @@ from pipescope import run
 from pipescope.config import read_yaml
 from pipescope.experiments.sweep import expand
 
-CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "experiments", "configs", "*.yaml")))
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "pipescope", "configs", "*.yaml")))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
@@ -54,7 +54,7 @@ def test_file_names_in_a_config_file_are_read_beside_it(tmp_path, monkeypatch) -
     from pipescope import ScheduleConfig, load_config
     from pipescope.config import ConfigError
     from pipescope.experiments.report import table
-    from pipescope.simulator.csvio import to_csv_text
+    from pipescope.simulator.readers.csvio import to_csv_text
     from pipescope.simulator.schedules import build_schedule
     from pipescope.topologies.topology_io import load_topology, save_topology
 

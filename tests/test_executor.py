@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipescope.calibration.executor import RunError, RunSpec, execute_all, reference_step  # noqa: E402
-from pipescope.calibration.executor_state import batch, build_modules, stage_modules  # noqa: E402
+from pipescope.executor.run import RunError, RunSpec, execute_all, reference_step  # noqa: E402
+from pipescope.executor.state import batch, build_modules, stage_modules  # noqa: E402
 from pipescope.calibration.memory import saved_tensor_bytes  # noqa: E402
 from pipescope.calibration.presets import Shape  # noqa: E402
 from pipescope.simulator.ir import ActionKind  # noqa: E402
@@ -346,7 +346,7 @@ def test_a_program_whose_devices_post_transfers_in_different_orders_is_refused_o
     program with two sends swapped is found, named, and refused before any rank starts."""
     import dataclasses
 
-    from pipescope.calibration.executor_spec import p2p_order_mismatch
+    from pipescope.executor.spec import p2p_order_mismatch
     from pipescope.simulator.lowering import lower
     for name, chunks in (*FLUSH, ("v-min", 2), ("2bw", 1), ("pipedream", 1)):
         for p in (2, 4):
@@ -409,7 +409,7 @@ def test_validate_refuses_bad_flags_before_calibrating_naming_the_flag(capsys):
 def test_stage_by_stage_program_runs_every_stage_on_one_device_forward_then_backward():
     """The serial program of ``validate --op-times stages``: one device, each microbatch's F through every stage then
     its backward back (I then W where the schedule splits it), a flush that lowers with no transfer."""
-    from pipescope.calibration.stage_timing import serial_schedule
+    from pipescope.executor.stage_timing import serial_schedule
     from pipescope.simulator.lowering import lower
     for name, back in (("1f1b", ["B"]), ("zb-h1", ["I", "W"])):
         serial = serial_schedule(build(name, 2, 2))
@@ -440,8 +440,8 @@ def test_more_ranks_than_cores_share_them_in_the_simulation_and_are_warned(capsy
 
 def test_a_flush_steps_share_the_gradient_norm_before_them_by_their_durations():
     """The gap between the last backward and the first step (the gradient norm) goes to the steps by duration."""
-    from pipescope.calibration.executor import RunResult
-    from pipescope.calibration.stage_timing import norm_shares, op_means
+    from pipescope.executor.run import RunResult
+    from pipescope.executor.stage_timing import norm_shares, op_means
     rows = [("0F0", "F", 0, 0, 0, 10), ("1B0", "B", 1, 0, 10, 40), ("0B0", "B", 0, 0, 40, 60),
             ("0OPT0", "OPT", 0, 0, 90, 120), ("1OPT0", "OPT", 1, 0, 120, 180)]
     assert norm_shares(rows) == {0: 10, 1: 20}
@@ -457,7 +457,7 @@ def test_the_cpu_time_clock_counts_work_and_not_waiting():
     a core or a message) adds nothing, a busy loop adds its length."""
     import time
 
-    from pipescope.calibration.executor_clock import HostClock, ThreadCpuClock, make_clock
+    from pipescope.executor.clock import HostClock, ThreadCpuClock, make_clock
     clock = make_clock(torch.device("cpu"), cpu_time=True)
     assert isinstance(clock, ThreadCpuClock) and type(make_clock(torch.device("cpu"))) is HostClock
     start = clock.stamp()
@@ -475,8 +475,8 @@ def test_stages_timed_as_copies_at_once_by_cpu_time():
     and ``stage_op_times`` gives every stage's F, B and OPT from them."""
     import dataclasses
 
-    from pipescope.calibration.executor import execute_timed
-    from pipescope.calibration.stage_timing import op_means, serial_schedule
+    from pipescope.executor.run import execute_timed
+    from pipescope.executor.stage_timing import op_means, serial_schedule
     spec = RunSpec(build("1f1b", 2, 2), SHAPE, iterations=2, warmup=1, timeout_s=60)
     run = execute_timed(dataclasses.replace(spec, schedule=serial_schedule(spec.schedule), data_parallel=2,
                                             cpu_time=True))

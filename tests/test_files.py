@@ -1,4 +1,4 @@
-"""The one atomic writer (simulator/files.py) every output goes through."""
+"""The one atomic writer (simulator/readers/files.py) every output goes through."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipescope.simulator.files import write_atomic
+from pipescope.simulator.readers.files import write_atomic
 
 
 def test_write_atomic_creates_folders_replaces_and_shares(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from pipescope.config import Config, ConfigError, load_config
 from pipescope.runner import run
 from pipescope.simulator.ir import ScheduleError
-from pipescope.simulator.safe_yaml import MAX_YAML_BYTES, YamlError, parse_yaml
+from pipescope.simulator.readers.safe_yaml import MAX_YAML_BYTES, YamlError, parse_yaml
 from pipescope.topologies.topology_io import load_topology
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pipescope.simulator import csvio
+from pipescope.simulator.readers import csvio
 from pipescope.simulator.check import check
-from pipescope.simulator.csvio import MAX_CSV_BYTES, from_csv_text, read_csv, to_csv_text
+from pipescope.simulator.readers.csvio import MAX_CSV_BYTES, from_csv_text, read_csv, to_csv_text
 from pipescope.simulator.ir import ScheduleError
 from pipescope.simulator.lowering import add_send_recv
 from pipescope.simulator.schedules import build

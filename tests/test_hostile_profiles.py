@@ -29,7 +29,7 @@ from pipescope.calibration.presets import HARNESS_PRESETS, resolve
 from pipescope.calibration.profile_io import write_json, write_table
 from pipescope.simulator.costs import MAX_BYTES, MAX_OP_SECONDS
 from pipescope.simulator.network import link_transfer_ns
-from pipescope.simulator.profile_schema import SCHEMA_VERSION, ProfileError
+from pipescope.simulator.readers.profile_schema import SCHEMA_VERSION, ProfileError
 from pipescope.simulator.profiled import ProfiledCosts
 
 # ---------------------------------------------------------------- helpers: one corruption of a good profile
@@ -270,7 +270,7 @@ def test_file_that_is_not_parquet_names_the_file(tmp_path: Path) -> None:
 
 
 def test_oversized_table_is_refused_before_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipescope.simulator import profile_schema
+    from pipescope.simulator.readers import profile_schema
     monkeypatch.setattr(profile_schema, "MAX_TABLE_BYTES", 100)
     assert "bytes; expected a 'timings' table of at most 100 bytes" in load_error(csv_profile(tmp_path))
 
@@ -337,7 +337,7 @@ def test_a_parquet_table_is_bounded_from_its_footer(tmp_path: Path, monkeypatch:
                                                     column: pa.Array, expected: str) -> None:
     """Before a row is read: the rule columns' unpacked size from the footer (bounded at 1 MiB here), and no nested
     cells (their words would be decoded once a row: only flat columns are read dictionary-encoded)."""
-    from pipescope.simulator import profile_schema
+    from pipescope.simulator.readers import profile_schema
     monkeypatch.setattr(profile_schema, "MAX_TABLE_UNPACKED_BYTES", 1 << 20)
     folder = make_profile(tmp_path)
     with_column(folder, "component" if pa.types.is_string(column.type) else "median_ns", column,
@@ -585,7 +585,7 @@ def test_calibrate_comms_without_torch_names_the_extra(tmp_path: Path, capsys: p
 
 def test_a_key_given_twice_in_profile_metadata_is_refused(tmp_path: Path) -> None:
     """json keeps the last of two equal keys silently; a profile's metadata must not change meaning that way."""
-    from pipescope.simulator.profile_schema import ProfileError, read_metadata
+    from pipescope.simulator.readers.profile_schema import ProfileError, read_metadata
     (tmp_path / "profile.json").write_text('{"schema_version": 1, "precision": "fp32", "precision": "bf16"}')
     with pytest.raises(ProfileError, match="key 'precision' appears twice"):
         read_metadata(tmp_path)

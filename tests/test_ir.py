@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from pipescope.simulator.csvio import from_csv_text, read_csv, to_csv_text, write_csv
+from pipescope.simulator.readers.csvio import from_csv_text, read_csv, to_csv_text, write_csv
 from pipescope.simulator.ir import Action, ActionKind, parse_action, parse_cell
 from pipescope.simulator.schedules import build
 from goldens import GOLDEN

@@ -28,7 +28,7 @@ from pipescope.calibration.torch_schedules import (
 )
 from pipescope.simulator.check import check
 from pipescope.simulator.costs import UniformCosts
-from pipescope.simulator.csvio import read_csv
+from pipescope.simulator.readers.csvio import read_csv
 from pipescope.simulator.ir import Action, ActionKind, Collective, ProgramAction, Schedule, ScheduleError, parse_action
 from pipescope.simulator.lowering import add_send_recv, comm_pair, lower
 from pipescope.simulator.network import RING_STEPS, FifoLinks

@@ -15,7 +15,7 @@ from pipescope.experiments.cli import main
 from pipescope.simulator.gpu_rates import Tiling
 from pipescope.simulator.kernels import Gemm
 from pipescope.simulator.measured_gemms import MeasuredGemms, load_gemms
-from pipescope.simulator.profile_schema import SCHEMA_VERSION
+from pipescope.simulator.readers.profile_schema import SCHEMA_VERSION
 from pipescope.topologies.devices import DEVICES
 
 H100 = DEVICES["h100"]

@@ -466,7 +466,7 @@ def test_collective_command_reports_nccl_tests_numbers(capsys):
 
 
 def test_collective_command_uses_a_comms_profile(tmp_path, capsys):
-    from pipescope.simulator.profile_schema import SCHEMA_VERSION
+    from pipescope.simulator.readers.profile_schema import SCHEMA_VERSION
     (tmp_path / "comms_fit.csv").write_text(
         "collective,world_size,lo_bytes,hi_bytes,latency_ns,bandwidth,points\n"
         "all_reduce,8,0,1099511627776,20000,2e11,5\n"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipescope.calibration.profile_io import write_json, write_table
-from pipescope.simulator.profile_schema import SCHEMA_VERSION, ProfileError
+from pipescope.simulator.readers.profile_schema import SCHEMA_VERSION, ProfileError
 from pipescope.simulator.costs import split_layers
 from pipescope.simulator.models import DEFAULT_PRESET, PRESETS
 from pipescope.simulator.network import link_transfer_ns

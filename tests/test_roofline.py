@@ -18,7 +18,7 @@ from pipescope.simulator.costs import AnalyticCosts, UniformCostsConfig, seconds
 from pipescope.simulator.gpu_rates import Roofline
 from pipescope.simulator.kernels import PASSES, Kernel, layer_kernels, optimizer_kernels, output_kernels
 from pipescope.simulator.models import ATTENTIONS, layer_work, output_layer_flops, preset
-from pipescope.simulator.profile_schema import ProfileError
+from pipescope.simulator.readers.profile_schema import ProfileError
 from pipescope.simulator.profiled import ProfiledCosts
 from pipescope.topologies.devices import DEVICES
 from test_profiled_costs import make_profile

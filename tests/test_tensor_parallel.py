@@ -290,7 +290,7 @@ def test_two_gloo_ranks_give_the_unsplit_loss_and_gradients() -> None:
     launch, killed after 120 s): the loss and every gradient, gathered to full shape, are the unsplit model's."""
     torch = pytest.importorskip("torch")
     from pipescope.calibration.presets import Shape
-    from pipescope.calibration.tensor_parallel import check_tensor_parallel
+    from pipescope.executor.tensor_parallel import check_tensor_parallel
 
     shape = Shape("test", layers=2, hidden=32, heads=2, seq=16, vocab=64)
     check = check_tensor_parallel(shape, tensor=2, microbatch_size=2, seed=5, timeout_s=120)

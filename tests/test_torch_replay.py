@@ -26,7 +26,7 @@ from pipescope.calibration.torch_schedules import (
     torch_schedule,
 )
 from pipescope.simulator.check import check
-from pipescope.simulator.csvio import from_csv_text, read_csv, to_csv_text
+from pipescope.simulator.readers.csvio import from_csv_text, read_csv, to_csv_text
 from pipescope.simulator.ir import Action, ActionKind, Schedule, ScheduleError, producers
 from pipescope.simulator.lowering import add_send_recv
 from goldens import golden_name, golden_path

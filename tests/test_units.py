@@ -1,4 +1,4 @@
-"""Sizes with units (simulator/units.py): one parser for config files and the calibration command line."""
+"""Sizes with units (simulator/readers/units.py): one parser for config files and the calibration command line."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from pipescope.calibration import commands
 from pipescope.calibration.args import UsageError, size_arg
-from pipescope.simulator.units import parse_size
+from pipescope.simulator.readers.units import parse_size
 
 
 @pytest.mark.parametrize(("text", "expected"), [

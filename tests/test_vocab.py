@@ -14,7 +14,7 @@ import pytest
 from pipescope.config import ConfigError, load_config
 from pipescope.runner import run
 from pipescope.simulator.costs import AnalyticCosts
-from pipescope.simulator.csvio import to_csv_text
+from pipescope.simulator.readers.csvio import to_csv_text
 from pipescope.simulator.ir import ActionKind, Collective
 from pipescope.simulator.models import PRESETS, stage_layers
 from pipescope.simulator.result import SimResult

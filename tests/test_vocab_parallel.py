@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402 (after the torch skip)
 
-from pipescope.calibration.vocab_exec import VocabCase, case_inputs, run_vocab  # noqa: E402
+from pipescope.executor.vocab_exec import VocabCase, case_inputs, run_vocab  # noqa: E402
 from pipescope.calibration.vocab_parallel import (Shard, embedding_backward, embedding_forward, reduce_shards,  # noqa: E402
                                                   s_pass, shard_size, t_pass)
 

@@ -268,7 +268,7 @@ def test_torchs_zero_on_gloo_ranks_trains_as_one_process_and_holds_what_the_ledg
     4 + 4 + 8 per parameter, sharded as ``memory.static_memory`` shards them) within 5%."""
     torch = pytest.importorskip("torch")
     from pipescope.calibration.presets import resolve
-    from pipescope.calibration.zero_check import check_zero
+    from pipescope.executor.zero_check import check_zero
 
     check = check_zero(resolve("tiny"), stage, world, reshard_after_forward=reshard, timeout_s=120)
     assert check.loss == pytest.approx(check.reference_loss, rel=1e-5)

@@ -12,7 +12,7 @@ from pipescope.simulator.faults import FaultsConfig, apply_link_faults, parse_st
 from pipescope.simulator.mesh import NO_SHARDING, Sharding
 from pipescope.simulator.replicas import DDP_BUCKET_BYTES, GradSync
 from pipescope.simulator.routed import RoutedNetwork
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.units import short_repr
 from pipescope.topologies.devices import DEVICES, DeviceSpec
 from pipescope.topologies.topology_io import load_topology, machine_device
 

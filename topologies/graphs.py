@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from pipescope.simulator.units import parse_bandwidth, parse_size
+from pipescope.simulator.readers.units import parse_bandwidth, parse_size
 
 NODE_KINDS = ("gpu", "nvswitch", "pcie", "cpu", "nic", "leaf", "spine")
 EDGE_KINDS = ("nvlink", "nvswitch", "pcie", "nic", "fabric")

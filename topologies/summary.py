@@ -10,7 +10,7 @@ from collections import Counter
 
 import networkx as nx
 
-from pipescope.simulator.files import write_atomic
+from pipescope.simulator.readers.files import write_atomic
 from pipescope.topologies.graphs import SWITCH_KINDS
 
 DRAW_SUFFIXES = (".png", ".svg", ".pdf")

@@ -17,9 +17,9 @@ import xml.etree.ElementTree as ET
 import networkx as nx
 import yaml
 
-from pipescope.simulator.files import read_small_text, write_atomic
-from pipescope.simulator.safe_yaml import MAX_YAML_BYTES, YamlError, read_yaml_file
-from pipescope.simulator.units import parse_bandwidth, parse_size, parse_time, short_repr
+from pipescope.simulator.readers.files import read_small_text, write_atomic
+from pipescope.simulator.readers.safe_yaml import MAX_YAML_BYTES, YamlError, read_yaml_file
+from pipescope.simulator.readers.units import parse_bandwidth, parse_size, parse_time, short_repr
 from pipescope.topologies.devices import DEVICES
 from pipescope.topologies.graphs import (
     BANDWIDTH_RANGE, EDGE_ENDS, EDGE_KINDS, FABRICS, MAX_GPUS_PER_NODE, MAX_GRAPH_EDGES, MAX_GRAPH_VERTICES,

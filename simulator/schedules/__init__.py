@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 
-from pipescope.simulator.csvio import read_csv
+from pipescope.simulator.readers.csvio import read_csv
 from pipescope.simulator.ir import Schedule
 from pipescope.simulator.parallel import parse_recompute
-from pipescope.simulator.units import did_you_mean, short_repr
+from pipescope.simulator.readers.units import did_you_mean, short_repr
 from pipescope.simulator.schedules.basic import gpipe, one_f_one_b
 from pipescope.simulator.schedules.interleaved import interleaved
 from pipescope.simulator.schedules.pipedream import pipedream, two_bw

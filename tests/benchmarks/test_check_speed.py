@@ -6,7 +6,7 @@ import time
 import pytest
 
 from pipescope.experiments.cli import main
-from pipescope.simulator.csvio import write_csv
+from pipescope.simulator.readers.csvio import write_csv
 from pipescope.simulator.schedules import build
 
 

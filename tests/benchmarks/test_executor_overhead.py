@@ -14,9 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipescope.calibration.executor import RunSpec, execute  # noqa: E402
-from pipescope.calibration.executor_state import build_modules  # noqa: E402
-from pipescope.calibration.executor_weights import squared_norm  # noqa: E402
+from pipescope.executor.run import RunSpec, execute  # noqa: E402
+from pipescope.executor.state import build_modules  # noqa: E402
+from pipescope.executor.weights import squared_norm  # noqa: E402
 from pipescope.calibration.presets import resolve  # noqa: E402
 from pipescope.simulator.schedules import build  # noqa: E402
 

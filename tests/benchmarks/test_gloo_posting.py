@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipescope.calibration.executor import launch  # noqa: E402
+from pipescope.executor.run import launch  # noqa: E402
 
 ITERATIONS = 15
 

@@ -39,7 +39,7 @@ def _profile(folder: str) -> str:
 
 @pytest.mark.benchmark
 def test_stages_timed_as_copies_by_cpu_time_against_one_copy_by_wall_clock(tmp_path) -> None:
-    from pipescope.calibration.stage_timing import stage_op_times
+    from pipescope.executor.stage_timing import stage_op_times
     from pipescope.config import load_config
     from pipescope.experiments import validate_cmd as vc
     from pipescope.experiments.cli import build_parser

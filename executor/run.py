@@ -1,26 +1,26 @@
 """The real executor: the lowered program the simulator replays, run for real over torch.distributed processes.
 
 Each rank runs its device's list of the program ``simulator.lowering.lower`` makes, action by action
-(``executor_state.Rank``: F, I, W, B, SEND/RECV on the GPT pieces of ``calibration.model``), and the optimizer:
+(``executor.state.Rank``: F, I, W, B, SEND/RECV on the GPT pieces of ``calibration.model``), and the optimizer:
 torch's AdamW (or SGD, ``RunSpec.optimizer``), one timed row ``{stage}OPT{k}`` (kind OPT) per stage and step, k the
 last microbatch whose gradient it applies (the simulator's names). Flush schedules step after the program, the
 gradient norm clipped over the whole pipeline; PipeDream's weight stashing and 2BW's two buffers with the delayed
-update step inside it (``executor_weights``). With ``data_parallel`` w > 1 there are w replicas of the pipeline
+update step inside it (``executor.weights``). With ``data_parallel`` w > 1 there are w replicas of the pipeline
 (replica r's device d is rank r*D + d, the simulator's numbering), each on its own microbatches, and each stage's
 gradients are averaged over its replicas after its last backward (rows ``{stage}ALL_REDUCE{k}``); the clipping norm's
 all-reduce over the pipeline is ``-1ALL_REDUCE{k}``. A receive's row spans its post to its wait's return (the latest
 the data can have arrived). Each rank's memory
-is tracked exactly in the first run of the program (``executor_memory``; the CUDA allocator's peak on GPUs).
+is tracked exactly in the first run of the program (``executor.memory``; the CUDA allocator's peak on GPUs).
 
-Module map: ``executor`` (this: RunSpec, RunResult, the worker and the launcher), ``executor_state`` (one rank's
-actions), ``executor_weights`` (versions, gradient buffer, optimizer, update rule), ``executor_memory`` (the
-tracker), ``executor_clock`` (the action stamps), ``executor_reference`` (the one-process reference).
+Module map: ``executor.run`` (this: RunSpec, RunResult, the worker and the launcher), ``executor.state`` (one rank's
+actions), ``executor.weights`` (versions, gradient buffer, optimizer, update rule), ``executor.memory`` (the
+tracker), ``executor.clock`` (the action stamps), ``executor.reference`` (the one-process reference).
 
 Every module is built from its own seed, so the ranks and the one-process reference start from the same weights,
 and the numerics tests compare losses, gradients and weights. Start and end of every action are stamped after a
-barrier by ``executor_clock``: ``perf_counter_ns`` on CPU (one clock on one machine), CUDA events on a GPU (the GPU's
+barrier by ``executor.clock``: ``perf_counter_ns`` on CPU (one clock on one machine), CUDA events on a GPU (the GPU's
 time, as calibrate's). On CUDA the ranks use nccl, which ignores tags: a program whose two devices post the transfers
-between them in different orders is refused before launch (``executor_spec.p2p_order_mismatch``; every built-in
+between them in different orders is refused before launch (``executor.spec.p2p_order_mismatch``; every built-in
 schedule's lowering agrees). A rank that dies or stops
 making progress ends the run with one line naming it and its action, and no process is left.
 """
@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipescope.calibration.executor_memory import RankMemory, cuda_peak, cuda_reset
-from pipescope.calibration.executor_reference import Reference, reference_step
-from pipescope.calibration.executor_spec import RunSpec, p2p_order_mismatch
-from pipescope.calibration.executor_state import Rank, Row
+from pipescope.executor.memory import RankMemory, cuda_peak, cuda_reset
+from pipescope.executor.reference import Reference, reference_step
+from pipescope.executor.spec import RunSpec, p2p_order_mismatch
+from pipescope.executor.state import Rank, Row
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.lowering import lower, step_points
 
@@ -58,7 +58,7 @@ class RunResult:
     """``rows``: per measured run of the program, every rank's rows (action, kind, stage, microbatch, start_ns,
     end_ns). ``losses``: the mean loss of every optimizer iteration of every run (warm-up included), ``loss`` the
     last. ``grads``: each parameter's gradient before its last step (averaged over replicas, before clipping).
-    ``weights``: per replica, each parameter's final value. ``memory``: per rank, what ``executor_memory`` measured
+    ``weights``: per replica, each parameter's final value. ``memory``: per rank, what ``executor.memory`` measured
     in the first run. ``versions``: per rank, in the last run, (F or B, stage, microbatch, weight version used, newest
     version then, the used buffer's in-place write count) for every forward and backward. ``cpu_ns``: per measured
     run, every rank's process CPU time (its ops, gloo's threads, waits that spin)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from pipescope.calibration.executor import RunResult, RunSpec, execute_timed
+from pipescope.executor.run import RunResult, RunSpec, execute_timed
 from pipescope.simulator.ir import Action, ActionKind, Schedule
 
 K = ActionKind

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipescope.simulator.models import PRECISIONS
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.units import short_repr
 
 # Bump on any change a reader of the previous version would misread; readers refuse other versions.
 SCHEMA_VERSION = 1

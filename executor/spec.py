@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipescope.calibration.executor_weights import OPTIMIZERS
+from pipescope.executor.weights import OPTIMIZERS
 from pipescope.calibration.presets import Shape
 from pipescope.simulator.ir import Action, ActionKind, Schedule
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipescope.calibration.executor import launch
+from pipescope.executor.run import launch
 from pipescope.calibration.vocab_parallel import (ALGORITHMS, Shard, embedding_backward, embedding_forward, finish,
                                                   pack_max, pack_sum, s_pass, t_pass)
 

@@ -13,9 +13,9 @@ import io
 import os
 import re
 
-from pipescope.simulator.files import write_atomic
+from pipescope.simulator.readers.files import write_atomic
 from pipescope.simulator.ir import COLLECTIVE_KINDS, COMPUTE_KINDS, VOCAB_KINDS, Action, Schedule, parse_cell
-from pipescope.simulator.units import short_repr
+from pipescope.simulator.readers.units import short_repr
 
 # Bounds on a schedule CSV, checked before parsing, so a hostile file costs neither gigabytes nor minutes. A
 # 1F1B schedule with p = 2,000 and m = 4 takes 0.2 MB, 16,000 cells; torch's dump of GPipe at that size, with an

@@ -4,8 +4,8 @@ one microbatch at a time, every weight version kept.
 Microbatch j of stage s runs with the version the rule gives it: the newest (flush); max(T-1, 0) for global
 iteration T (2BW); under PipeDream, the version the stage had when its forward ran in the schedule, i.e. the steps it
 had taken by then (its backwards before that forward on its device). Replica r's microbatches are the executor's
-(``executor_state.global_microbatch``), each loss divided by w, so the gradient is the average over the replicas.
-Then each stage steps as the executor does (``executor_weights.StageWeights.step``), after every microbatch under
+(``executor.state.global_microbatch``), each loss divided by w, so the gradient is the average over the replicas.
+Then each stage steps as the executor does (``executor.weights.StageWeights.step``), after every microbatch under
 PipeDream and after every iteration otherwise, with the same clipping.
 """
 
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipescope.calibration.executor_state import batch, build_modules, global_microbatch, stage_modules
-from pipescope.calibration.executor_weights import StageWeights, UpdateRule, clip_coefficient, squared_norm
+from pipescope.executor.state import batch, build_modules, global_microbatch, stage_modules
+from pipescope.executor.weights import StageWeights, UpdateRule, clip_coefficient, squared_norm
 from pipescope.simulator.ir import ActionKind, Schedule
 
 if TYPE_CHECKING:
-    from pipescope.calibration.executor_spec import RunSpec
+    from pipescope.executor.spec import RunSpec
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from pipescope.simulator.files import read_small_text
+from pipescope.simulator.readers.files import read_small_text
 
 MAX_YAML_BYTES = 1 << 20  # a config or machine file is a few hundred bytes; 1 MiB leaves room for comments
 MAX_YAML_DEPTH = 32  # the deepest config section is two levels; 32 is far below Python's recursion limit

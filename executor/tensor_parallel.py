@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipescope.calibration.executor import launch
-from pipescope.calibration.executor_state import batch, build_modules
+from pipescope.executor.run import launch
+from pipescope.executor.state import batch, build_modules
 from pipescope.calibration.presets import Shape
 
 # Per parameter suffix: how the full tensor is split, as (view of the full tensor, dimension cut into t slices). QKV's

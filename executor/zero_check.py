@@ -1,7 +1,7 @@
 """ZeRO on real gloo ranks, checked against one process and against the memory ledger (docs/parallelism.md,
 "Checked on real ranks").
 
-``check_zero`` trains the executor's GPT pieces (``executor_state.build_modules``: the embedding, the blocks, the
+``check_zero`` trains the executor's GPT pieces (``executor.state.build_modules``: the embedding, the blocks, the
 output layer, each from its seed) for one step of AdamW on ``world`` CPU ranks, each on its slice of one batch, with
 torch's own ZeRO: stage 1 is ``ZeroRedundancyOptimizer`` over DDP (the optimizer state partitioned by parameter),
 stage 3 is FSDP2's ``fully_shard`` with each module a unit, as the simulator's units are (``reshard_after_forward``
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipescope.calibration.executor import launch
-from pipescope.calibration.executor_state import batch, build_modules
+from pipescope.executor.run import launch
+from pipescope.executor.state import batch, build_modules
 from pipescope.calibration.presets import Shape
 
 STAGES = (1, 3)  # what torch ships for CPU and gloo: ZeroRedundancyOptimizer (1) and fully_shard (3)

@@ -1,7 +1,7 @@
 """One rank of the real executor: its stages, the model cut into them, its data, and what each action does.
 
 F runs the stage's modules (the embedding on stage 0, its blocks, the output layer and loss on the last stage) with
-the weight version the update rule gives it (``executor_weights``); SEND/RECV are ``isend``/``irecv`` tagged by
+the weight version the update rule gives it (``executor.weights``); SEND/RECV are ``isend``/``irecv`` tagged by
 action; I runs the backward with the stage's Linears deferred and keeps their (input, output gradient) pairs; W
 computes the weight gradients from them; B is both. After a stage's last backward of an update group its gradients
 are all-reduced (averaged) over its data-parallel replicas, and, when the schedule has no flush (PipeDream, 2BW),
@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipescope.calibration.executor_clock import make_clock
-from pipescope.calibration.executor_memory import MemoryTracker
-from pipescope.calibration.executor_weights import (StageWeights, UpdateRule, clip_coefficient, optimizer_tensors,
+from pipescope.executor.clock import make_clock
+from pipescope.executor.memory import MemoryTracker
+from pipescope.executor.weights import (StageWeights, UpdateRule, clip_coefficient, optimizer_tensors,
                                                    squared_norm)
 from pipescope.calibration.model import Block, Embedding, OutputLayer
 from pipescope.calibration.presets import Shape
@@ -29,7 +29,7 @@ from pipescope.simulator.ir import Action, ActionKind, Schedule
 from pipescope.simulator.models import stage_layers
 
 if TYPE_CHECKING:
-    from pipescope.calibration.executor_spec import RunSpec
+    from pipescope.executor.spec import RunSpec
 
 K = ActionKind
 Row = tuple[str, str, int, int, int, int]  # action, kind, stage, microbatch, start_ns, end_ns
