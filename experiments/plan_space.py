@@ -12,7 +12,7 @@ from pipescope.config import ConfigError
 from pipescope.experiments.sweep import validated_config
 from pipescope.simulator.costs import CostKind
 from pipescope.simulator.mesh import ZERO_STAGES
-from pipescope.simulator.schedules import named_generator
+from pipescope.simulator.schedules import generator, named_generator
 from pipescope.simulator.readers.units import short_repr
 
 # The 2BW paper's planner space plus the zero-bubble and V families (issue 14); PipeDream's weight stashing rarely
@@ -82,6 +82,20 @@ class PlanRequest:
     depths: tuple[int, ...] | None = None  # None: every pipeline depth that divides the GPUs
     vocab: tuple[str, ...] = VOCAB_METHODS
     top: int = 5
+
+    def __post_init__(self) -> None:
+        # ZB-V, zb-v and an alias are one schedule: the search and its tables use the generator's own name, once
+        if isinstance(self.schedules, tuple) and all(isinstance(name, str) for name in self.schedules):
+            object.__setattr__(self, "schedules", tuple(dict.fromkeys(map(_generator_name, self.schedules))))
+
+
+def _generator_name(name: str) -> str:
+    """The registered name of the generator ``name`` calls (any case, aliases); an unknown name as given, for
+    ``check_request`` to refuse."""
+    try:
+        return generator(name).name
+    except KeyError:
+        return name
 
 
 def _flushes(schedule: str) -> bool:

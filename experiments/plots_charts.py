@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
-from matplotlib.ticker import PercentFormatter
+from matplotlib.ticker import FuncFormatter, LogFormatter, PercentFormatter
 
 from pipescope.experiments.palette import schedule_color, schedule_marker
 from pipescope.experiments.plots_data import SWEEP_COLUMNS, RunData, run_data, sweep_table
@@ -125,8 +125,8 @@ def bubble_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(set(frame[MICROBATCHES])), [str(m) for m in sorted(set(frame[MICROBATCHES]))])
-    top = max(float(series.max()) for series in lines.values())
-    ax.set_ylim(0, top * 1.06 if top > 0 else 1)  # headroom: the highest markers stay inside the frame
+    top = max(float(series.max()) for series in lines.values()) or 1.0
+    ax.set_ylim(-0.03 * top, top * 1.06)  # room on both sides: a zero-bubble schedule's 0% markers stay whole too
     fig.tight_layout()
     return fig
 
@@ -154,11 +154,20 @@ def throughput_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
             label=f"ideal: linear from the best at {fewest} GPUs")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(_plain_log_labels(ax, LogFormatter(labelOnlyBase=False)))
+    ax.yaxis.set_minor_formatter(_plain_log_labels(ax, LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4))))
     ax.set_xticks(counts, [str(g) for g in counts])
     ax.margins(x=0.06, y=0.08)  # markers at the ends stay inside the frame
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _plain_log_labels(ax: plt.Axes, chooser: LogFormatter) -> FuncFormatter:
+    """A log axis' labels as plain numbers (400, 0.2), not matplotlib's 4×10² and 2e−01, on the ticks ``chooser``
+    (matplotlib's own choice of which log ticks to label) labels."""
+    chooser.set_axis(ax.yaxis)
+    return FuncFormatter(lambda value, pos: f"{value:g}" if chooser(value, pos) else "")
 
 
 def _bars_at_one_count(lines: dict[tuple[str, str], pd.Series], gpus: int, title: str | None) -> Figure:

@@ -23,7 +23,9 @@ from pipescope.simulator.readers.units import format_bytes
 
 MAX_LABELLED_OPS = 600  # beyond this, microbatch numbers turn into noise
 MAX_DRAWN_MICROBATCHES = 256  # beyond this, a device's row of ops is a barcode: draw its busy share per kind instead
-SUMMARY_BINS = 240
+SUMMARY_BINS = 240  # time slices at most; fewer when a slice would hold under 8 microbatches' ops
+MICROBATCHES_PER_SLICE = 8  # a slice over a few microbatches aliases with the schedule's period (a sawtooth)
+MIN_VISIBLE_SHARE = 0.1  # a lane or link that carried anything in a slice shows at least this sliver of its row
 MAX_ROWS = 32  # beyond this many devices, rows are too thin to read: draw replica 0 only
 MAX_LINKS = 16
 MAX_DRAWN_ROWS = 512  # 0.32 inch each at 150 dpi: near matplotlib's 2^16-pixel limit on an image's side
@@ -77,14 +79,15 @@ def gantt_figure(result: SimResult | RunData, title: str | None = None, *, mode:
     thin = not comm_lanes and bool((ops["lane"] == "collective").any())
     microbatches = int(ops.loc[ops["lane"] == "compute", "microbatch"].nunique())  # over every iteration drawn
     summary = timed and microbatches > MAX_DRAWN_MICROBATCHES
-    if summary:
-        _draw_busy_shares(ax, ops[ops["lane"] == "compute"], rows, axis, 0.68 if thin else 0.8)
+    slices = _slices(ops, axis, microbatches) if summary else None
+    if slices is not None:
+        _draw_busy_shares(ax, ops[ops["lane"] == "compute"], rows, axis, slices, 0.68 if thin else 0.8)
     else:
         _draw_compute(ax, ops, rows, axis, data, thin)
     if comm_lanes and timed:
-        _draw_comm(ax, ops, rows, axis)
+        _draw_comm(ax, ops, rows, axis, slices)
     elif timed:
-        _draw_collectives(ax, ops[ops["lane"] == "collective"], rows, axis)
+        _draw_collectives(ax, ops[ops["lane"] == "collective"], rows, axis, slices)
     _label_rows(ax, rows, lanes)
     boundaries = [(e - axis.origin) / axis.scale for e in iteration_ends(ops, data.microbatches, axis.end)]
     for a in axes:
@@ -95,12 +98,13 @@ def gantt_figure(result: SimResult | RunData, title: str | None = None, *, mode:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_title(plain(_title(data, title, shown, timed) + (
         f"\n{microbatches} microbatches, more than {MAX_DRAWN_MICROBATCHES}: each row is the device's busy "
-        f"share per kind in {SUMMARY_BINS} time slices, not its ops" if summary else "")))
+        f"share per kind in {len(slices) - 1} time slices, not its ops; memory its range in each" if summary else
+        "")))
     for name, panel in zip(panels, axes[1:]):
         if name == "links":
-            _draw_links(panel, links, axis)
+            _draw_links(panel, links, axis, slices)
         else:
-            draw_memory(panel, data, axis.origin, axis.scale)
+            draw_memory(panel, data, axis.origin, axis.scale, slices)
     axes[-1].set_xlabel(axis.label)
     fig.tight_layout()
     return fig
@@ -146,22 +150,41 @@ def _draw_compute(ax: Axes, ops: pd.DataFrame, rows: dict, axis: Axis, data: Run
                     fontsize=6, color="white")
 
 
-def _draw_busy_shares(ax: Axes, frame: pd.DataFrame, rows: dict, axis: Axis, height: float) -> None:
+def _slices(ops: pd.DataFrame, axis: Axis, microbatches: int) -> np.ndarray:
+    """The edges of the time slices a summarised Gantt draws busy shares over: ``SUMMARY_BINS``, or one per
+    ``MICROBATCHES_PER_SLICE`` microbatches when that is fewer."""
+    bins = min(SUMMARY_BINS, max(1, microbatches // MICROBATCHES_PER_SLICE))
+    return np.linspace(axis.origin, float(ops[axis.end].max()), bins + 1)
+
+
+def _draw_busy_shares(ax: Axes, frame: pd.DataFrame, rows: dict, axis: Axis, slices: np.ndarray,
+                      height: float) -> None:
     """Each device's row as stacked bands, one per kind, as high as the share of each time slice the device spent
     on that kind: fill, steady state and drain stay visible where thousands of ops would be a barcode."""
-    edges = np.linspace(axis.origin, float(frame[axis.end].max()), SUMMARY_BINS + 1)
-    x = (edges - axis.origin) / axis.scale
     for device, group in frame.groupby("device"):
-        bottom = rows[(device, "compute")] - 0.4 + height  # y grows downwards: bands stack up from the row's bottom
-        done = np.zeros(SUMMARY_BINS)
+        done = np.zeros(len(slices) - 1)
         for kind in [k for k in COLORS if k in set(group["kind"])]:
-            mine = group[group["kind"] == kind]
-            busy = np.diff(_busy_until(mine[axis.start].to_numpy(float), mine[axis.end].to_numpy(float), edges))
-            share = np.minimum(busy / np.diff(edges), 1.0 - done)
-            low, high = bottom - height * done, bottom - height * (done + share)
-            ax.fill_between(x, np.append(low, low[-1]), np.append(high, high[-1]), step="post", color=COLORS[kind],
-                            linewidth=0)
-            done += share
+            done = _share_band(ax, group[group["kind"] == kind], axis, slices, rows[(device, "compute")] - 0.4,
+                               height, COLORS[kind], done)
+
+
+def _share_band(ax: Axes, frame: pd.DataFrame, axis: Axis, slices: np.ndarray, top: float, height: float,
+                color: str, done: np.ndarray | None = None) -> np.ndarray:
+    """A band in the row from ``top`` to ``top + height``, as high in each slice as the share of it ``frame``'s
+    spans cover (overlapping spans, such as buckets' all-reduces, count once at most), stacked from the row's bottom
+    on what ``done`` already holds; returns the new ``done``. Without ``done`` (a lane or a link, whose transfers
+    are often a thousandth of a slice) a slice with any traffic shows at least ``MIN_VISIBLE_SHARE``."""
+    sliver = done is None
+    done = np.zeros(len(slices) - 1) if done is None else done
+    busy = np.diff(_busy_until(frame[axis.start].to_numpy(float), frame[axis.end].to_numpy(float), slices))
+    share = np.minimum(busy / np.diff(slices), 1.0 - done)
+    if sliver:
+        share = np.where(share > 0, np.maximum(share, MIN_VISIBLE_SHARE), 0.0)
+    bottom = top + height  # y grows downwards: bands stack up from the row's bottom
+    low, high = bottom - height * done, bottom - height * (done + share)
+    x = (slices - axis.origin) / axis.scale
+    ax.fill_between(x, np.append(low, low[-1]), np.append(high, high[-1]), step="post", color=color, linewidth=0)
+    return done + share
 
 
 def _busy_until(start: np.ndarray, end: np.ndarray, at: np.ndarray) -> np.ndarray:
@@ -173,21 +196,29 @@ def _busy_until(start: np.ndarray, end: np.ndarray, at: np.ndarray) -> np.ndarra
     return (began * at - sum_starts[began]) - (ended * at - sum_ends[ended])
 
 
-def _draw_comm(ax: Axes, ops: pd.DataFrame, rows: dict, axis: Axis) -> None:
-    """Sends, receives and collectives on their device's lanes (transfers to two peers may overlap in a lane)."""
+def _draw_comm(ax: Axes, ops: pd.DataFrame, rows: dict, axis: Axis, slices: np.ndarray | None) -> None:
+    """Sends, receives and collectives on their device's lanes (transfers to two peers may overlap in a lane); with
+    ``slices``, each lane's busy share per kind."""
     frame = ops[ops["lane"] != "compute"]
     for (device, lane, kind), group in frame.groupby(["device", "lane", "kind"]):
         color = COLLECTIVE_COLOR if lane == "collective" else COMM_COLORS.get(kind, UNKNOWN_COLOR)
+        if slices is not None:
+            _share_band(ax, group, axis, slices, rows[(device, lane)] - 0.3, 0.6, color)
+            continue
         # An edge as wide as a hairline: a 10 us transfer on a 30 ms axis is narrower than a pixel and would vanish.
         ax.broken_barh(_bars(group, axis), (rows[(device, lane)] - 0.3, 0.6), facecolors=color, edgecolor=color,
                        linewidth=0.5)
 
 
-def _draw_collectives(ax: Axes, frame: pd.DataFrame, rows: dict, axis: Axis) -> None:
-    """Each device's collectives (all-reduce buckets, often overlapping) as one thin bar under its ops."""
+def _draw_collectives(ax: Axes, frame: pd.DataFrame, rows: dict, axis: Axis, slices: np.ndarray | None) -> None:
+    """Each device's collectives (all-reduce buckets, often overlapping) as one thin bar under its ops (with
+    ``slices``, its busy share)."""
     for device, group in frame.groupby("device"):
-        ax.broken_barh(_bars(group, axis), (rows[(device, "compute")] + 0.3, 0.15), facecolors=COLLECTIVE_COLOR,
-                       linewidth=0)
+        if slices is not None:
+            _share_band(ax, group, axis, slices, rows[(device, "compute")] + 0.3, 0.15, COLLECTIVE_COLOR)
+        else:
+            ax.broken_barh(_bars(group, axis), (rows[(device, "compute")] + 0.3, 0.15), facecolors=COLLECTIVE_COLOR,
+                           linewidth=0)
 
 
 def _label_rows(ax: Axes, rows: dict, lanes: list[str]) -> None:
@@ -202,9 +233,14 @@ def _label_rows(ax: Axes, rows: dict, lanes: list[str]) -> None:
     ax.set_ylim(len(rows) - 0.5, -0.5)  # device 0 at the top
 
 
-def _draw_links(ax: Axes, links: dict[str, list[tuple[int, int]]], axis: Axis) -> None:
-    """One row per link, busiest first (the order ``link_spans`` keeps), a bar wherever it carried a flow."""
+def _draw_links(ax: Axes, links: dict[str, list[tuple[int, int]]], axis: Axis, slices: np.ndarray | None) -> None:
+    """One row per link, busiest first (the order ``link_spans`` keeps), a bar wherever it carried a flow (with
+    ``slices``, its busy share)."""
     for row, spans in enumerate(links.values()):
+        if slices is not None:
+            frame = pd.DataFrame(spans, columns=[axis.start, axis.end], dtype=float)
+            _share_band(ax, frame, axis, slices, row - 0.35, 0.7, LINK_COLOR)
+            continue
         bars = [((start - axis.origin) / axis.scale, (end - start) / axis.scale) for start, end in spans]
         # a hairline edge, as the transfer lanes have: a 19 us span on a 250 ms axis is under a pixel and vanished
         ax.broken_barh(bars, (row - 0.35, 0.7), facecolors=LINK_COLOR, edgecolor=LINK_COLOR, linewidth=0.5)
@@ -213,15 +249,24 @@ def _draw_links(ax: Axes, links: dict[str, list[tuple[int, int]]], axis: Axis) -
     ax.set_title("busiest links (busy while carrying a flow)", fontsize=9, loc="left")
 
 
-def draw_memory(ax: Axes, data: RunData, origin: float, scale: float) -> None:
+def draw_memory(ax: Axes, data: RunData, origin: float, scale: float, slices: np.ndarray | None = None) -> None:
     """Each device's bytes in use as a step line, held to the end of the run, in the unit its peak reads best in;
     the capacity as a dashed line when a peak comes within half of it (farther off, it would flatten every line: the
-    title says it instead)."""
+    title says it instead). With ``slices``, each device's lowest to highest bytes in each slice, as a band under
+    its highest: hundreds of microbatches' rises and falls would fill the panel."""
     end = int(data.ops["end_ns"].max()) if len(data.ops) else 0
     peak = max((float(used.max()) for _, used in data.memory if len(used)), default=0.0)
     unit, unit_bytes = byte_unit(peak)
     for device, (times, used) in enumerate(data.memory):
         if not len(times):
+            continue
+        if slices is not None:
+            low, high = _memory_range(np.asarray(times, float), np.asarray(used, float), slices)
+            x = (slices - origin) / scale
+            line, = ax.step(x, np.append(high, high[-1]) / unit_bytes, where="post", linewidth=1.0,
+                            label=f"device {device}")
+            ax.fill_between(x, np.append(low, low[-1]) / unit_bytes, np.append(high, high[-1]) / unit_bytes,
+                            step="post", color=line.get_color(), alpha=0.25, linewidth=0)
             continue
         x = np.append(times, max(end, int(times[-1])))
         y = np.append(used, used[-1]) / unit_bytes
@@ -236,6 +281,16 @@ def draw_memory(ax: Axes, data: RunData, origin: float, scale: float) -> None:
     ax.set_title(text, fontsize=9, loc="left")
     if len(data.memory) <= 16:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
+
+
+def _memory_range(times: np.ndarray, used: np.ndarray, slices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lowest, highest) bytes in use in each slice of a step function that takes ``used[i]`` from ``times[i]``
+    (its first value before the first time): the value a slice starts with and every one set inside it."""
+    first = np.maximum(np.searchsorted(times, slices[:-1], side="right") - 1, 0)
+    last = np.maximum(np.searchsorted(times, slices[1:], side="left"), first + 1)
+    low = np.array([used[a:b].min() for a, b in zip(first, last)])
+    high = np.array([used[a:b].max() for a, b in zip(first, last)])
+    return low, high
 
 
 def _legend(ops: pd.DataFrame, chunks: int, comm_lanes: bool, boundaries: bool, pipeline: int = 0) -> list:

@@ -172,6 +172,10 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         profile = args.profile or _calibrate(args, folder, comms=mode != ONE_GPU)
         config = load_config(None, _sets(args, profile))
         config, warnings = _shared_cores(config) if mode == CPU else (config, [])
+        busy = busy_machine(os.getloadavg()[0], len(os.sched_getaffinity(0))) if mode == CPU else None
+        if busy:
+            print(f"pipescope validate: warning: {busy}", file=sys.stderr, flush=True)
+            warnings.append(busy)
         from pipescope.runner import prepare, run_prepared
         built = prepare(config)
         _check_profile(built.costs, profile, args.device, args.model if args.profile else None, mode != ONE_GPU)
@@ -290,6 +294,15 @@ def _ops_report(schedule, table: list[dict]) -> dict:
     """The one-GPU report: every stage's ops measured against the profile's."""
     return {"schedule": schedule.name, "stages": schedule.num_devices, "microbatches": schedule.num_microbatches,
             "device": "cuda", "op_times": "stages", "stage_ops": table, **op_error_summary(table), "warnings": []}
+
+
+def busy_machine(load: float, cores: int) -> str | None:
+    """A warning when other work already keeps the CPU cores busy (the 1-minute load average above half of them):
+    calibrate and the run then time that work too, and the error can reach -50% (docs/validation.md)."""
+    if load <= cores / 2:
+        return None
+    return (f"the machine is busy before validate starts (load average {load:.1f} on {cores} CPU cores): the "
+            f"timings share the cores with that work, so expect a large error; run validate on a quiet machine")
 
 
 def _shared_cores(config):

@@ -346,18 +346,21 @@ def _shipped_configs() -> dict[str, Path]:
 def read_yaml(name: str) -> dict:
     """A config file (see ``config_path``) as a mapping; ConfigError if missing, refused or not a mapping."""
     path = config_path(name)
+    suffix = path.suffix.lower()
+    other_format = suffix not in ("", ".yaml", ".yml", ".json")  # results.csv, results.parquet: a sweep's tables
+    expected = "expected a YAML mapping of sections (schedule:, model:, cluster:, ...; docs/cli.md)"
     try:
         raw = read_yaml_file(str(path))
     except YamlError as err:
+        if other_format:  # a binary table fails as bytes that are not text: name its format, not the byte
+            raise ConfigError(f"--config: {str(path)!r} is a {suffix[1:].upper()} file, not a YAML config, "
+                              f"{expected}") from None
         raise ConfigError(f"--config: {err}") from None
     if raw is None:  # an empty file is more likely a mistake than a wish for the defaults ({} asks for those)
         raise ConfigError(f"--config: {str(path)!r} is empty, expected a mapping of sections ({{}} for the defaults)")
     if not isinstance(raw, dict):
-        suffix = path.suffix.lower()
-        what = (f"is a {suffix[1:].upper()} file, not a YAML config" if suffix not in ("", ".yaml", ".yml", ".json")
-                else f"holds {type(raw).__name__}")
-        raise ConfigError(f"--config: {str(path)!r} {what}, expected a YAML mapping of sections (schedule:, "
-                          f"model:, cluster:, ...; docs/cli.md)")
+        what = f"is a {suffix[1:].upper()} file, not a YAML config" if other_format else f"holds {type(raw).__name__}"
+        raise ConfigError(f"--config: {str(path)!r} {what}, {expected}")
     return _files_beside(raw, path.parent)
 
 

@@ -292,14 +292,15 @@ def test_validate_end_to_end_reports_finite_errors_and_an_overlay_gantt(tmp_path
         assert device["memory_error"] == pytest.approx(
             device["predicted_peak_memory_bytes"] / device["measured_peak_memory_bytes"] - 1)
     assert report["memory_error"] in [d["memory_error"] for d in report["per_device"]]
-    phases = [line.split(":")[1].strip().split()[0] for line in err.splitlines()]
+    phases = [line.split(":")[1].strip().split()[0] for line in err.splitlines() if "validate: warning: " not in line]
     assert phases == ["calibrate", "calibrate-comms", "time", "simulate", "run", "wrote", "wrote", "wrote"]
     assert err.splitlines()[-3:] == [f"pipescope validate: wrote timeline: {timeline}",
                                      f"pipescope validate: wrote trace: {trace}",
                                      f"pipescope validate: wrote gantt: {gantt}"]
-    # 2 ranks on this machine's 2 cores: no warning but the one a busy shared machine may earn while calibrating
+    # 2 ranks on this machine's 2 cores: no warning but the ones a busy shared machine may earn (before the start,
+    # or while calibrating)
     assert report["op_times"] == "stages"
-    assert [w for w in report["warnings"] if "stayed noisy when calibrated" not in w] == []
+    assert [w for w in report["warnings"] if not ("stayed noisy when calibrated" in w or "machine is busy" in w)] == []
     ops = {(row["stage"], row["op"]): row for row in report["stage_ops"]}
     assert set(ops) == {(s, op) for s in (0, 1) for op in ("F", "B", "OPT")}  # 1F1B's fused backward
     for row in ops.values():

@@ -242,6 +242,8 @@ def test_bubble_and_throughput_from_a_sweep(cli, files: dict[str, Path], tmp_pat
         for line in lines:
             assert list(line.get_xdata()) == [4, 8, 16] and np.all(np.diff(line.get_ydata()) < 0)
         assert "%" in fig.axes[0].get_ylabel()
+        low, high = fig.axes[0].get_ylim()
+        assert all(low < y < high for line in lines for y in line.get_ydata())  # 0% markers not cut by the frame
     finally:
         plt.close(fig)
     fig = throughput_figure(read_sweep(str(files["sweep.parquet"]), "throughput"))
@@ -259,6 +261,9 @@ def test_bubble_and_throughput_from_a_sweep(cli, files: dict[str, Path], tmp_pat
             assert line.get_color() == schedule_color(line.get_label().split(" ")[0])
         low, high = ax.get_ylim()
         assert all(low < y < high for line in lines for y in line.get_ydata())  # no marker on the frame
+        fig.canvas.draw()  # the log axis' labels plain numbers (400), not 4×10²
+        labels = [t.get_text() for t in (*ax.get_yticklabels(), *ax.get_yticklabels(minor=True)) if t.get_text()]
+        assert labels and all(re.fullmatch(r"[0-9.]+", text) for text in labels), labels
     finally:
         plt.close(fig)
     table = read_sweep(str(files["sweep.parquet"]), "throughput")

@@ -165,6 +165,19 @@ def test_schedule_names_are_matched_without_regard_to_case(cli) -> None:
     assert code == 0 and json.loads(out)["schedule"] == "zb-v"
 
 
+def test_the_planner_reads_schedule_names_without_regard_to_case_or_alias() -> None:
+    """``--schedules ZB-V,1F1B`` planned a depth-1 run as ZB-V (the 1F1B test was on the name as typed) and
+    ``ZB-V,zb-v`` twice; vocab-1 refused '1F1B'. One name per generator, its own."""
+    from pipescope.experiments.plan_space import PlanRequest, _schedules_at
+
+    request = PlanRequest({}, 8, schedules=("ZB-V", "1F1B", "zb-v", "Pipedream-Flush", "no-such"))
+    assert request.schedules == ("zb-v", "1f1b", "no-such")
+    assert _schedules_at(1, request.schedules) == ("1f1b",)
+    report = pipescope.plan(PlanRequest({}, 8, schedules=("1F1B",), depths=(4,), tensor=(1,), microbatch_sizes=(1,),
+                                        recompute=("none",), vocab=("vocab-1",)), workers=1)
+    assert [row["schedule"] for row in report.ranked] == ["1f1b"] and report.ranked[0]["vocab"] == "vocab-1"
+
+
 def test_a_config_that_is_not_yaml_says_so(cli, tmp_path: Path) -> None:
     table = tmp_path / "results.csv"
     table.write_text("a,b,c\n1,2,3\n")
@@ -172,6 +185,11 @@ def test_a_config_that_is_not_yaml_says_so(cli, tmp_path: Path) -> None:
     assert (code, out) == (2, "") and err == (f"pipescope: error: --config: {str(table)!r} is a CSV file, not a YAML "
                                               "config, expected a YAML mapping of sections (schedule:, model:, "
                                               "cluster:, ...; docs/cli.md)\n")
+    parquet = tmp_path / "results.parquet"  # binary: it failed as 'byte 19 is not UTF-8'
+    parquet.write_bytes(b"PAR1\x15\x04\x15\x00\x15\xff\xfe\x00\x00PAR1")
+    code, out, err = cli(["simulate", "--config", str(parquet)])
+    assert (code, out) == (2, "") and err.startswith(f"pipescope: error: --config: {str(parquet)!r} is a PARQUET "
+                                                     "file, not a YAML config, expected a YAML mapping")
 
 
 def test_past_a_few_hundred_microbatches_the_gantt_draws_busy_shares_and_says_so() -> None:
@@ -179,7 +197,7 @@ def test_past_a_few_hundred_microbatches_the_gantt_draws_busy_shares_and_says_so
     import matplotlib.pyplot as plt
 
     from pipescope.experiments.plots import gantt_figure
-    from pipescope.experiments.plots_gantt import SUMMARY_BINS, _busy_until
+    from pipescope.experiments.plots_gantt import MICROBATCHES_PER_SLICE, SUMMARY_BINS, _busy_until
 
     assert list(_busy_until(np.array([0.0, 3.0]), np.array([2.0, 4.0]), np.array([0.0, 1.0, 2.5, 5.0]))) == [
         0.0, 1.0, 2.0, 3.0]
@@ -189,13 +207,26 @@ def test_past_a_few_hundred_microbatches_the_gantt_draws_busy_shares_and_says_so
     fig = gantt_figure(result)
     try:
         ax = fig.axes[0]
-        assert f"300 microbatches, more than 256: each row is the device's busy share per kind in {SUMMARY_BINS}" \
-               in ax.get_title()
+        slices = 300 // MICROBATCHES_PER_SLICE  # fewer than SUMMARY_BINS: a slice over 1.25 periods was a sawtooth
+        assert slices < SUMMARY_BINS and f"300 microbatches, more than 256: each row is the device's busy share per " \
+            f"kind in {slices} time slices" in ax.get_title()
         bands = [c for c in ax.collections if len(c.get_paths()) == 1]
         assert len(bands) == 2 * 2 and len(ax.collections) == len(bands)  # 2 devices x (F, B): no bar per op
         # the bands stack to each slice's busy share: full in 1F1B's steady state, which is most of this run
         tops = [band.get_paths()[0].vertices[:, 1].min() for band in bands]
         assert min(tops) == pytest.approx(-0.4, abs=1e-6)
+    finally:
+        plt.close(fig)
+    # The lanes, the links and the memory panel of a routed run are summarised too: one band per lane and kind,
+    # per link, and each device's range of bytes, not a bar per transfer or a line through every rise and fall.
+    routed = pipescope.run(pipescope.load_config("demo", ["schedule.microbatches=300"]))
+    fig = gantt_figure(routed, comm_lanes=True, memory=True)
+    try:
+        lanes, links, memory = fig.axes[0], fig.axes[1], fig.axes[2]
+        assert all(len(c.get_paths()) == 1 for ax in (lanes, links) for c in ax.collections)
+        assert len(links.collections) == len(links.get_yticks()) > 0
+        assert len(memory.collections) == len(memory.get_lines()) == 4  # a range band and its top per device
+        assert max(len(line.get_xdata()) for line in memory.get_lines()) == slices + 1
     finally:
         plt.close(fig)
 
@@ -272,6 +303,15 @@ def test_a_throughput_point_never_takes_the_best_of_two_models() -> None:
         plt.close(fig)
 
 
+def test_validate_says_first_when_the_machine_is_busy() -> None:
+    """A validate run on a loaded machine reported -51% and nothing about why."""
+    from pipescope.experiments.validate_cmd import busy_machine
+
+    assert busy_machine(1.0, 2) is None and busy_machine(0.2, 1) is None
+    assert busy_machine(3.3, 2).startswith("the machine is busy before validate starts (load average 3.3 on 2 CPU "
+                                           "cores)")
+
+
 def test_validate_defaults_to_a_model_whose_ops_outweigh_a_cpus_overheads(capsys: pytest.CaptureFixture) -> None:
     """Without flags it calibrated `tiny` (ops of 0.1-0.4 ms) and reported -50%; the executor's end-to-end test runs
     the CPU's default op times (tests/test_executor.py)."""
@@ -283,3 +323,16 @@ def test_validate_defaults_to_a_model_whose_ops_outweigh_a_cpus_overheads(capsys
     with pytest.raises(SystemExit):
         main(["validate", "--help"])
     assert "(default tiny-512;" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_file_key_the_planner_does_not_search_applies_only_where_it_means_something() -> None:
+    """A file's ZeRO stage and tensor-parallel overlap do not reject the candidates they mean nothing for: 2BW (no
+    flush, so no ZeRO step) and t = 1 (no tensor-parallel collectives to overlap) are planned, not refused."""
+    from pipescope.experiments.plan_space import PlanRequest
+
+    report = pipescope.plan(PlanRequest({"parallel": {"zero": 1, "sequence": True, "tp_comm_overlap": True}}, 8,
+                                        schedules=("1f1b", "2bw"), depths=(4,), tensor=(1, 2), microbatch_sizes=(1,),
+                                        recompute=("none",), vocab=("naive",), top=8), workers=1)
+    planned = {(row["schedule"], row["tensor"]) for row in report.ranked}
+    assert planned >= {("1f1b", 1), ("2bw", 1), ("1f1b", 2), ("2bw", 2)}
+    assert not [row for row in report.rejected if "parallel." in row["reason"]]

@@ -61,3 +61,11 @@ def test_calibrate_comms_size_flags_report_the_flag(flag: str, value: str, messa
                           f"{flag}={value}"])  # '=': argparse would take "-1GiB" for an option
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"pipescope: error: {message}")
+
+
+def test_times_print_in_the_unit_that_reads_best() -> None:
+    """The plan table's iteration column: 47.189 s, not 47189.4ms; down to nanoseconds."""
+    from pipescope.simulator.readers.units import format_time
+
+    assert [format_time(t) for t in (47.1894, 1.0, 0.0776, 12e-6, 5e-8)] == [
+        "47.189 s", "1.000 s", "77.600 ms", "12.000 us", "50 ns"]
