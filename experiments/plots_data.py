@@ -39,6 +39,8 @@ class RunData:
         capacity_bytes: each device's memory, when known.
         links: the busiest links' busy spans (ns), busiest first.
         title: what the run was, for a figure's default title.
+        timed_measures: the part of ``title`` read off the run's times (iteration, bubble), which a figure in unit
+            steps leaves out.
     """
 
     ops: pd.DataFrame
@@ -49,6 +51,7 @@ class RunData:
     capacity_bytes: int | None = None
     links: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     title: str = ""
+    timed_measures: str = ""
 
     @property
     def counted_bytes(self) -> bool:
@@ -85,11 +88,11 @@ def run_data(result: SimResult | RunData) -> RunData:
     ops = frame[["device", "kind", "stage", "microbatch", "start_ns", "end_ns"]].assign(lane=lanes(frame["stream"]))
     s = result.schedule
     replicas = f" x{result.data_parallel} replicas" if result.data_parallel > 1 else ""
-    title = (f"{s.name}: p={s.num_devices}{replicas} m={s.num_microbatches} v={s.chunks}  "
-             f"iteration {format_time(result.iteration_time_s)}, bubble {result.bubble_rate:.1%}")
+    measures = f"  iteration {format_time(result.iteration_time_s)}, bubble {result.bubble_rate:.1%}"
     return RunData(ops, s.num_devices, s.chunks, s.num_microbatches if s.iterations > 1 else 0,
                    [(m.times, m.bytes_in_use) for m in result.memory], result.memory_capacity_bytes,
-                   dict(result.link_spans), title)
+                   dict(result.link_spans), f"{s.name}: p={s.num_devices}{replicas} m={s.num_microbatches} "
+                   f"v={s.chunks}{measures}", measures)
 
 
 def from_ops(ops: pd.DataFrame, memory: list[tuple[np.ndarray, np.ndarray]], title: str,

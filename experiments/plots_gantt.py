@@ -96,7 +96,8 @@ def gantt_figure(result: SimResult | RunData, title: str | None = None, *, mode:
     handles = _legend(ops, 1 if summary else data.chunks, comm_lanes and timed, bool(boundaries),
                       data.pipeline_devices)
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    ax.set_title(plain(_title(data, title, shown, timed) + (
+    steps = None if timed else int(ops[axis.end].max()) if len(ops) else 0
+    ax.set_title(plain(_title(data, title, shown, steps) + (
         f"\n{microbatches} microbatches, more than {MAX_DRAWN_MICROBATCHES}: each row is the device's busy "
         f"share per kind in {len(slices) - 1} time slices, not its ops; memory its range in each" if summary else
         "")))
@@ -312,7 +313,9 @@ def _legend(ops: pd.DataFrame, chunks: int, comm_lanes: bool, boundaries: bool, 
     return handles
 
 
-def _title(data: RunData, title: str | None, shown: int, timed: bool) -> str:
-    """The given or default title; says when only replica 0 is drawn and when the x axis is steps."""
-    text = title or data.title + ("" if timed else "  (unit steps)")
+def _title(data: RunData, title: str | None, shown: int, steps: int | None) -> str:
+    """The given or default title; says when only replica 0 is drawn, and in unit steps how many (the run's
+    iteration time and bubble are its times', which the steps do not show)."""
+    text = title or (data.title if steps is None else
+                     f"{data.title.removesuffix(data.timed_measures)}  {steps} unit steps")
     return text if shown == data.devices else f"{text}  (replica 0 of {data.replicas})"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
@@ -59,7 +60,8 @@ def vocab_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
         ticks = sorted(frame[VOCAB].unique())
         ax.set_xticks(ticks, [f"{t // 1024}k" if t % 1024 == 0 else str(t) for t in ticks])
         ax.grid(True, alpha=0.3)
-        ax.set_ylim(bottom=0)
+        tops = [float(np.nanmax(line.get_ydata())) for line in ax.get_lines() if len(line.get_ydata())]
+        ax.set_ylim(0, max(tops) * 1.08 if tops and max(tops) > 0 else None)  # the highest markers inside the frame
     axes[0, 0].yaxis.set_major_formatter(PercentFormatter(1.0))
     for ax in axes[0, 1:]:
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))

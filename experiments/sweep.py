@@ -43,7 +43,8 @@ from typing import Any, BinaryIO
 import pandas as pd
 
 from pipescope.experiments.processes import stops_deferred
-from pipescope.config import Config, ConfigError, _merge, load_config, read_yaml, without_grid
+from pipescope.config import (PARALLEL_SPELLINGS, Config, ConfigError, _merge, config_tree, load_config, read_yaml,
+                              without_grid)
 from pipescope.runner import run
 from pipescope.simulator.costs import UniformCostsConfig
 from pipescope.simulator.readers.files import write_atomic
@@ -202,12 +203,17 @@ def _lists(section: str, value: Any) -> dict[str, list]:
         if not isinstance(values, list) or not values:
             raise ConfigError(f"{section}.{key}: got {short_repr(values)}, expected a non-empty list of values",
                               key=f"{section}.{key}")
-    return value
+    homes = {key: PARALLEL_SPELLINGS.get(key, key) for key in value}  # parallel.data sweeps cluster.data_parallel
+    for key, home in homes.items():
+        if home != key and home in value:
+            raise ConfigError(f"{section}.{key}: beside {section}.{home}, expected one of them (both name the same "
+                              f"setting)", key=f"{section}.{key}")
+    return {homes[key]: values for key, values in value.items()}
 
 
 def validated_config(base: dict, overrides: dict[str, Any]) -> Config:
     """The base config with one combination set, through the normal loader (a copy: ``_merge`` edits in place)."""
-    tree = copy.deepcopy(base)
+    tree = config_tree(raw=copy.deepcopy(base))  # the base's degrees at their homes, where the grid's keys set them
     for key, value in sorted(overrides.items(), key=lambda item: item[0].count(".")):  # a section, then keys in it
         _merge(tree, key.split("."), value)
     config = load_config(raw=tree)

@@ -24,7 +24,7 @@ from pipescope.simulator.context import CONTEXT_COMMS
 from pipescope.simulator.offload import OFFLOADS
 from pipescope.simulator.costs import MAX_OP_SECONDS, AnalyticCostsConfig, CostKind, UniformCostsConfig
 from pipescope.simulator.models import ATTENTIONS, DIMENSION_RANGES, FAMILIES, PRECISIONS, PRESETS, ModelConfig
-from pipescope.simulator.parallel import ParallelConfig, parse_recompute
+from pipescope.simulator.parallel import PARALLEL_RANGES, ParallelConfig, parse_recompute
 from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.readers.safe_yaml import MAX_INT_DIGITS, YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import ScheduleConfig, check_iterations
@@ -80,9 +80,8 @@ RANGES: dict[str, tuple[int, int]] = {
     **{f"model.{key}": limits for key, limits in DIMENSION_RANGES.items()}, "model.microbatch_size": (1, 1 << 20),
     "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1 << 20, 1 << 50),
     "cluster.host_memory": (1 << 20, 1 << 54),
-    "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1), "parallel.tensor": (1, 1024),
-    "parallel.zero": (0, 3), "parallel.zero_prefetch": (1, 64), "parallel.shard_group": (1, 100_000),
-    "parallel.context": (1, 1024),
+    "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1),
+    **{f"parallel.{key}": limits for key, limits in PARALLEL_RANGES.items()},
     "cluster.host_cores": (1, 1 << 16), "memory.cuda_context": (0, 1 << 40), "memory.nccl_communicator": (0, 1 << 40),
 }
 TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p", "costs.optimizer",
@@ -418,7 +417,55 @@ def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None 
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"path: got {short_repr(path)} ({type(path).__name__}), expected a file name or None "
                           f"(a mapping of keys goes in raw=)")
-    return _check_combinations(_build(Config, config_tree(path, sets, raw), ""))
+    tree, spelled = _spelled_tree(path, sets, raw)
+    try:
+        return _check_combinations(_build(Config, tree, ""))
+    except ConfigError as err:  # named as the user wrote it: parallel.data, not the cluster.data_parallel it sets
+        if err.key not in spelled:
+            raise
+        raise ConfigError(spelled[err.key] + str(err)[len(err.key):], key=spelled[err.key]) from None
+
+
+# Every degree in the parallel section (docs/cli.md, "parallel"): its spelling there -> the key that holds it. Either
+# spelling works; one file giving both must give one value.
+PARALLEL_SPELLINGS = {"parallel.pipeline": "schedule.stages", "parallel.data": "cluster.data_parallel",
+                      "parallel.bucket_size": "cluster.bucket_size",
+                      "parallel.overlap_grad_sync": "cluster.overlap_grad_sync"}
+
+
+def _spelled_tree(path: str | None, sets: list[str], raw: dict | None) -> tuple[dict, dict[str, str]]:
+    """``config_tree``, and for each key the parallel section's spelling set: that key -> the spelling used."""
+    tree = dict(raw or {}) if path is None else read_yaml(path)
+    spelled = _hold_at_home(tree)
+    for item in sets:
+        key, value = parse_set(item)
+        dotted = ".".join(key)
+        if dotted in PARALLEL_SPELLINGS:  # a later --set of either spelling replaces an earlier value, as for any key
+            spelled[PARALLEL_SPELLINGS[dotted]] = dotted
+            key = PARALLEL_SPELLINGS[dotted].split(".")
+        _merge(tree, key, value)
+    return tree, spelled
+
+
+def _hold_at_home(tree: dict) -> dict[str, str]:
+    """Moves each of PARALLEL_SPELLINGS a file's parallel section gives to the key that holds it (copying the
+    sections it changes: ``raw`` is the caller's); ConfigError naming both when the file gives both, apart."""
+    section, spelled = tree.get("parallel"), {}
+    if not isinstance(section, dict) or not any(alias.split(".")[1] in section for alias in PARALLEL_SPELLINGS):
+        return spelled
+    tree["parallel"] = section = dict(section)
+    for alias, home in PARALLEL_SPELLINGS.items():
+        home_section, home_key = home.split(".")
+        target = tree.get(home_section, {})
+        if alias.split(".")[1] not in section or not isinstance(target, dict):
+            continue  # not given, or a section that is no mapping: _build names it
+        value = section.pop(alias.split(".")[1])
+        if home_key in target and target[home_key] != value:
+            raise ConfigError(f"{alias}: got {short_repr(value)} beside {home} {short_repr(target[home_key])}, "
+                              f"expected one of them (both name the same setting)", key=alias)
+        tree[home_section] = {**target, home_key: value}
+        spelled[home] = alias
+    return spelled
 
 
 def without_grid(tree: dict) -> tuple[dict, list[str]]:
@@ -467,12 +514,8 @@ def _subsections(cls: type) -> dict[str, Any]:
 
 def config_tree(path: str | None = None, sets: list[str] = (), raw: dict | None = None) -> dict:
     """The YAML file (or ``raw``) with each ``--set`` merged in, as a mapping not yet checked (the planner varies
-    keys of it before ``load_config(raw=...)`` checks each point)."""
-    tree = dict(raw or {}) if path is None else read_yaml(path)
-    for item in sets:
-        key, value = parse_set(item)
-        _merge(tree, key, value)
-    return tree
+    keys of it before ``load_config(raw=...)`` checks each point), every degree at the key that holds it."""
+    return _spelled_tree(path, sets, raw)[0]
 
 
 def _check_combinations(config: Config) -> Config:

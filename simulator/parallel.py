@@ -105,6 +105,12 @@ class ParallelConfig:
                         prefetch=self.zero_prefetch, offload=self.offloads_optimizer)
 
 
+# Inclusive (low, high) of each integer key of the parallel section (docs/cli.md, "Limits"): the config's RANGES
+# takes them from here, beside the section they bound.
+PARALLEL_RANGES: dict[str, tuple[int, int]] = {"tensor": (1, 1024), "zero": (0, 3), "zero_prefetch": (1, 64),
+                                               "shard_group": (1, 100_000), "context": (1, 1024)}
+
+
 def check_parallel(parallel: ParallelConfig, model: ModelSpec | None, gpus_per_node: int | None) -> None:
     """ValueError naming the key unless t divides the node's GPUs, the heads (so the hidden and MLP sizes) and, with
     sequence parallelism, the sequence; and sequence parallelism has t > 1. ``None``: that part is not checked."""

@@ -160,6 +160,9 @@ def test_gantt_steps_is_the_unit_time_replay(name: str, p: int, m: int) -> None:
         assert len(cells) == result.schedule.num_compute_ops()
         assert max(x.max() for x in cells) == unit_steps(result.schedule)
         assert ax.get_xlabel().startswith("step") and len(fig.axes) == 1
+        # the title counts the steps drawn; the run's iteration time and bubble are its times', not the steps'
+        title = ax.get_title()
+        assert title.endswith(f"  {unit_steps(result.schedule)} unit steps") and "iteration" not in title
     finally:
         plt.close(fig)
 

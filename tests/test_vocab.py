@@ -330,6 +330,9 @@ def test_plot_vocab_reads_memory_in_its_unit_and_draws_the_capacity_only_near_it
         assert memory.get_ylabel() == label
         assert ("device memory" in [drawn.get_label() for drawn in memory.get_lines()]) is line
         assert fig.get_figwidth() >= 6  # one panel: the title and legend fit
+        for ax in fig.axes[:2]:  # the highest markers inside the frame (they touched its top)
+            top = max(float(max(line.get_ydata())) for line in ax.get_lines())
+            assert ax.get_ylim()[1] >= top * 1.05
     finally:
         plt.close(fig)
 
