@@ -243,13 +243,15 @@ def _ranked_table(rows: list[dict]) -> str:
     zero = any(r.get("zero") is not None for r in rows)  # a column only where the stage was searched
     head = (f"{'#':>3} {'schedule':<12}{'t':>3}{'sp':>4}{'w':>4}{'d':>4}" + (f"{'ZeRO':>5}" if zero else "")
             + f"{'mb':>4}{'m':>5} {'recompute':<10}"
-            f"{'vocab':<13}{'samples/s':>10}{'tokens/s':>10}{'TFLOP/s':>8}{'MFU':>7}{'iteration':>12}{'peak GiB':>9}{'bubble':>7}"
+            f"{'vocab':<13}{'samples/s':>10}{'tokens/s':>10}{'TFLOP/s':>8}{'MFU':>7}{'iteration':>12}{'peak GiB':>9}"
+            f"{'bubble':>7}"
             + (f"{'to train':>12}" if goal else "") + (f"{'cost':>12}" if priced else ""))
     body = [f"{i:>3} {r['schedule']:<12}{r['tensor']:>3}{'yes' if r['sequence'] else '-':>4}{r['width']:>4}"
             f"{r['depth']:>4}" + (f"{r['zero']:>5}" if zero else "")
             + f"{r['microbatch_size']:>4}{r['microbatches']:>5} {r['recompute']:<10}"
             f"{r['vocab']:<13}{r['throughput_samples_per_s']:>10.1f}{_or_dash(r['tokens_per_s'], format_count):>10}"
-            f"{_or_dash(r['tflops_per_gpu'], '{:.1f}'.format):>8}{_or_dash(r['mfu'], '{:.1%}'.format):>7}{format_time(r['iteration_time_s']):>12}"
+            f"{_or_dash(r['tflops_per_gpu'], '{:.1f}'.format):>8}{_or_dash(r['mfu'], '{:.1%}'.format):>7}"
+            f"{format_time(r['iteration_time_s']):>12}"
             f"{r['peak_memory_bytes'] / 2**30:>9.2f}{r['bubble_rate']:>7.1%}"
             + (f"{_or_dash(r['time_to_train_s'], format_duration):>12}" if goal else "")
             + (f"{_or_dash(r['cost'], '{:,.0f}'.format):>12}" if priced else "")

@@ -156,8 +156,8 @@ def _point(values, keys: list[str]) -> str:
 def _table(frame, plan: SweepPlan) -> str:
     shown = frame.head(SUMMARY_ROWS)
     swept = [column for key in plan.keys for column in _columns_of(frame, key, plan)]
-    table = shown[[*swept, "status", "iteration_time_s", "throughput_samples_per_s", "tokens_per_s", "tokens_per_s_per_gpu",
-                   "tflops_per_gpu", "mfu", "bubble_rate"]].copy()
+    table = shown[[*swept, "status", "iteration_time_s", "throughput_samples_per_s", "tokens_per_s",
+                   "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "bubble_rate"]].copy()
     table["peak_memory_GiB"] = shown["peak_memory_bytes"].astype("Float64") / 2**30
     table["oom"] = shown["oom"]
     text = table.to_string(index=False, float_format=lambda x: f"{x:.4g}")

@@ -166,19 +166,21 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
     iterations = integer_flag("--iterations", args.iterations, 1, 100)
     warmup = integer_flag("--warmup", args.warmup, 1, 100)
     timeout = integer_flag("--timeout", args.timeout, 1, 3600)
+    # on a CPU, said before anything is timed (calibrate, or the run of a given profile) and once the flags are good
+    busy = busy_machine(os.getloadavg()[0], len(os.sched_getaffinity(0))) if mode == CPU else None
     if not args.profile:
         _check_flags(args)
+        _say_busy(busy)
     with tempfile.TemporaryDirectory() as folder:
         profile = args.profile or _calibrate(args, folder, comms=mode != ONE_GPU)
         config = load_config(None, _sets(args, profile))
         config, warnings = _shared_cores(config) if mode == CPU else (config, [])
-        busy = busy_machine(os.getloadavg()[0], len(os.sched_getaffinity(0))) if mode == CPU else None
-        if busy:
-            print(f"pipescope validate: warning: {busy}", file=sys.stderr, flush=True)
-            warnings.append(busy)
         from pipescope.runner import prepare, run_prepared
         built = prepare(config)
         _check_profile(built.costs, profile, args.device, args.model if args.profile else None, mode != ONE_GPU)
+        if args.profile:
+            _say_busy(busy)
+        warnings += [busy] if busy else []
         op_times, table = getattr(args, "op_times", None) or DEFAULT_OP_TIMES[mode], None
         if op_times == "stages":
             spec = _spec(built.schedule, built.config, STAGE_TIMING_ITERATIONS, warmup, timeout, args.device)
@@ -294,6 +296,11 @@ def _ops_report(schedule, table: list[dict]) -> dict:
     """The one-GPU report: every stage's ops measured against the profile's."""
     return {"schedule": schedule.name, "stages": schedule.num_devices, "microbatches": schedule.num_microbatches,
             "device": "cuda", "op_times": "stages", "stage_ops": table, **op_error_summary(table), "warnings": []}
+
+
+def _say_busy(warning: str | None) -> None:
+    if warning:
+        print(f"pipescope validate: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def busy_machine(load: float, cores: int) -> str | None:
