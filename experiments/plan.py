@@ -265,7 +265,7 @@ def plan(request: PlanRequest, executor: Executor | None = None, workers: int | 
             pool.shutdown(wait=True, cancel_futures=True)
     return PlanReport(ranked, rejected, gpus, len(points), simulated, time.perf_counter() - started,
                       best=ranked[0] if ranked else None, planned_for=planned_for,
-                      file_keys_searched=file_keys_searched(request.base, request.zero is not None),
+                      file_keys_searched=file_keys_searched(request),
                       would_fit=would_fit)
 
 

@@ -12,6 +12,7 @@ from pipescope.config import ConfigError
 from pipescope.experiments.sweep import validated_config
 from pipescope.simulator.costs import CostKind
 from pipescope.simulator.mesh import ZERO_STAGES
+from pipescope.simulator.offload import OFFLOADS
 from pipescope.simulator.schedules import generator, named_generator
 from pipescope.simulator.readers.units import short_repr
 
@@ -19,13 +20,16 @@ from pipescope.simulator.readers.units import short_repr
 # fits, but the planner says so rather than leaving it out.
 DEFAULT_SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream", "interleaved", "zb-h1", "zb-v", "v-half")
 DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
-PLAN_KEYS = ("schedule", "tensor", "width", "depth", "microbatch_size", "recompute", "sequence", "vocab", "zero")
+PLAN_KEYS = ("schedule", "tensor", "width", "depth", "microbatch_size", "recompute", "sequence", "vocab", "zero",
+             "offload", "shard_group")
 RECOMPUTE = ("none", "selective", "full")  # schedule.recompute (simulator/parallel.py)
 VOCAB_METHODS = ("naive", "redistribute", "vocab-1", "vocab-2", "interlaced")  # simulator/vocab.py VocabMethod
 # What every candidate sets (``Candidate.overrides``), so a config file's value for one is not used
 CANDIDATE_KEYS = ("schedule.name", "schedule.stages", "schedule.microbatches", "schedule.recompute", "schedule.vocab",
                   "model.microbatch_size", "cluster.data_parallel", "parallel.tensor", "parallel.sequence")
 ZERO_KEYS = ("parallel.zero", "parallel.distributed_optimizer")  # what a searched ZeRO stage sets too
+OFFLOAD_KEYS = ("parallel.offload",)  # what a searched offload sets
+HSDP_KEYS = ("parallel.shard_group",)  # what a searched shard group sets
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class Candidate:
     sequence: bool = False  # sequence parallelism (only with tensor > 1)
     vocab: str = "naive"  # schedule.vocab (docs/schedules.md section 7)
     zero: int | None = None  # parallel.zero; None: not searched (the config's applies, where it means something)
+    offload: str | None = None  # parallel.offload; None: not searched
+    shard_group: int | None = None  # HSDP's group in replicas (the width: every replica, no HSDP); None: not searched
 
     def overrides(self, global_batch: int) -> dict[str, Any]:
         """The dotted config keys this candidate sets (``global_batch`` divisible by width x microbatch size)."""
@@ -56,6 +62,14 @@ class Candidate:
             keys.update({"parallel.zero": self.zero, "parallel.distributed_optimizer": False})
         elif not _flushes(self.schedule):
             keys.update({"parallel.zero": 0, "parallel.distributed_optimizer": False})  # it steps no shard
+        if self.offload is not None:
+            keys["parallel.offload"] = self.offload
+        elif not _flushes(self.schedule):
+            keys["parallel.offload"] = "none"  # its steps are not one an iteration for the host to take
+        if self.shard_group is not None:
+            keys["parallel.shard_group"] = None if self.shard_group == self.width else self.shard_group
+        elif self.zero == 0:
+            keys["parallel.shard_group"] = None  # nothing sharded, so no group to shard in
         return keys
 
     def as_dict(self) -> dict[str, Any]:
@@ -77,6 +91,8 @@ class PlanRequest:
     microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES
     recompute: tuple[str, ...] = RECOMPUTE
     zero: tuple[int, ...] | None = None  # ZeRO stages to try; None: not searched
+    offload: tuple[str, ...] | None = None  # parallel.offload values to try; None: not searched
+    shard_groups: tuple[int, ...] | None = None  # HSDP groups (replicas) to try beside all of them; needs zero
     tensor: tuple[int, ...] = (1, 2, 4, 8)
     sequence: tuple[bool, ...] = (False, True)
     depths: tuple[int, ...] | None = None  # None: every pipeline depth that divides the GPUs
@@ -168,10 +184,12 @@ def _points(request: PlanRequest, gpus: int) -> list[Candidate]:
                 continue
             for b in request.microbatch_sizes:
                 for name in _schedules_at(depth, request.schedules):
-                    out += [Candidate(name, tensor, width, depth, b, r, q, v, z) for r in request.recompute
+                    out += [Candidate(name, tensor, width, depth, b, r, q, v, z, o, g) for r in request.recompute
                             for q in (request.sequence if tensor > 1 else (False,))
                             for v in _vocab_methods(name, depth, tensor, request.vocab)
-                            for z in _zero_stages(name, width, request.zero)]
+                            for z in _zero_stages(name, width, request.zero)
+                            for o in _offloads(name, request.offload)
+                            for g in _shard_groups(width, z, request.shard_groups)]
     return out
 
 
@@ -182,6 +200,26 @@ def _zero_stages(schedule: str, width: int, stages: tuple[int, ...] | None) -> l
     if width == 1 or not _flushes(schedule):
         return [0] if 0 in stages else []
     return list(stages)
+
+
+def _offloads(schedule: str, options: tuple[str, ...] | None) -> list[str | None]:
+    """The offload settings that run: the host steps a flush schedule's one update an iteration, so the others stay
+    on the GPU."""
+    if options is None:
+        return [None]
+    if not _flushes(schedule):
+        return ["none"] if "none" in options else []
+    return list(options)
+
+
+def _shard_groups(width: int, zero: int | None, sizes: tuple[int, ...] | None) -> list[int | None]:
+    """HSDP's shard groups that change something: every replica (``width``), and each asked size that divides the
+    replicas into more than one group, where a stage shards something."""
+    if sizes is None:
+        return [None]
+    if not zero:
+        return [width]
+    return [width, *sorted({g for g in sizes if g < width and width % g == 0})]
 
 
 def _vocab_methods(schedule: str, depth: int, tensor: int, methods: tuple[str, ...]) -> list[str]:
@@ -217,7 +255,8 @@ def _divisors(n: int) -> list[int]:
 FIELD_TYPES = {"schedules": (str, "schedule names"), "microbatch_sizes": (int, "positive integers"),
                "recompute": (str, "recompute names"), "tensor": (int, "positive integers"),
                "sequence": (bool, "booleans"), "depths": (int, "positive integers"), "vocab": (str, "method names"),
-               "zero": (int, "ZeRO stages 0 to 3")}
+               "zero": (int, "ZeRO stages 0 to 3"), "offload": (str, "offload names"),
+               "shard_groups": (int, "positive integers")}
 
 
 def _check_types(request: PlanRequest) -> None:
@@ -231,7 +270,7 @@ def _check_types(request: PlanRequest) -> None:
             raise ConfigError(f"{name}: got {short_repr(value)} ({type(value).__name__}), expected a positive integer")
     for name, (kind, what) in FIELD_TYPES.items():
         values = getattr(request, name)
-        if values is None and name in ("depths", "zero"):
+        if values is None and name in ("depths", "zero", "offload", "shard_groups"):
             continue
         entries_ok = isinstance(values, (tuple, list)) and all(
             _is_int(v) if kind is int else isinstance(v, kind) for v in values)
@@ -264,6 +303,14 @@ def check_request(request: PlanRequest) -> None:
         raise ConfigError("schedules: got none, expected at least one schedule name")
     if request.zero is not None and (not request.zero or any(z not in ZERO_STAGES for z in request.zero)):
         raise ConfigError(f"zero: got {list(request.zero)}, expected some of 0, 1, 2, 3")
+    if request.offload is not None and (not request.offload or any(o not in OFFLOADS for o in request.offload)):
+        raise ConfigError(f"offload: got {list(request.offload)}, expected some of {', '.join(OFFLOADS)}")
+    if request.shard_groups is not None:
+        if not request.shard_groups or any(g < 1 for g in request.shard_groups):
+            raise ConfigError(f"shard_groups: got {list(request.shard_groups)}, expected positive integers")
+        if not any(request.zero or ()):
+            raise ConfigError(f"shard_groups: got {list(request.shard_groups)} without a ZeRO stage to search, "
+                              f"expected zero with a stage 1 to 3 (HSDP shards within the groups)")
     bad_vocab = [v for v in request.vocab if v not in VOCAB_METHODS]
     if bad_vocab or not request.vocab:
         raise ConfigError(f"vocab: got {list(request.vocab)}, expected some of {', '.join(VOCAB_METHODS)}")
@@ -306,11 +353,17 @@ def base_config(model: str | None, topology: str | None, nodes: int | None, memo
     return base
 
 
-def file_keys_searched(base: dict[str, Any], zero_searched: bool = False) -> dict[str, Any]:
-    """The keys of ``base`` that every candidate sets for itself (``Candidate.overrides``; the ZeRO keys too where
-    the stage is searched), with the values they had: the search's to set, so the plan says it did not use them."""
-    out = {}
-    for key in CANDIDATE_KEYS + (ZERO_KEYS if zero_searched else ()):
+def searched_keys(request: PlanRequest) -> tuple[str, ...]:
+    """The config keys every candidate sets for itself (``Candidate.overrides``), and those of the axes searched."""
+    optional = ((request.zero, ZERO_KEYS), (request.offload, OFFLOAD_KEYS), (request.shard_groups, HSDP_KEYS))
+    return CANDIDATE_KEYS + tuple(key for values, keys in optional if values is not None for key in keys)
+
+
+def file_keys_searched(request: PlanRequest) -> dict[str, Any]:
+    """The keys of the request's base config that the search sets (``searched_keys``), with the values they had:
+    the search's to set, so the plan says it did not use them."""
+    base, out = request.base, {}
+    for key in searched_keys(request):
         section, name = key.split(".")
         values = base.get(section)
         if isinstance(values, dict) and name in values:

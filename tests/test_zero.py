@@ -164,6 +164,41 @@ def test_the_planner_searches_zero_stages_and_ranks_them_exactly(cli) -> None:
     assert code == 2 and "--zero" in err
 
 
+def test_the_planner_searches_offload_and_hsdp_groups_and_ranks_them_exactly(cli) -> None:
+    """--offload and --shard-groups are axes where they mean something (offload: flush schedules; a group: a ZeRO
+    stage and replicas to split into groups); the top 3 are an exhaustive simulation's; the table and the best line
+    name them; their keys are refused in --set, and groups without a ZeRO stage to search."""
+    from pipescope.experiments.plan import plan
+    from pipescope.experiments.plan_space import PLAN_KEYS, PlanRequest, base_config, candidates
+    from tests.test_plan import _exhaustive
+
+    request = PlanRequest(base_config("gpt-355m", "dgx-a100", 1, 9 << 30, {"model": {"layers": 8}}), 16,
+                          schedules=("1f1b", "2bw"), microbatch_sizes=(2,), tensor=(1,), recompute=("none",),
+                          vocab=("naive",), zero=(0, 2), offload=("none", "optimizer"), shard_groups=(2, 3), top=3)
+    points = candidates(request, 8)
+    assert all(c.offload == "none" for c in points if c.schedule == "2bw")  # no flush: its steps stay on the GPU
+    assert {c.offload for c in points if c.schedule == "1f1b"} == {"none", "optimizer"}
+    groups = {(c.width, c.zero, c.shard_group) for c in points}
+    assert (8, 2, 2) in groups and (4, 2, 2) in groups and (8, 2, 3) not in groups  # 3 divides no width into groups
+    assert all(g == w for w, z, g in groups if z == 0)  # nothing sharded: no group
+    report = plan(request, workers=2, progress=False)
+    every = _exhaustive(request)
+    assert [r["throughput_samples_per_s"] for r in report.ranked[:3]] == pytest.approx([t for t, _, _ in every[:3]])
+    assert tuple(report.best[k] for k in PLAN_KEYS) == every[0][2]
+    flags = ["plan", "--model", "gpt-355m", "--topology", "dgx-a100", "--global-batch", "16", "--schedules", "1f1b",
+             "--tensor", "1", "--recompute", "none", "--microbatch-sizes", "2", "--vocab", "naive", "--depths", "1",
+             "--workers", "1", "--no-progress", "--memory-cap", "6GiB", "--zero", "2", "--offload", "optimizer",
+             "--shard-groups", "4"]
+    code, out, _ = cli(flags)
+    head = out.splitlines()[1]
+    assert code == 0 and "offload" in head and "HSDP" in head
+    assert "optimizer on the host" in out.splitlines()[-1] or "optimizer on the host" in out
+    code, _, err = cli([*flags, "--set", "parallel.offload=none"])
+    assert code == 2 and "--set: parallel.offload is what the planner searches, expected --offload instead" in err
+    code, _, err = cli(["plan", "--global-batch", "8", "--shard-groups", "2", "--no-progress"])
+    assert code == 2 and "--shard-groups: got [2] without a ZeRO stage to search" in err
+
+
 def test_an_op_holds_two_units_whole_or_its_whole_stage_when_smaller() -> None:
     sharded = Sharding(3, 4, unit_params=10)
     assert sharded.in_flight(2 * 1000, "weights", 2) == 2 * 10 * 2  # two units of 10 parameters, 2 bytes each
@@ -222,7 +257,8 @@ def test_hsdp_is_refused_where_it_has_no_meaning() -> None:
 
 @pytest.mark.parametrize("sets", [["parallel.zero=1"], ["parallel.zero=2"], ["parallel.zero=3"],
                                   ["parallel.zero=3", "parallel.reshard_after_forward=false"],
-                                  ["parallel.zero=3", "parallel.shard_group=2"]])
+                                  ["parallel.zero=3", "parallel.shard_group=2"], ["parallel.offload=optimizer"],
+                                  ["parallel.zero=2", "parallel.offload=optimizer"]])
 def test_the_planners_bounds_hold_under_zero(sets: list[str]) -> None:
     """The floors the planner prunes with stay below what the simulation gives: the reduce-scatter's time and the
     memory with the sharded static state (so its ranking stays exact)."""
