@@ -148,8 +148,8 @@ def _allreduce_floor(built, costs: list) -> int:
     kind = _gradient_collective(config)
 
     def ns_per_byte(group: list[int]) -> float:
-        # the tensor width too: the same first GPUs with other lanes are another network
-        key = (config.cluster, config.faults, config.seed, config.parallel.tensor, kind,
+        # the tensor and context widths too: the same first GPUs with other lanes are another network
+        key = (config.cluster, config.faults, config.seed, config.parallel.gpus_per_device, kind,
                tuple(built.cluster.rank_of[d] for d in group))
         if key not in _RATES:
             if not isinstance(network(), RoutedNetwork):

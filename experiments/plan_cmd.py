@@ -65,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offload", help="comma-separated parallel.offload settings to try: none, optimizer (the "
                    "optimizer state and step on the host: ZeRO-Offload; flush schedules and analytic costs only). "
                    "Default: not searched, the config's applies")
+    p.add_argument("--context", help="comma-separated context-parallel degrees cp to try (parallel.context: each "
+                   "pipeline device is tensor x cp GPUs of one node; flash attention and analytic costs only). "
+                   "Default: not searched, the config's parallel.context applies")
     p.add_argument("--shard-groups", help="comma-separated HSDP shard groups to try beside sharding over every "
                    "replica (parallel.shard_group, in replicas; each must divide the width into 2 or more groups; "
                    "needs --zero with a stage 1 to 3). Default: not searched")
@@ -118,7 +121,8 @@ def _plan(request: PlanRequest, workers: int, args: argparse.Namespace) -> PlanR
 # The PlanRequest fields plan_space's errors name, and the flags that set them
 FIELD_FLAGS = {"global_batch": "--global-batch", "microbatch_sizes": "--microbatch-sizes", "tensor": "--tensor",
                "depths": "--depths", "schedules": "--schedules", "vocab": "--vocab", "recompute": "--recompute",
-               "top": "--top", "zero": "--zero", "offload": "--offload", "shard_groups": "--shard-groups"}
+               "top": "--top", "zero": "--zero", "offload": "--offload", "shard_groups": "--shard-groups",
+               "context": "--context"}
 # The keys each candidate sets (plan_space.Candidate.overrides) or the flags set, and the flags that choose them
 SEARCHED_BY = {"schedule.name": "--schedules", "schedule.stages": "--depths", "schedule.microbatches":
                "--global-batch", "schedule.recompute": "--recompute", "schedule.vocab": "--vocab",
@@ -131,8 +135,8 @@ SEARCHED_BY = {"schedule.name": "--schedules", "schedule.stages": "--depths", "s
 
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
     from pipescope.config import config_tree
-    from pipescope.experiments.plan_space import (HSDP_KEYS, OFFLOAD_KEYS, RECOMPUTE, VOCAB_METHODS, ZERO_KEYS,
-                                                  PlanRequest, base_config)
+    from pipescope.experiments.plan_space import (CONTEXT_KEYS, HSDP_KEYS, OFFLOAD_KEYS, RECOMPUTE, VOCAB_METHODS,
+                                                  ZERO_KEYS, PlanRequest, base_config)
     from pipescope.simulator.offload import OFFLOADS
 
     if args.dask is not None and args.dask != "local" and not re.fullmatch(DASK_ADDRESS, args.dask):
@@ -145,7 +149,8 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
             raise ValueError(f"--memory-cap: {err}") from None
     searched = SEARCHED_BY | {key: flag for value, keys, flag in ((args.zero, ZERO_KEYS, "--zero"),
                                                                   (args.offload, OFFLOAD_KEYS, "--offload"),
-                                                                  (args.shard_groups, HSDP_KEYS, "--shard-groups"))
+                                                                  (args.shard_groups, HSDP_KEYS, "--shard-groups"),
+                                                                  (args.context, CONTEXT_KEYS, "--context"))
                               if value is not None for key in keys}
     for item in args.sets:  # a searched key set here would be overridden by every candidate, silently
         key = item.split("=", 1)[0].strip()
@@ -166,6 +171,8 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
         zero=None if args.zero is None else tuple(integer_flag("--zero", v, 0, 3) for v in _names("--zero", args.zero)),
         offload=None if args.offload is None else tuple(choice_flag("--offload", v, OFFLOADS)
                                                         for v in _names("--offload", args.offload)),
+        context=None if args.context is None else tuple(integer_flag("--context", v, 1, 1024)
+                                                        for v in _names("--context", args.context)),
         shard_groups=None if args.shard_groups is None else tuple(
             integer_flag("--shard-groups", v, 1, 100_000) for v in _names("--shard-groups", args.shard_groups)),
         depths=None if args.depths is None else tuple(integer_flag("--depths", v, 1, 100_000)
@@ -206,7 +213,8 @@ def summary(report: PlanReport, top: int) -> str:
         lines.append(_ranked_table(report.ranked[:top]))
         b = report.best
         zero = (f"ZeRO-{b['zero']}, " if b["zero"] else "") + _sharding_words(b)
-        lines.append(f"best: {b['schedule']}, width {b['width']} x depth {b['depth']} x tensor {b['tensor']}, "
+        context = f" x context {b['context']}" if b.get("context") else ""
+        lines.append(f"best: {b['schedule']}, width {b['width']} x depth {b['depth']} x tensor {b['tensor']}{context}, "
                      f"microbatch {b['microbatch_size']} x {b['microbatches']}, "
                      f"{'sequence-parallel, ' if b['sequence'] else ''}{zero}recompute {b['recompute']}, "
                      f"vocabulary {b['vocab']}: "
@@ -263,15 +271,18 @@ def _ranked_table(rows: list[dict]) -> str:
     goal = bool(rows) and "time_to_train_s" in rows[0]
     priced = goal and rows[0]["cost"] is not None
     # a column only where the axis was searched
-    zero, offload, hsdp = (any(r.get(key) is not None for r in rows) for key in ("zero", "offload", "shard_group"))
-    head = (f"{'#':>3} {'schedule':<12}{'t':>3}{'sp':>4}{'w':>4}{'d':>4}" + (f"{'ZeRO':>5}" if zero else "")
+    zero, offload, hsdp, cp = (any(r.get(key) is not None for r in rows)
+                               for key in ("zero", "offload", "shard_group", "context"))
+    head = (f"{'#':>3} {'schedule':<12}{'t':>3}{'sp':>4}" + (f"{'cp':>4}" if cp else "") + f"{'w':>4}{'d':>4}"
+            + (f"{'ZeRO':>5}" if zero else "")
             + (f"{'offload':>8}" if offload else "") + (f"{'HSDP':>5}" if hsdp else "")
             + f"{'mb':>4}{'m':>5} {'recompute':<10}"
             f"{'vocab':<13}{'samples/s':>10}{'tokens/s':>10}{'TFLOP/s':>8}{'MFU':>7}{'iteration':>12}{'peak GiB':>9}"
             f"{'bubble':>7}"
             + (f"{'to train':>12}" if goal else "") + (f"{'cost':>12}" if priced else ""))
-    body = [f"{i:>3} {r['schedule']:<12}{r['tensor']:>3}{'yes' if r['sequence'] else '-':>4}{r['width']:>4}"
-            f"{r['depth']:>4}" + (f"{r['zero']:>5}" if zero else "")
+    body = [f"{i:>3} {r['schedule']:<12}{r['tensor']:>3}{'yes' if r['sequence'] else '-':>4}"
+            + (f"{r['context']:>4}" if cp else "") + f"{r['width']:>4}{r['depth']:>4}"
+            + (f"{r['zero']:>5}" if zero else "")
             + (f"{'host' if r['offload'] == 'optimizer' else '-':>8}" if offload else "")
             + (f"{r['shard_group'] if r['shard_group'] < r['width'] else '-':>5}" if hsdp else "")
             + f"{r['microbatch_size']:>4}{r['microbatches']:>5} {r['recompute']:<10}"
@@ -300,6 +311,7 @@ def _reason_class(reason: str) -> str:
 
 def _label(row: dict) -> str:
     sequence = "on" if row["sequence"] else "off"
-    zero = "".join(f" {key}={row[key]}" for key in ("zero", "offload", "shard_group") if row.get(key) is not None)
+    zero = "".join(f" {key}={row[key]}" for key in ("zero", "offload", "shard_group", "context")
+                   if row.get(key) is not None)
     return (f"{row['schedule']} w={row['width']} d={row['depth']} t={row['tensor']} sp={sequence}{zero}"
             f" mb={row['microbatch_size']} recompute={row['recompute']} vocab={row['vocab']}")

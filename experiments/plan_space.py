@@ -21,7 +21,7 @@ from pipescope.simulator.readers.units import short_repr
 DEFAULT_SCHEDULES = ("2bw", "1f1b", "gpipe", "pipedream", "interleaved", "zb-h1", "zb-v", "v-half")
 DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
 PLAN_KEYS = ("schedule", "tensor", "width", "depth", "microbatch_size", "recompute", "sequence", "vocab", "zero",
-             "offload", "shard_group")
+             "offload", "shard_group", "context")
 RECOMPUTE = ("none", "selective", "full")  # schedule.recompute (simulator/parallel.py)
 VOCAB_METHODS = ("naive", "redistribute", "vocab-1", "vocab-2", "interlaced")  # simulator/vocab.py VocabMethod
 # What every candidate sets (``Candidate.overrides``), so a config file's value for one is not used
@@ -30,6 +30,7 @@ CANDIDATE_KEYS = ("schedule.name", "schedule.stages", "schedule.microbatches", "
 ZERO_KEYS = ("parallel.zero", "parallel.distributed_optimizer")  # what a searched ZeRO stage sets too
 OFFLOAD_KEYS = ("parallel.offload",)  # what a searched offload sets
 HSDP_KEYS = ("parallel.shard_group",)  # what a searched shard group sets
+CONTEXT_KEYS = ("parallel.context",)  # what a searched context degree sets
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Candidate:
     zero: int | None = None  # parallel.zero; None: not searched (the config's applies, where it means something)
     offload: str | None = None  # parallel.offload; None: not searched
     shard_group: int | None = None  # HSDP's group in replicas (the width: every replica, no HSDP); None: not searched
+    context: int | None = None  # parallel.context, GPUs per tensor rank splitting the sequence; None: not searched
 
     def overrides(self, global_batch: int) -> dict[str, Any]:
         """The dotted config keys this candidate sets (``global_batch`` divisible by width x microbatch size)."""
@@ -66,6 +68,8 @@ class Candidate:
             keys["parallel.offload"] = self.offload
         elif not _flushes(self.schedule):
             keys["parallel.offload"] = "none"  # its steps are not one an iteration for the host to take
+        if self.context is not None:
+            keys["parallel.context"] = self.context
         if self.shard_group is not None:
             keys["parallel.shard_group"] = None if self.shard_group == self.width else self.shard_group
         elif self.zero == 0:
@@ -93,6 +97,7 @@ class PlanRequest:
     zero: tuple[int, ...] | None = None  # ZeRO stages to try; None: not searched
     offload: tuple[str, ...] | None = None  # parallel.offload values to try; None: not searched
     shard_groups: tuple[int, ...] | None = None  # HSDP groups (replicas) to try beside all of them; needs zero
+    context: tuple[int, ...] | None = None  # context-parallel degrees to try; None: the config's (1 unless set)
     tensor: tuple[int, ...] = (1, 2, 4, 8)
     sequence: tuple[bool, ...] = (False, True)
     depths: tuple[int, ...] | None = None  # None: every pipeline depth that divides the GPUs
@@ -145,10 +150,13 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
         return out
     if out and not any(c.depth > 1 for c in _points(replace(request, vocab=("naive",)), gpus)):
         return out  # only data parallelism was asked for, where the vocabulary method changes nothing
+    contexts = _contexts(request)
+    per_device = [t * cp for t in request.tensor for cp in contexts if gpus % (t * cp) == 0]
+    if not per_device:
+        raise ConfigError(f"tensor: got {list(request.tensor)}, expected a width that divides the {gpus} GPUs"
+                          + (f" with context {','.join(map(str, contexts))}" if max(contexts) > 1 else ""))
     tensors = [t for t in request.tensor if gpus % t == 0]
-    if not tensors:
-        raise ConfigError(f"tensor: got {list(request.tensor)}, expected a width that divides the {gpus} GPUs")
-    depths = sorted({gpus // t // w for t in tensors for w in _divisors(gpus // t)})
+    depths = sorted({gpus // g // w for g in per_device for w in _divisors(gpus // g)})
     if request.depths is not None and not set(request.depths) & set(depths):
         raise ConfigError(f"depths: got {list(request.depths)}, expected some of {depths} (the depths that use all "
                           f"{gpus} GPUs at tensor width {','.join(map(str, tensors))})")
@@ -173,19 +181,25 @@ def _why_no_vocab(request: PlanRequest) -> str:
     return "the sharded methods run without tensor parallelism only"
 
 
+def _contexts(request: PlanRequest) -> tuple[int, ...]:
+    """The context degrees to plan: the searched ones, else the base config's one."""
+    return request.context if request.context is not None else (validated_config(request.base, {}).parallel.context,)
+
+
 def _points(request: PlanRequest, gpus: int) -> list[Candidate]:
-    out = []
-    for tensor in request.tensor:
-        if gpus % tensor:
+    out, contexts = [], _contexts(request)
+    for tensor, cp in ((t, cp) for t in request.tensor for cp in contexts):
+        if gpus % (tensor * cp):
             continue
-        for width in _divisors(gpus // tensor):
-            depth = gpus // tensor // width
+        searched_cp = cp if request.context is not None else None
+        for width in _divisors(gpus // (tensor * cp)):  # a device is tensor x context GPUs
+            depth = gpus // (tensor * cp) // width
             if request.depths is not None and depth not in request.depths:
                 continue
             for b in request.microbatch_sizes:
                 for name in _schedules_at(depth, request.schedules):
-                    out += [Candidate(name, tensor, width, depth, b, r, q, v, z, o, g) for r in request.recompute
-                            for q in (request.sequence if tensor > 1 else (False,))
+                    out += [Candidate(name, tensor, width, depth, b, r, q, v, z, o, g, searched_cp)
+                            for r in request.recompute for q in (request.sequence if tensor > 1 else (False,))
                             for v in _vocab_methods(name, depth, tensor, request.vocab)
                             for z in _zero_stages(name, width, request.zero)
                             for o in _offloads(name, request.offload)
@@ -256,7 +270,7 @@ FIELD_TYPES = {"schedules": (str, "schedule names"), "microbatch_sizes": (int, "
                "recompute": (str, "recompute names"), "tensor": (int, "positive integers"),
                "sequence": (bool, "booleans"), "depths": (int, "positive integers"), "vocab": (str, "method names"),
                "zero": (int, "ZeRO stages 0 to 3"), "offload": (str, "offload names"),
-               "shard_groups": (int, "positive integers")}
+               "shard_groups": (int, "positive integers"), "context": (int, "positive integers")}
 
 
 def _check_types(request: PlanRequest) -> None:
@@ -270,7 +284,7 @@ def _check_types(request: PlanRequest) -> None:
             raise ConfigError(f"{name}: got {short_repr(value)} ({type(value).__name__}), expected a positive integer")
     for name, (kind, what) in FIELD_TYPES.items():
         values = getattr(request, name)
-        if values is None and name in ("depths", "zero", "offload", "shard_groups"):
+        if values is None and name in ("depths", "zero", "offload", "shard_groups", "context"):
             continue
         entries_ok = isinstance(values, (tuple, list)) and all(
             _is_int(v) if kind is int else isinstance(v, kind) for v in values)
@@ -286,10 +300,6 @@ def _is_int(value: object) -> bool:
 def check_request(request: PlanRequest) -> None:
     _check_types(request)
     config = validated_config(request.base, {})
-    if config.parallel.context > 1:
-        raise ConfigError(f"parallel.context: got {config.parallel.context}, expected 1: the planner does not search "
-                          f"context parallelism yet, and every candidate would need {config.parallel.context} times "
-                          f"the GPUs it plans")
     if config.costs.kind is CostKind.UNIFORM:
         raise ConfigError("costs.kind: got uniform, expected analytic or profile: the planner compares candidates "
                           "by what their model, microbatch size and widths cost, which uniform costs leave out")
@@ -305,10 +315,12 @@ def check_request(request: PlanRequest) -> None:
         raise ConfigError(f"zero: got {list(request.zero)}, expected some of 0, 1, 2, 3")
     if request.offload is not None and (not request.offload or any(o not in OFFLOADS for o in request.offload)):
         raise ConfigError(f"offload: got {list(request.offload)}, expected some of {', '.join(OFFLOADS)}")
+    if request.context is not None and (not request.context or any(cp < 1 for cp in request.context)):
+        raise ConfigError(f"context: got {list(request.context)}, expected positive integers")
     if request.shard_groups is not None:
         if not request.shard_groups or any(g < 1 for g in request.shard_groups):
             raise ConfigError(f"shard_groups: got {list(request.shard_groups)}, expected positive integers")
-        if not any(request.zero or ()):
+        if not any(request.zero or ()):  # (HSDP's groups need a stage above 0)
             raise ConfigError(f"shard_groups: got {list(request.shard_groups)} without a ZeRO stage to search, "
                               f"expected zero with a stage 1 to 3 (HSDP shards within the groups)")
     bad_vocab = [v for v in request.vocab if v not in VOCAB_METHODS]
@@ -355,7 +367,8 @@ def base_config(model: str | None, topology: str | None, nodes: int | None, memo
 
 def searched_keys(request: PlanRequest) -> tuple[str, ...]:
     """The config keys every candidate sets for itself (``Candidate.overrides``), and those of the axes searched."""
-    optional = ((request.zero, ZERO_KEYS), (request.offload, OFFLOAD_KEYS), (request.shard_groups, HSDP_KEYS))
+    optional = ((request.zero, ZERO_KEYS), (request.offload, OFFLOAD_KEYS), (request.shard_groups, HSDP_KEYS),
+                (request.context, CONTEXT_KEYS))
     return CANDIDATE_KEYS + tuple(key for values, keys in optional if values is not None for key in keys)
 
 

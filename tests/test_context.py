@@ -71,10 +71,37 @@ def test_context_parallelism_is_refused_where_it_has_no_meaning(sets: list[str],
         run(load_config(None, [*LONG, *sets]))
 
 
-def test_the_planner_says_it_does_not_search_context_parallelism() -> None:
-    from pipescope.experiments.plan import plan
-    from pipescope.experiments.plan_space import PlanRequest, base_config
+def test_the_planner_searches_context_parallelism_and_ranks_it_exactly() -> None:
+    """--context is an axis: a device is tensor x cp GPUs, so each degree has its own widths and depths; the top 3
+    are an exhaustive simulation's, and the floors the planner prunes with stay below every simulated candidate's. A
+    base config's parallel.context (not searched) is every candidate's."""
+    from pipescope.experiments.plan import _allreduce_floor, plan, screen
+    from pipescope.experiments.plan_space import PLAN_KEYS, PlanRequest, base_config, candidates
+    from pipescope.simulator.bounds import busy_per_iteration_ns, memory_lower_bounds
 
-    request = PlanRequest(base_config("gpt-355m", "dgx-a100", 1, None, {"parallel": {"context": 2}}), 8)
-    with pytest.raises(ConfigError, match="parallel.context: got 2, expected 1: the planner does not search"):
-        plan(request, workers=1, progress=False)
+    base = base_config("llama3-8b", "dgx-h100", 1, None, {"model": {"seq": 32768, "layers": 8}})
+    request = PlanRequest(base, 8, schedules=("1f1b",), microbatch_sizes=(1,), tensor=(2,), recompute=("full",),
+                          vocab=("naive",), context=(1, 2), top=3)
+    points = candidates(request, 8)
+    assert sorted({(c.context, c.width * c.depth) for c in points}) == [(1, 4), (2, 2)]  # 8 GPUs over t x cp
+    every = []
+    for candidate in points:
+        screened = screen(request, candidate)
+        result = run(screened.run.config)
+        built = prepare(screened.run.config)
+        costs, c = built.stage_costs(), built.config
+        floor = max(max(busy_per_iteration_ns(built.schedule, costs)), _allreduce_floor(built, costs))
+        assert floor <= result.iteration_ns and result.gpus == 8
+        memory = memory_lower_bounds(built.schedule, costs, c.model.precision, c.memory.runtime,
+                                     sharding=c.parallel.sharding(c.cluster.data_parallel),
+                                     overhead_bytes=built.overheads.total)
+        assert all(m <= d.peak_memory_bytes for m, d in zip(memory, result.devices))
+        every.append((result.throughput_samples_per_s, tuple(candidate.as_dict().values())))
+    every.sort(key=lambda row: -row[0])
+    report = plan(request, workers=1, progress=False)
+    assert [r["throughput_samples_per_s"] for r in report.ranked[:3]] == pytest.approx([t for t, _ in every[:3]])
+    assert tuple(report.best[k] for k in PLAN_KEYS) == every[0][1]
+    fixed = PlanRequest(base_config("llama3-8b", "dgx-h100", 1, None, {"model": {"seq": 32768, "layers": 8},
+                                                                        "parallel": {"context": 2}}), 8,
+                        schedules=("1f1b",), microbatch_sizes=(1,), tensor=(2,), recompute=("full",), vocab=("naive",))
+    assert {c.width * c.depth for c in candidates(fixed, 8)} == {2}  # the base's cp = 2 in every candidate
