@@ -13,11 +13,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from pipescope.simulator.ir import ActionKind
+
+if TYPE_CHECKING:
+    from pipescope.simulator.result import SimResult
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,11 @@ class Network(Protocol):
 
     def start_collective(self, clock: Clock, now: int, flow: int, kind: ActionKind, group: Sequence[int]) -> int:
         """Run collective ``flow`` over ``group`` at ``now`` (every member has joined); returns its start."""
+        ...
+
+    def report(self, result: SimResult) -> None:
+        """After a replay: write what the network alone knows into ``result`` (its links' statistics, busy spans
+        and counters); a network that keeps none writes nothing."""
         ...
 
 
@@ -149,3 +157,6 @@ class FifoLinks:
                    default=0) if n > 1 else 0
         clock.finish_at(flow, now + RING_STEPS[kind](n) * step)
         return now
+
+    def report(self, result: SimResult) -> None:
+        """FIFO links keep no statistics: the result's link fields stay empty."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from itertools import count
+from typing import TYPE_CHECKING
 
 import networkx as nx
 
@@ -13,6 +14,9 @@ from pipescope.simulator.collectives import NCCL_STEP_NS, Collectives
 from pipescope.simulator.flows import FlowFabric, NetworkError, part_key
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.network import Clock
+
+if TYPE_CHECKING:
+    from pipescope.simulator.result import SimResult
 
 
 MAX_LINK_LANES = 16  # busiest links a result keeps spans of (for the trace's and Gantt's link lanes)
@@ -84,6 +88,11 @@ class RoutedNetwork:
         stats, names = self.fabric.stats, self.fabric.names
         busiest = sorted((e for e in range(len(names)) if stats.busy_ns[e]), key=lambda e: (-stats.busy_ns[e], e))
         return {f"{names[e][0]}>{names[e][1]}": list(stats.busy_spans[e]) for e in busiest[:top]}
+
+    def report(self, result: SimResult) -> None:
+        """The links' statistics, the busiest links' busy spans and the flow counters, into ``result``."""
+        result.links, result.network = self.link_stats(result.makespan_ns), self.counters()
+        result.link_spans = self.busy_spans()
 
     def counters(self) -> dict:
         """Flows started, rate updates and the collective algorithms the run used."""

@@ -21,7 +21,6 @@ from pipescope.simulator.network import FifoLinks, Network
 from pipescope.simulator.program import Program, compile_program, op_durations
 from pipescope.simulator.replicas import GradSync
 from pipescope.simulator.result import SimResult, build_result
-from pipescope.simulator.routed import RoutedNetwork
 from pipescope.simulator.timeline import replay_timeline
 from pipescope.simulator.vocab_placement import is_overlapped, overlap_collectives
 
@@ -82,9 +81,7 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
                               warnings=costs.notes() + _run_notes(schedule),
                               gradient_buffers=gradient_buffers(deferred),
                               sharding=sync.sharding if width > 1 else NO_SHARDING, **extra)
-    if isinstance(network, RoutedNetwork):
-        result.links, result.network = network.link_stats(result.makespan_ns), network.counters()
-        result.link_spans = network.busy_spans()
+    network.report(result)
     result.sim_wall_s = time.perf_counter() - wall
     return result
 
