@@ -13,20 +13,15 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from pipescope.experiments.figure_formats import format_of  # noqa: E402
 from pipescope.simulator.readers.files import write_atomic  # noqa: E402
-from pipescope.simulator.ir import ActionKind as K  # noqa: E402
+from pipescope.simulator.ir import KINDS, Role  # noqa: E402
 
-# One table per fact, keyed by the enum (a StrEnum: the timeline's kind strings look them up as they are).
-# The optimizer step is pink: brown sat beside the odd chunk's dark orange backward and read as the same colour.
-COLORS = {K.F: "#4C72B0", K.B: "#DD8452", K.I: "#C44E52", K.W: "#55A868", K.OPT: "#E377C2",
-          K.S: "#CCB974", K.T: "#64B5CD"}
-ODD_CHUNK_COLORS = {K.F: "#27406B", K.B: "#9A5424", K.I: "#7E2A2D", K.W: "#2F6B3D",  # darker: readable at any size
-                    K.OPT: "#9C3D86", K.S: "#8A7B3E", K.T: "#2E7A90"}
-LABELS = {K.F: "forward", K.B: "backward (I+W)", K.I: "input-grad", K.W: "weight-grad", K.OPT: "optimizer step",
-          K.S: "vocabulary S pass", K.T: "vocabulary T pass"}
-# Transfers by what they carry: activations go down the pipeline, gradients come back up.
-COMM_COLORS = {K.SEND_F: "#8DB0D9", K.RECV_F: "#8DB0D9", K.SEND_B: "#E8A3A5", K.RECV_B: "#E8A3A5"}
-COMM_LABELS = {K.SEND_F: "activation transfer", K.RECV_F: "activation transfer", K.SEND_B: "gradient transfer",
-               K.RECV_B: "gradient transfer"}
+# Views of simulator.ir.KINDS, the one table of the kinds' facts, keyed by the enum (a StrEnum: the timeline's kind
+# strings look them up as they are), in its order: the order legends list them.
+COLORS = {kind: facts.colour for kind, facts in KINDS.items() if facts.role is Role.COMPUTE}
+ODD_CHUNK_COLORS = {kind: facts.odd_colour for kind, facts in KINDS.items() if facts.role is Role.COMPUTE}
+LABELS = {kind: facts.label for kind, facts in KINDS.items() if facts.role is Role.COMPUTE}
+COMM_COLORS = {kind: facts.colour for kind, facts in KINDS.items() if facts.role in (Role.SEND, Role.RECV)}
+COMM_LABELS = {kind: facts.label for kind, facts in KINDS.items() if facts.role in (Role.SEND, Role.RECV)}
 COLLECTIVE_COLOR = "#8172B3"
 LINK_COLOR = "#64666B"
 UNKNOWN_COLOR = "grey"  # a kind this version does not know (a newer file): drawn, not refused

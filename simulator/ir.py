@@ -62,16 +62,41 @@ class Role(IntEnum):
     COLLECTIVE = 4  # every member joins; each resumes when the network says it ended
 
 
-ROLE: dict[ActionKind, Role] = {
-    ActionKind.F: Role.COMPUTE, ActionKind.I: Role.COMPUTE, ActionKind.W: Role.COMPUTE, ActionKind.B: Role.COMPUTE,
-    ActionKind.SEND_F: Role.SEND, ActionKind.SEND_B: Role.SEND,
-    ActionKind.RECV_F: Role.RECV, ActionKind.RECV_B: Role.RECV,
-    ActionKind.UNSHARD: Role.STAGE, ActionKind.RESHARD: Role.STAGE, ActionKind.REDUCE_GRAD: Role.STAGE,
-    ActionKind.ALL_REDUCE: Role.COLLECTIVE, ActionKind.ALL_GATHER: Role.COLLECTIVE,
-    ActionKind.REDUCE_SCATTER: Role.COLLECTIVE, ActionKind.BROADCAST: Role.COLLECTIVE,
-    ActionKind.OPT: Role.COMPUTE,
-    ActionKind.S: Role.COMPUTE, ActionKind.T: Role.COMPUTE,
+class KindFacts(NamedTuple):
+    """What pipescope knows of one action kind besides its letters: one row of ``KINDS``."""
+
+    role: Role
+    name: str  # what a Chrome trace's category and a report call it
+    label: str = ""  # a figure's legend; transfers by what they carry ("" where a figure draws it by its lane)
+    colour: str = ""  # its colour in every figure (an op's bar, a transfer's lane)
+    odd_colour: str = ""  # an odd chunk's op: darker, readable at any size
+
+
+K = ActionKind
+# One row per kind, in the order figures list them (docs/architecture.md, "Action kinds"). The optimizer step is
+# pink: brown sat beside the odd chunk's dark orange backward and read as the same colour. Transfers are coloured by
+# what they carry: activations go down the pipeline, gradients come back up.
+KINDS: dict[ActionKind, KindFacts] = {
+    K.F: KindFacts(Role.COMPUTE, "forward", "forward", "#4C72B0", "#27406B"),
+    K.B: KindFacts(Role.COMPUTE, "backward", "backward (I+W)", "#DD8452", "#9A5424"),
+    K.I: KindFacts(Role.COMPUTE, "input-grad", "input-grad", "#C44E52", "#7E2A2D"),
+    K.W: KindFacts(Role.COMPUTE, "weight-grad", "weight-grad", "#55A868", "#2F6B3D"),
+    K.OPT: KindFacts(Role.COMPUTE, "optimizer step", "optimizer step", "#E377C2", "#9C3D86"),
+    K.S: KindFacts(Role.COMPUTE, "vocabulary S", "vocabulary S pass", "#CCB974", "#8A7B3E"),
+    K.T: KindFacts(Role.COMPUTE, "vocabulary T", "vocabulary T pass", "#64B5CD", "#2E7A90"),
+    K.SEND_F: KindFacts(Role.SEND, "send activation", "activation transfer", "#8DB0D9"),
+    K.RECV_F: KindFacts(Role.RECV, "receive activation", "activation transfer", "#8DB0D9"),
+    K.SEND_B: KindFacts(Role.SEND, "send gradient", "gradient transfer", "#E8A3A5"),
+    K.RECV_B: KindFacts(Role.RECV, "receive gradient", "gradient transfer", "#E8A3A5"),
+    K.UNSHARD: KindFacts(Role.STAGE, "UNSHARD"),  # torch's per-stage bookkeeping, named as torch names it
+    K.RESHARD: KindFacts(Role.STAGE, "RESHARD"),
+    K.REDUCE_GRAD: KindFacts(Role.STAGE, "REDUCE_GRAD"),
+    K.ALL_REDUCE: KindFacts(Role.COLLECTIVE, "all-reduce"),
+    K.ALL_GATHER: KindFacts(Role.COLLECTIVE, "all-gather"),
+    K.REDUCE_SCATTER: KindFacts(Role.COLLECTIVE, "reduce-scatter"),
+    K.BROADCAST: KindFacts(Role.COLLECTIVE, "broadcast"),
 }
+ROLE: dict[ActionKind, Role] = {kind: facts.role for kind, facts in KINDS.items()}
 # The per-microbatch ops schedules are made of. OPT takes compute time too, but no schedule or CSV holds it: the
 # simulator adds it to the program it runs.
 COMPUTE_KINDS = frozenset(k for k, r in ROLE.items() if r is Role.COMPUTE) - {ActionKind.OPT}

@@ -10,14 +10,10 @@ import json
 import numpy as np
 
 from pipescope.simulator.readers.files import write_atomic
-from pipescope.simulator.ir import Collective
+from pipescope.simulator.ir import KINDS, Collective
 from pipescope.simulator.result import SimResult
 
-KIND_NAMES = {"F": "forward", "I": "input-grad", "W": "weight-grad", "B": "backward",
-              "SEND_F": "send activation", "SEND_B": "send gradient",
-              "RECV_F": "receive activation", "RECV_B": "receive gradient",
-              "ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
-              "BROADCAST": "broadcast", "OPT": "optimizer step", "S": "vocabulary S", "T": "vocabulary T"}
+KIND_NAMES = {kind.value: facts.name for kind, facts in KINDS.items()}  # a trace event's category
 
 
 def _lane_names(result: SimResult) -> list[str]:
