@@ -186,8 +186,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
         raise ConfigError(str(err)) from None
     except NetworkError as err:
         raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
-    if isinstance(costs, AnalyticCosts):
-        result.kernels = costs.kernel_report(schedule.num_stages)
+    result.kernels = costs.kernel_report(schedule.num_stages)
     result.cluster_name = cluster.name
     result.gpus_per_device = config.parallel.gpus_per_device
     result.tokens_per_sample = model.seq if analytic else None

@@ -93,6 +93,11 @@ class CostModel(Protocol):
         """Warnings for the result (extrapolation, precision mismatch); empty when there is nothing to say."""
         ...
 
+    def kernel_report(self, num_stages: int) -> list[dict]:
+        """``simulate --json``'s ``kernels``: what each stage's passes are made of, where the model knows (the
+        analytic roofline); empty otherwise."""
+        ...
+
 
 MAX_OP_SECONDS = 1e6  # beyond 11 days per op a model size or efficiency is mistyped; ns would overflow int64 sums
 
@@ -219,6 +224,9 @@ class UniformCosts:
 
     def notes(self) -> list[str]:
         return []
+
+    def kernel_report(self, num_stages: int) -> list[dict]:
+        return []  # uniform op times are no kernels
 
 
 class PerStageCache:

@@ -368,6 +368,9 @@ class ProfiledCosts(PerStageCache):
         """Human-readable warnings (extrapolation, precision mismatch) the simulation result prints."""
         return list(self.warnings)
 
+    def kernel_report(self, num_stages: int) -> list[dict]:
+        return []  # a profile times whole components, not their kernels
+
     def _warn(self, message: str) -> None:
         if message not in self.warnings:
             self.warnings.append(message)
