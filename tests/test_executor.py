@@ -18,7 +18,8 @@ from pipescope.simulator.ir import ActionKind  # noqa: E402
 from pipescope.simulator.schedules import build  # noqa: E402
 
 SHAPE = Shape("test", layers=4, hidden=32, heads=2, seq=16, vocab=64)
-FLUSH = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("v-half", 2))
+FLUSH = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("v-half", 2),
+         ("dualpipev", 2))
 COMPUTE = {k.value for k in (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)}
 
 

@@ -10,6 +10,7 @@ from pipescope.simulator.ir import Schedule
 from pipescope.simulator.parallel import parse_recompute
 from pipescope.simulator.readers.units import did_you_mean, short_repr
 from pipescope.simulator.schedules.basic import gpipe, one_f_one_b
+from pipescope.simulator.schedules.dualpipe import dualpipev
 from pipescope.simulator.schedules.interleaved import interleaved
 from pipescope.simulator.schedules.pipedream import pipedream, two_bw
 from pipescope.simulator.schedules.vshape import v_half, v_min
@@ -54,6 +55,9 @@ register(Generator("zb-v", zb_v, "ZB-V (torch ScheduleZBVZeroBubble): V placemen
                    "p activations per device, no bubble when F = I = W and m >= 2p-1", default_chunks=2))
 register(Generator("v-half", v_half, "V-Half: V placement, 2 chunks, "
                    "(p+2)//2 activations per device", default_chunks=2))
+register(Generator("dualpipev", dualpipev, "DualPipeV (DeepSeek-V3's DualPipe cut in half; torch ScheduleDualPipeV): "
+                   "V placement, 2 chunks, m >= 2p, forward-and-backward pairs in the steady state",
+                   default_chunks=2))
 register(Generator("v-min", v_min, "V-Min: V placement, 2 chunks, "
                    "(p+4)//3 activations per device", default_chunks=2))
 

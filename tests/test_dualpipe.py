@@ -1,0 +1,80 @@
+"""DualPipeV (docs/schedules.md, "DualPipeV"; simulator/schedules/dualpipe.py): torch's order for every size it
+accepts, DeepSeek-V3's published bounds under uniform costs, and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+import pipescope
+from pipescope.simulator.schedules import build
+
+COSTS = [(1, 1, 1), (2, 2, 1), (3, 2, 1), (1, 2, 1), (1, 1, 0.5)]  # F, I, W of one chunk (one stage)
+
+
+def uniform(p: int, m: int, f: float, i: float, w: float) -> pipescope.SimResult:
+    """Uniform costs are per whole device: its two chunks take twice a chunk's time."""
+    return pipescope.run(pipescope.load_config(raw={
+        "schedule": {"name": "dualpipev", "stages": p, "microbatches": m},
+        "costs": {"kind": "uniform", "forward": 2 * f, "backward_input": 2 * i, "backward_weight": 2 * w}}))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+def test_the_order_is_torchs_dualpipev_for_every_size_it_takes(p: int) -> None:
+    """Device by device, torch's ScheduleDualPipeV order with each OVERLAP_F_B pair as its forward then backward."""
+    pytest.importorskip("torch")
+    from pipescope.calibration.torch_schedules import torch_schedule
+
+    for m in range(2 * p, 2 * p + 7):
+        ours, theirs = build("dualpipev", p, m), torch_schedule("DualPipeV", p, m, 2)
+        assert ours.stage_to_device == theirs.stage_to_device
+        for device in range(p):
+            assert list(ours.compute_actions(device)) == list(theirs.compute_actions(device)), (p, m, device)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m_per_stage", [1, 2])
+def test_the_bubble_and_the_activations_stay_within_deepseeks_bounds(p: int, m_per_stage: int) -> None:
+    """DeepSeek-V3 (arXiv 2412.19437, Table 2; deepseek-ai/DualPipe's README): a bubble of (PP/2-1)(F&B+B-3W) for PP
+    stages on PP/2 devices, and PP+1 chunks' activations per device; here PP = 2p and F&B = F + B (the pair runs
+    its forward, then its backward). Every device is idle at most that long over the run, and holds 2p+1 chunks'
+    activations at its peak, exactly."""
+    m = 2 * p * m_per_stage
+    for f, i, w in COSTS:
+        result = uniform(p, m, f, i, w)
+        b = i + w
+        bound = (p - 1) * ((f + b) + b - 3 * w)
+        idle = max(result.makespan_ns / 1e9 - device.busy_s for device in result.devices)
+        assert idle <= bound + 1e-9, (p, m, f, i, w)
+        assert all(device.busy_s == pytest.approx(m * 2 * (f + i + w)) for device in result.devices)
+        assert max(device.peak_activations for device in result.devices) * 2 == 2 * p + 1  # in chunks
+
+
+def test_parameters_are_held_once_over_the_v() -> None:
+    """The V puts stages r and 2p-1-r on device r: every stage once, two per device."""
+    schedule = build("dualpipev", 4, 8)
+    assert list(schedule.stage_to_device) == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert schedule.weight_versions == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["schedule.microbatches=7"], r"schedule.microbatches\(=7\) must be >= 2 x schedule.stages\(=4\) = 8 for "
+                                  r"dualpipev"),
+    (["schedule.chunks=3"], r"schedule.chunks\(=3\) must be 2 for dualpipev"),
+])
+def test_what_dualpipev_refuses(sets: list[str], message: str) -> None:
+    with pytest.raises(pipescope.ConfigError, match=message):
+        pipescope.run(pipescope.load_config(None, ["schedule.name=dualpipev", "schedule.stages=4", *sets]))
+
+
+def test_it_runs_under_the_gpu_model_and_the_planner_takes_it() -> None:
+    """A whole run on the default cluster, and a plan that names it."""
+    from pipescope.experiments.plan import plan
+    from pipescope.experiments.plan_space import PlanRequest, base_config
+
+    result = pipescope.run(pipescope.load_config(None, ["schedule.name=dualpipev", "schedule.stages=4",
+                                                        "schedule.microbatches=8"]))
+    assert result.iteration_time_s > 0 and result.schedule.chunks == 2
+    report = plan(PlanRequest(base_config("gpt-355m", "dgx-a100", 1, None), 16, schedules=("dualpipev", "1f1b"),
+                              microbatch_sizes=(1,), tensor=(1,), recompute=("none",), vocab=("naive",),
+                              depths=(4,)), workers=1, progress=False)
+    assert "dualpipev" in {row["schedule"] for row in report.ranked}
