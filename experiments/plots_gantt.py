@@ -172,7 +172,8 @@ def _draw_busy_shares(ax: Axes, frame: pd.DataFrame, rows: dict, axis: Axis, sli
 def _share_band(ax: Axes, frame: pd.DataFrame, axis: Axis, slices: np.ndarray, top: float, height: float,
                 color: str, done: np.ndarray | None = None) -> np.ndarray:
     """A band in the row from ``top`` to ``top + height``, as high in each slice as the share of it ``frame``'s
-    spans cover (overlapping spans, such as buckets' all-reduces, count once at most), stacked from the row's bottom
+    spans cover (overlapping spans, such as buckets' all-reduces, add up to the whole slice at most), stacked from the
+    row's bottom
     on what ``done`` already holds; returns the new ``done``. Without ``done`` (a lane or a link, whose transfers
     are often a thousandth of a slice) a slice with any traffic shows at least ``MIN_VISIBLE_SHARE``."""
     sliver = done is None

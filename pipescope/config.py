@@ -443,6 +443,8 @@ def _spelled_tree(path: str | None, sets: list[str], raw: dict | None) -> tuple[
         if dotted in PARALLEL_SPELLINGS:  # a later --set of either spelling replaces an earlier value, as for any key
             spelled[PARALLEL_SPELLINGS[dotted]] = dotted
             key = PARALLEL_SPELLINGS[dotted].split(".")
+        else:
+            spelled.pop(dotted, None)  # the value is now this key's, under its own name
         _merge(tree, key, value)
     return tree, spelled
 

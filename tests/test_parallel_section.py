@@ -44,6 +44,8 @@ def test_an_error_names_the_spelling_written() -> None:
     assert err.value.key == "parallel.data"
     with pytest.raises(ConfigError, match=r"^cluster\.data_parallel: got 0, expected an integer"):
         load_config(None, ["cluster.data_parallel=0"])
+    with pytest.raises(ConfigError, match=r"^cluster\.data_parallel: got 0, expected an integer"):  # the last set's
+        load_config(None, ["parallel.data=4", "cluster.data_parallel=0"])
     with pytest.raises(ConfigError, match=r"^parallel\.pipeline: got 'x', expected a plain decimal integer"):
         load_config(None, ["parallel.pipeline=x"])
 
