@@ -27,14 +27,14 @@ from pipescope.simulator.models import ATTENTIONS, DIMENSION_RANGES, FAMILIES, P
 from pipescope.simulator.parallel import PARALLEL_RANGES, ParallelConfig, parse_recompute
 from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.readers.safe_yaml import MAX_INT_DIGITS, YamlError, parse_yaml, read_yaml_file
-from pipescope.simulator.schedules import ScheduleConfig, check_iterations
+from pipescope.simulator.schedules import SCHEDULE_RANGES, ScheduleConfig, check_iterations
 from pipescope.simulator.readers.units import (did_you_mean, format_bytes, parse_bandwidth, parse_flops, parse_size,
                                                parse_time, short_repr)
 from pipescope.simulator.vocab import VocabMethod, vocab_method
 from pipescope.simulator.faults import FaultsConfig
-from pipescope.simulator.memory_runtime import RUNTIMES, MemoryConfig
-from pipescope.topologies.cluster import COLLECTIVE_ALGORITHMS, ClusterConfig
-from pipescope.topologies.graphs import FABRICS, MAX_NODES, MAX_OVERSUBSCRIPTION
+from pipescope.simulator.memory_runtime import MEMORY_RANGES, RUNTIMES, MemoryConfig
+from pipescope.topologies.cluster import CLUSTER_FLOAT_RANGES, CLUSTER_RANGES, COLLECTIVE_ALGORITHMS, ClusterConfig
+from pipescope.topologies.graphs import FABRICS
 
 
 class ConfigError(ValueError):
@@ -72,17 +72,20 @@ class Config:
 
 EXPERIMENT_KEYS = ("sweep", "zip")  # experiments.sweep's grid sections: not a config's
 
+
+
+def _in_section(section: str, limits: dict[str, tuple]) -> dict[str, tuple]:
+    return {f"{section}.{key}": bounds for key, bounds in limits.items()}
+
+
 # Inclusive (low, high) of every integer key; docs/cli.md "Limits". The highs keep every product the simulator
-# forms (bytes, FLOPs, int64 nanoseconds) finite and refuse sizes no machine has before anything is built.
+# forms (bytes, FLOPs, int64 nanoseconds) finite and refuse sizes no machine has before anything is built. Each
+# section's own limits sit beside it (its module's ..._RANGES); only the config's top-level keys are here.
 RANGES: dict[str, tuple[int, int]] = {
-    "schedule.stages": (1, 100_000), "schedule.microbatches": (1, 500_000), "schedule.chunks": (1, 1_000),
-    "iterations": (1, 1_000),
-    **{f"model.{key}": limits for key, limits in DIMENSION_RANGES.items()}, "model.microbatch_size": (1, 1 << 20),
-    "cluster.nodes": (1, MAX_NODES), "cluster.data_parallel": (1, 100_000), "cluster.memory": (1 << 20, 1 << 50),
-    "cluster.host_memory": (1 << 20, 1 << 54),
-    "cluster.bucket_size": (1, 1 << 50), "seed": (0, (1 << 63) - 1),
-    **{f"parallel.{key}": limits for key, limits in PARALLEL_RANGES.items()},
-    "cluster.host_cores": (1, 1 << 16), "memory.cuda_context": (0, 1 << 40), "memory.nccl_communicator": (0, 1 << 40),
+    **_in_section("schedule", SCHEDULE_RANGES), "iterations": (1, 1_000),
+    **_in_section("model", DIMENSION_RANGES), "model.microbatch_size": (1, 1 << 20),
+    **_in_section("cluster", CLUSTER_RANGES), "seed": (0, (1 << 63) - 1),
+    **_in_section("parallel", PARALLEL_RANGES), **_in_section("memory", MEMORY_RANGES),
 }
 TIME_KEYS = {"costs.forward", "costs.backward_input", "costs.backward_weight", "costs.p2p", "costs.optimizer",
              "costs.vocab_s", "costs.vocab_t"}
@@ -103,9 +106,7 @@ LIST_RANGES: dict[str, tuple[int, int]] = {"model.layers_per_stage": (1, 100_000
                                            "cluster.placement": (0, 999_999_999)}
 MAX_LIST_ENTRIES = 100_000  # one entry per stage, and stages x chunks <= model.layers <= 100,000
 # Inclusive (low, high) of every float key that is not a time.
-FLOAT_RANGES = {"cluster.oversubscription": (1.0, MAX_OVERSUBSCRIPTION), "faults.jitter": (0.0, 1.0),
-                "cluster.peak_flops": (1e9, 1e18), "cluster.memory_bandwidth": (1e6, 1e15),
-                "cluster.host_memory_bandwidth": (1e6, 1e15)}
+FLOAT_RANGES = {**_in_section("cluster", CLUSTER_FLOAT_RANGES), "faults.jitter": (0.0, 1.0)}
 # Fractions of a datasheet number a kernel reaches: in (0, 1].
 FRACTION_KEYS = {"costs.efficiency", "costs.memory_efficiency"}
 

@@ -30,6 +30,9 @@ MAIN_GRAD_BYTES = 4  # Megatron's fp32 main_grad, whatever the compute precision
 STEP_COUNTER_BYTES = 4  # torch AdamW's per-tensor ``step``, a float32 scalar
 
 
+MEMORY_RANGES: dict[str, tuple[int, int]] = {"cuda_context": (0, 1 << 40), "nccl_communicator": (0, 1 << 40)}
+
+
 @dataclass(frozen=True)
 class MemoryConfig:
     """The ``memory`` section: ``runtime``, one of ``RUNTIMES``: whose buffers the ledger counts; ``cuda_context``

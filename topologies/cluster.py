@@ -14,11 +14,20 @@ from pipescope.simulator.replicas import DDP_BUCKET_BYTES, GradSync
 from pipescope.simulator.routed import RoutedNetwork
 from pipescope.simulator.readers.units import short_repr
 from pipescope.topologies.devices import DEVICES, DeviceSpec
+from pipescope.topologies.graphs import MAX_NODES, MAX_OVERSUBSCRIPTION
 from pipescope.topologies.topology_io import load_topology, machine_device
 
 PLACEMENTS = ("linear", "spread")
 COLLECTIVE_ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
 MAX_GPUS = 100_000  # GPUs one run places (stages x parallel.tensor x data_parallel)
+# Inclusive (low, high) of the cluster section's numbers (docs/cli.md, "Limits"), beside the section they bound: the
+# config's RANGES and FLOAT_RANGES take them from here.
+CLUSTER_RANGES: dict[str, tuple[int, int]] = {
+    "nodes": (1, MAX_NODES), "data_parallel": (1, 100_000), "memory": (1 << 20, 1 << 50),
+    "host_memory": (1 << 20, 1 << 54), "bucket_size": (1, 1 << 50), "host_cores": (1, 1 << 16)}
+CLUSTER_FLOAT_RANGES: dict[str, tuple[float, float]] = {
+    "oversubscription": (1.0, MAX_OVERSUBSCRIPTION), "peak_flops": (1e9, 1e18), "memory_bandwidth": (1e6, 1e15),
+    "host_memory_bandwidth": (1e6, 1e15)}
 
 
 @dataclass(frozen=True)

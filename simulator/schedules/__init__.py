@@ -76,6 +76,11 @@ def build(name: str, stages: int, microbatches: int, chunks: int | None = None, 
     return gen.build(stages, microbatches, chunks=chunks or gen.default_chunks, recompute=recompute, **options)
 
 
+# Inclusive (low, high) of the schedule section's sizes (docs/cli.md, "Limits"): the config's RANGES takes them.
+SCHEDULE_RANGES: dict[str, tuple[int, int]] = {"stages": (1, 100_000), "microbatches": (1, 500_000),
+                                               "chunks": (1, 1_000)}
+
+
 @dataclass(frozen=True)
 class ScheduleConfig:
     """The ``schedule`` section. ``stages`` and ``microbatches`` stay None unless given, so a CSV schedule can be
