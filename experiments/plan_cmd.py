@@ -135,8 +135,7 @@ SEARCHED_BY = {"schedule.name": "--schedules", "schedule.stages": "--depths", "s
 
 def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
     from pipescope.config import config_tree
-    from pipescope.experiments.plan_space import (CONTEXT_KEYS, HSDP_KEYS, OFFLOAD_KEYS, RECOMPUTE, VOCAB_METHODS,
-                                                  ZERO_KEYS, PlanRequest, base_config)
+    from pipescope.experiments.plan_space import OPTIONAL_AXES, RECOMPUTE, VOCAB_METHODS, PlanRequest, base_config
     from pipescope.simulator.offload import OFFLOADS
 
     if args.dask is not None and args.dask != "local" and not re.fullmatch(DASK_ADDRESS, args.dask):
@@ -147,11 +146,8 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
             cap = parse_size(args.memory_cap)
         except ValueError as err:
             raise ValueError(f"--memory-cap: {err}") from None
-    searched = SEARCHED_BY | {key: flag for value, keys, flag in ((args.zero, ZERO_KEYS, "--zero"),
-                                                                  (args.offload, OFFLOAD_KEYS, "--offload"),
-                                                                  (args.shard_groups, HSDP_KEYS, "--shard-groups"),
-                                                                  (args.context, CONTEXT_KEYS, "--context"))
-                              if value is not None for key in keys}
+    searched = SEARCHED_BY | {key: FIELD_FLAGS[field] for field, keys in OPTIONAL_AXES
+                              if getattr(args, field) is not None for key in keys}
     for item in args.sets:  # a searched key set here would be overridden by every candidate, silently
         key = item.split("=", 1)[0].strip()
         if key in searched:

@@ -31,6 +31,9 @@ ZERO_KEYS = ("parallel.zero", "parallel.distributed_optimizer")  # what a search
 OFFLOAD_KEYS = ("parallel.offload",)  # what a searched offload sets
 HSDP_KEYS = ("parallel.shard_group",)  # what a searched shard group sets
 CONTEXT_KEYS = ("parallel.context",)  # what a searched context degree sets
+# The axes searched only when asked: PlanRequest's field (None: not searched) and the config keys it sets
+OPTIONAL_AXES = (("zero", ZERO_KEYS), ("offload", OFFLOAD_KEYS), ("shard_groups", HSDP_KEYS),
+                 ("context", CONTEXT_KEYS))
 
 
 @dataclass(frozen=True)
@@ -367,9 +370,8 @@ def base_config(model: str | None, topology: str | None, nodes: int | None, memo
 
 def searched_keys(request: PlanRequest) -> tuple[str, ...]:
     """The config keys every candidate sets for itself (``Candidate.overrides``), and those of the axes searched."""
-    optional = ((request.zero, ZERO_KEYS), (request.offload, OFFLOAD_KEYS), (request.shard_groups, HSDP_KEYS),
-                (request.context, CONTEXT_KEYS))
-    return CANDIDATE_KEYS + tuple(key for values, keys in optional if values is not None for key in keys)
+    return CANDIDATE_KEYS + tuple(key for field, keys in OPTIONAL_AXES if getattr(request, field) is not None
+                                  for key in keys)
 
 
 def file_keys_searched(request: PlanRequest) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.gpu_rates import Tiling
 from pipescope.simulator.measured_gemms import MeasuredGemms, load_gemms
 from pipescope.simulator.memory_overheads import NO_OVERHEADS, Overheads, overheads
+from pipescope.simulator.memory import device_params
 from pipescope.simulator.memory_runtime import grad_bytes
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
 from pipescope.simulator.context import check_context, context_times
@@ -139,7 +140,7 @@ def prepare_checked(config: Config) -> Prepared:
         _check_layers(config.model.layers or model.layers, schedule.num_stages)
     config, schedule, costs = apply_vocab(config, schedule, costs, model)  # schedule.vocab (docs/schedules.md 7)
     if config.parallel.offloads_optimizer:
-        check_host_memory(config, cluster, _device_params(stage_costs(costs, schedule), schedule))
+        check_host_memory(config, cluster, device_params(schedule, stage_costs(costs, schedule)))
     if not isinstance(config.costs, UniformCostsConfig):
         config = _with_layer_split(config, schedule.num_stages)
     return Prepared(_with_what_ran(config, schedule), schedule, cluster, costs, model)
@@ -405,14 +406,6 @@ def _tensor_split(config: Config, cluster: Cluster, model: ModelSpec, schedule: 
     except NetworkError as err:
         raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
     return split
-
-
-def _device_params(costs: list[StageCost], schedule: Schedule) -> list[int]:
-    """Each device's parameters: its stages' (one GPU's under tensor parallelism)."""
-    params = [0] * schedule.num_devices
-    for stage, device in enumerate(schedule.stage_to_device):
-        params[device] += costs[stage].params
-    return params
 
 
 def _stage_grad_bytes(config: Config, model: ModelSpec, split: TensorSplit, schedule: Schedule) -> list[int]:

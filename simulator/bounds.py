@@ -21,7 +21,7 @@ import numpy as np
 from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import ActionKind, Schedule
 from pipescope.simulator.lowering import step_group
-from pipescope.simulator.memory import OpArrays, device_timelines, op_memory_events, static_memory
+from pipescope.simulator.memory import OpArrays, device_params, device_timelines, op_memory_events, static_memory
 from pipescope.simulator.mesh import NO_SHARDING, DeviceMesh, Sharding
 from pipescope.simulator.program import KIND_CODE, op_durations
 
@@ -48,9 +48,8 @@ def memory_lower_bounds(schedule: Schedule, stage_costs: Sequence[StageCost], pr
     """Per device, bytes its peak cannot be under: static state (as ``memory.runtime`` counts it, with
     ``gradient_buffers`` and ``sharding`` as the ledger takes them, and the overheads beside tensors) plus
     its ops' stash, replayed in list order."""
-    home = np.asarray(schedule.stage_to_device)
-    params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
-    state = [static_memory(int(params[d]), schedule.versions(d), precision, runtime, sharding)
+    params = device_params(schedule, stage_costs)
+    state = [static_memory(params[d], schedule.versions(d), precision, runtime, sharding)
              for d in range(schedule.num_devices)]
     static = [s.total + (gradient_buffers - 1) * s.gradients + overhead_bytes for s in state]
     return [memory.peak_bytes for memory in device_timelines(_ordered_events(schedule, stage_costs), static)]

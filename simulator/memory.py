@@ -134,6 +134,12 @@ def device_timelines(events: MemoryEvents, static: list[int]) -> list[DeviceMemo
 K = ActionKind
 
 
+def device_params(schedule: Schedule, stage_costs: list[StageCost]) -> list[int]:
+    """Each device's parameters: its stages' (one GPU's under tensor parallelism)."""
+    weights = [c.params for c in stage_costs]
+    return [int(n) for n in np.bincount(schedule.stage_to_device, weights, minlength=schedule.num_devices)]
+
+
 def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], precision: str,
            runtime: str = "megatron", gradient_buffers: int = 1, sharding: Sharding = NO_SHARDING,
            overhead_bytes: int = 0) -> tuple[list[DeviceMemory], list[int]]:
@@ -147,9 +153,9 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
         (memory timeline per device, static bytes per device).
     """
     home = np.asarray(schedule.stage_to_device)
-    params = np.bincount(home, [c.params for c in stage_costs], minlength=schedule.num_devices)
+    params = device_params(schedule, stage_costs)
     tensors = np.bincount(home, [c.param_tensors for c in stage_costs], minlength=schedule.num_devices)
-    state = [static_memory(int(params[d]), schedule.versions(d), precision, runtime, sharding)
+    state = [static_memory(params[d], schedule.versions(d), precision, runtime, sharding)
              for d in range(schedule.num_devices)]
     static = [s.total + (gradient_buffers - 1) * s.gradients + int(tensors[d]) * step_counter_bytes(runtime)
               + overhead_bytes for d, s in enumerate(state)]

@@ -10,6 +10,7 @@ the PCIe links on its path to the CPU and of the host's memory rate.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import networkx as nx
@@ -58,14 +59,11 @@ def pcie_share(graph: nx.DiGraph) -> float | None:
         return None
     paths = []
     for gpu in gpus:
-        hops = nx.single_source_shortest_path_length(node, gpu)
-        reachable = [cpu for cpu in cpus if cpu in hops]
+        routes = nx.single_source_shortest_path(node, gpu)  # one search: every CPU's path, the nearest is taken
+        reachable = [routes[cpu] for cpu in cpus if cpu in routes]
         if not reachable:
             return None
-        path = nx.shortest_path(node, gpu, min(reachable, key=lambda cpu: (hops[cpu], cpu)))
+        path = min(reachable, key=lambda route: (len(route), route[-1]))
         paths.append(list(zip(path, path[1:])))
-    users: dict[tuple[str, str], int] = {}
-    for path in paths:
-        for edge in path:
-            users[edge] = users.get(edge, 0) + 1
-    return min(node.edges[edge]["bandwidth"] / users[edge] for path in paths for edge in path)
+    users = Counter(edge for path in paths for edge in path)
+    return min(node.edges[edge]["bandwidth"] / users[edge] for edge in users)
