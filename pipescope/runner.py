@@ -17,6 +17,7 @@ from pipescope.simulator.costs import (
     stage_costs,
 )
 from pipescope.simulator.ir import Schedule, WeightUpdate
+from pipescope.simulator.lowering import has_fsdp_actions
 from pipescope.simulator.models import (
     DEFAULT_PRESET,
     PRECISIONS,
@@ -130,6 +131,7 @@ def prepare_checked(config: Config) -> Prepared:
     if config.parallel.zero_stage and schedule.weight_update is not WeightUpdate.FLUSH:
         raise ConfigError(f"{_zero_key(config)} with schedule.name {config.schedule.name}, expected a flush schedule "
                           f"(one synchronous step per iteration, which ZeRO shards)")
+    _check_fsdp_actions(config, schedule)
     if cluster is None:  # a CSV schedule: its size was in the file
         _check_size(schedule.num_stages * schedule.total_microbatches * config.cluster.data_parallel)
         cluster = _cluster(config, schedule.num_devices)
@@ -375,6 +377,24 @@ def _check_shard_group(config: Config) -> None:
     if width % group:
         raise ConfigError(f"parallel.shard_group: got {group}, expected a divisor of cluster.data_parallel "
                           f"(={width}): each shard group holds one whole set of shards")
+
+
+def _check_fsdp_actions(config: Config, schedule: Schedule) -> None:
+    """Under ZeRO-3, torch's FSDP actions run exactly when ``reshard_after_forward`` is false (docs/parallelism.md,
+    "torch's FSDP actions"): the lowering adds them to a compute-only schedule, and a schedule that holds them asks
+    for that mode."""
+    p = config.parallel
+    if p.zero_stage < 3:
+        return
+    held = has_fsdp_actions(schedule)
+    if held and p.reshard_after_forward:
+        raise ConfigError(f"parallel.reshard_after_forward: got true, but schedule.name {config.schedule.name} holds "
+                          f"torch's UNSHARD/RESHARD/REDUCE_GRAD, which gather a stage's weights once and hold them "
+                          f"until RESHARD; expected false")
+    if not held and not p.reshard_after_forward and schedule.is_lowered:
+        raise ConfigError(f"parallel.reshard_after_forward: got false with schedule.name {config.schedule.name}, a "
+                          f"lowered schedule (SEND/RECV cells) without torch's UNSHARD actions; expected a "
+                          f"compute-only schedule (the lowering adds them) or one that holds them")
 
 
 def _zero_key(config: Config) -> str:

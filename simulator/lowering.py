@@ -14,8 +14,8 @@ from collections.abc import Callable, Container, Sequence
 from heapq import heappop, heappush
 from typing import Any
 
-from pipescope.simulator.ir import (COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, Collective, ProgramAction, Schedule,
-                                   ScheduleError, WeightUpdate, producers)
+from pipescope.simulator.ir import (COMM_KINDS, COMPUTE_KINDS, STAGE_KINDS, Action, ActionKind, Collective,
+                                   ProgramAction, Schedule, ScheduleError, WeightUpdate, producers)
 
 K = ActionKind
 # Per compute kind: (peer stage offset, SEND kind, RECV kind); W sends nothing.
@@ -157,6 +157,73 @@ def _per_stage_kind(rule: Callable[[Action], Any], lists: list[list[Action]]) ->
     """``rule`` of a microbatch-0 stand-in for every (stage, kind) in the lists."""
     pairs = {(a.stage, a.kind) for acts in lists for a in acts}
     return {(stage, kind): rule(Action(stage, kind, 0)) for stage, kind in pairs}
+
+
+MAX_ACTIVE_STAGES = 3  # torch's _add_unshard_reshard default: stages whose weights a device holds gathered at once
+_REDUCED_BY = (K.W, K.B)  # the ops after whose m-th a stage's gradients are complete (torch's _requires_reduce_grad)
+
+
+def add_unshard_reshard(actions: Sequence[Action | None], max_active: int = MAX_ACTIVE_STAGES) -> list[Action]:
+    """One device's compute-only list with FSDP's UNSHARD and RESHARD, placed by torch.distributed.pipelining's rule
+    (``_add_unshard_reshard``; docs/parallelism.md, "torch's FSDP actions"): before each action, the next
+    ``max_active`` distinct stages the list will compute are gathered (UNSHARD, in order of use) and a gathered stage
+    not among them is freed first (RESHARD); every stage still gathered is freed at the end.
+
+    The gathered stages are a ``set`` as in torch, so stages are freed in the same order as torch frees them."""
+    ops = [a for a in actions if a is not None]
+    active: set[int] = set()
+    out: list[Action] = []
+    for action, upcoming in zip(ops, _upcoming_stages(ops, max_active)):
+        for stage in [s for s in active if s not in upcoming]:
+            active.remove(stage)
+            out.append(Action(stage, K.RESHARD, -1))
+        for stage in [s for s in upcoming if s not in active]:
+            active.add(stage)
+            out.append(Action(stage, K.UNSHARD, -1))
+        out.append(action)
+    for stage in list(active):
+        out.append(Action(stage, K.RESHARD, -1))
+    return out
+
+
+def _upcoming_stages(ops: list[Action], count: int) -> list[list[int]]:
+    """Per position, the next ``count`` distinct stages from it on, in order of first use: built backwards, each from
+    the next one's, so a device's list costs its length times ``count`` (torch scans ahead from every action)."""
+    out: list[list[int]] = [[] for _ in ops]
+    upcoming: list[int] = []
+    for i in range(len(ops) - 1, -1, -1):
+        stage = ops[i].stage
+        upcoming = [stage] + [s for s in upcoming if s != stage][:count - 1]
+        out[i] = upcoming
+    return out
+
+
+def add_reduce_grad(actions: Sequence[Action], microbatches: int) -> list[Action]:
+    """``actions`` with a REDUCE_GRAD of each stage right after its ``microbatches``-th W or B, where its
+    gradients are complete (torch's ``_add_reduce_grad``)."""
+    seen: dict[int, int] = {}
+    out: list[Action] = []
+    for action in actions:
+        out.append(action)
+        if action.kind in _REDUCED_BY:
+            seen[action.stage] = seen.get(action.stage, 0) + 1
+            if seen[action.stage] == microbatches:
+                out.append(Action(action.stage, K.REDUCE_GRAD, -1))
+    return out
+
+
+def add_fsdp_actions(schedule: Schedule) -> Schedule:
+    """``schedule`` (compute-only) with torch's FSDP actions on every device, as torch's runtime adds them before its
+    send/recv lowering: ``add_unshard_reshard``, then ``add_reduce_grad``."""
+    lists = tuple(tuple(add_reduce_grad(add_unshard_reshard(acts), schedule.num_microbatches))
+                  for acts in _lowering_input(schedule))
+    return dataclasses.replace(schedule, device_actions=lists)
+
+
+def has_fsdp_actions(schedule: Schedule) -> bool:
+    """The lists hold torch's FSDP actions (UNSHARD, RESHARD, REDUCE_GRAD): added by ``add_fsdp_actions``, or read
+    from torch's CSV."""
+    return any(a is not None and a.kind in STAGE_KINDS for acts in schedule.device_actions for a in acts)
 
 
 def lower(schedule: Schedule) -> Schedule:

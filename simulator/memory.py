@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 
 from pipescope.simulator.costs import StageCost
-from pipescope.simulator.ir import ActionKind, Role, Schedule
+from pipescope.simulator.ir import COMPUTE_KINDS, ActionKind, Role, Schedule
 from pipescope.simulator.mesh import NO_SHARDING, Sharding
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.memory_runtime import buffer_events, grad_bytes, step_counter_bytes
@@ -173,52 +172,74 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
     parts = [op_memory_events(ops, schedule.recompute, schedule.chunks),
              _held(*buffer_events(records, boundary, runtime)), _vocab_events(records, stage_costs)]
     if sharding.zero >= 2 and sharding.shards > 1:
-        parts.append(sharded_events(records, stage_costs, precision, runtime, sharding, schedule.num_microbatches))
+        parts.append(sharded_events(records, stage_costs, precision, runtime, sharding, schedule))
     return device_timelines(concat(parts), static), static
 
 
 def sharded_events(records: Timeline, stage_costs: list[StageCost], precision: str, runtime: str, sharding: Sharding,
-                   microbatches: int) -> MemoryEvents:
+                   schedule: Schedule) -> MemoryEvents:
     """What ZeRO-2 and 3 hold whole for a while beyond each GPU's shard (docs/parallelism.md, "Memory"): the
     gradients of the units a backward op (B or W) produces, until their reduce-scatter (two units in flight,
     ``Sharding.in_flight``), and under ZeRO-3 the gathered weights: two units during each op that reads them
-    (``reshard_after_forward``), or the stage's whole weights from its gather's start until its last backward of the
-    iteration ends (``simulator.replicas``' gathers, paired with the stages' first ops in each device's order)."""
+    (``reshard_after_forward``); without, what torch's FSDP actions hold (``_fsdp_events``).
+    """
     params = [c.params for c in stage_costs]
     per_grad, per_weight = grad_bytes(runtime, precision), PRECISIONS[precision].weight_bytes
+    if sharding.zero >= 3 and not sharding.reshard_after_forward:  # torch's FSDP actions ran
+        return _fsdp_events(records, schedule, [sharding.gathered(p * per_grad, "gradients") for p in params],
+                            [sharding.gathered(p * per_weight, "weights") for p in params])
     grads = np.array([sharding.in_flight(p * per_grad, "gradients", per_grad) for p in params], dtype=np.int64)
     producing = np.flatnonzero(records.is_kind(K.B, K.W))
     stage = records.stage[producing]
     parts = [_held(records.device[producing], records.start[producing], records.end[producing], grads[stage])]
-    if sharding.zero >= 3 and sharding.reshard_after_forward:
+    if sharding.zero >= 3:
         weights = np.array([sharding.in_flight(p * per_weight, "weights", per_weight) for p in params],
                            dtype=np.int64)
         reading = np.flatnonzero(records.is_kind(K.F, K.I, K.B))
         stage = records.stage[reading]
         parts.append(_held(records.device[reading], records.start[reading], records.end[reading], weights[stage]))
-    elif sharding.zero >= 3:
-        weights = np.array([sharding.gathered(p * per_weight, "weights") for p in params], dtype=np.int64)
-        parts.append(_gathered(records, weights, microbatches))
     return concat(parts)
 
 
-def _gathered(records: Timeline, weights: np.ndarray, microbatches: int) -> MemoryEvents:
-    """ZeRO-3 without resharding after the forward (``sharded_events``): the k-th gather row of a device feeds the
-    k-th (stage, iteration) of that device's ops that read weights, in order; held until its last backward ends."""
-    gathers = np.flatnonzero(records.is_kind(K.ALL_GATHER))
-    gathers = gathers[np.argsort(records.device[gathers], kind="stable")]
-    ops = np.flatnonzero(records.is_kind(K.F, K.I, K.B) & (weights[records.stage] > 0))
-    ops = ops[np.argsort(records.device[ops], kind="stable")]
-    key = pd.DataFrame({"device": records.device[ops], "stage": records.stage[ops],
-                        "iteration": records.microbatch[ops] // microbatches})
-    fed = ops[~key.duplicated().to_numpy()]
-    backward = records.is_kind(K.I, K.B)[ops]
-    last = pd.Series(records.end[ops][backward]).groupby([key[c].to_numpy()[backward] for c in key.columns]).max()
-    until = last.reindex(pd.MultiIndex.from_arrays(
-        [records.device[fed], records.stage[fed], records.microbatch[fed] // microbatches])).to_numpy(np.int64)
-    if len(fed) != len(gathers):  # a gather the replicas did not place for a stage: nothing to pair
-        raise ValueError(f"ZeRO-3 ledger: {len(gathers)} weight gathers for {len(fed)} stage-iterations")
-    return _held(records.device[gathers], records.start[gathers], until, weights[records.stage[fed]])
+def _fsdp_events(records: Timeline, schedule: Schedule, grads: list[int], weights: list[int]) -> MemoryEvents:
+    """torch's FSDP actions (docs/parallelism.md, "torch's FSDP actions"): a stage's whole weights from the start of
+    each UNSHARD's all-gather (the device's gather rows pair with its UNSHARDs in order) until its RESHARD, reached
+    when the compute op before it ends; its whole gradients from its first backward op (B or W) until its last
+    reduce-scatter ends (torch accumulates them unsharded until REDUCE_GRAD)."""
+    compute = np.flatnonzero(records.mask(Role.COMPUTE)).tolist()
+    ends = {(int(records.device[i]), records.actions[i]): int(records.end[i]) for i in compute}
+    gather_rows = np.flatnonzero(records.is_kind(K.ALL_GATHER))
+    rows: list[tuple[int, int, int, int]] = []  # (device, since, until, bytes)
+    for d, actions in enumerate(schedule.device_actions):
+        gathers = iter(gather_rows[records.device[gather_rows] == d].tolist())
+        held: dict[int, int] = {}
+        last_end = 0
+        for a in actions:
+            if a is None:
+                continue
+            if a.kind in COMPUTE_KINDS:
+                last_end = ends[d, a]
+            elif a.kind is K.UNSHARD and weights[a.stage] > 0:
+                held[a.stage] = int(records.start[next(gathers)])
+            elif a.kind is K.RESHARD and a.stage in held:
+                rows.append((d, held.pop(a.stage), last_end, weights[a.stage]))
+    made = records.is_kind(K.B, K.W)
+    reduced = records.is_kind(K.REDUCE_SCATTER)
+    for (d, stage), first in _first_starts(records, made).items():
+        last = (records.device == d) & (records.stage == stage) & reduced
+        if grads[stage] > 0 and last.any():
+            rows.append((d, first, int(records.end[last].max()), grads[stage]))
+    device, since, until, nbytes = (np.array([row[k] for row in rows], dtype=np.int64) for k in range(4))
+    return _held(device, since, until, nbytes)
+
+
+def _first_starts(records: Timeline, rows: np.ndarray) -> dict[tuple[int, int], int]:
+    """(device, stage) -> the earliest start among ``rows`` (a mask)."""
+    first: dict[tuple[int, int], int] = {}
+    for i in np.flatnonzero(rows).tolist():
+        key = (int(records.device[i]), int(records.stage[i]))
+        first[key] = min(first.get(key, int(records.start[i])), int(records.start[i]))
+    return first
 
 
 def _vocab_events(records: Timeline, stage_costs: list[StageCost]) -> MemoryEvents:

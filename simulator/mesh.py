@@ -88,10 +88,10 @@ SHARDED_FROM = {"optimizer": 1, "gradients": 2, "weights": 3}
 class Sharding:
     """ZeRO over the data axis: the stage (0: none) and the ``shards`` the sharded states are cut into
     (docs/parallelism.md, "ZeRO"); ``reshard_after_forward``: stage 3 frees a stage's gathered weights after each op
-    (FSDP's default) or holds them to the stage's last backward of the iteration. ``unit_params``: FSDP gathers
-    and reduces one unit at a time (a transformer block; the embedding and the output layer each one, as torchtitan
-    wraps them) and prefetches the next ``prefetch``, so at most ``prefetch + 1`` units are whole at once during an
-    op (their gradients: two, the one being reduced and the one being made)."""
+    (FSDP's default), or runs torch.distributed.pipelining's FSDP actions (``lowering.add_fsdp_actions``).
+    ``unit_params``: FSDP gathers and reduces one unit at a time (a transformer block; the embedding and the output
+    layer each one, as torchtitan wraps them) and prefetches the next ``prefetch``, so at most ``prefetch + 1`` units
+    are whole at once during an op (their gradients: two, the one being reduced and the one being made)."""
 
     zero: int = 0
     shards: int = 1

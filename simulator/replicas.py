@@ -11,11 +11,12 @@ so does the first forward that runs on the updated weights: for 2BW, whose updat
 is applied one iteration late, the stage's first forward of iteration k+2; for PipeDream the stage's next forward.
 Under ZeRO (``GradSync.zero``, docs/parallelism.md) the all-reduce is a reduce-scatter (stages 2 and 3: after every
 microbatch's backward, into each replica's accumulated shard); stages 1 and 2 all-gather the updated weights after
-the step, and stage 3 all-gathers a stage's weights before the ops that need them instead:
-before each forward and each input-gradient backward (``reshard_after_forward``, FSDP's default), or once a step
-before the stage's first op, held to its last backward (torch.distributed.pipelining's UNSHARD/RESHARD, Llama 3's
-choice). Each gather is prefetched: issued when the device's op ``prefetch`` before starts (FSDP's default: the one
-before; the device's first ops have none, so their gathers start with the run).
+the step, and stage 3 all-gathers a stage's weights before the ops that need them instead: before each forward and
+each input-gradient backward (``reshard_after_forward``, FSDP's default), each gather prefetched: issued when the
+device's op ``prefetch`` before starts (FSDP's default: the one before; the device's first ops have none, so their
+gathers start with the run). Without resharding, stage 3 runs torch.distributed.pipelining's FSDP actions instead
+(``_fsdp_syncs``): a gather at each UNSHARD, one reduce-scatter of the iteration's gradients at each REDUCE_GRAD
+(Llama 3's choice).
 docs/network.md has the rules and what they leave out.
 """
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipescope.simulator.ir import ActionKind, Collective, Role, Schedule, WeightUpdate
-from pipescope.simulator.lowering import LAG_WITHOUT_FLUSH, step_group, step_microbatch
+from pipescope.simulator.lowering import LAG_WITHOUT_FLUSH, has_fsdp_actions, step_group, step_microbatch
 from pipescope.simulator.mesh import NO_SHARDING, DeviceMesh, Sharding
 from pipescope.simulator.program import KIND_CODE, Columns, Program
 
@@ -94,13 +95,18 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
         weight_bytes: per stage, the bytes of its weights, which a sharded optimizer all-gathers after its step.
     """
     mesh = DeviceMesh(schedule.num_devices, width, shard=sync.sharding.shards if sync.sharded else 0)
-    syncs = _syncs(base, schedule, mesh, grad_bytes, sync)
     weights = weight_bytes or [0] * len(grad_bytes)
+    if sync.zero >= 3 and width > 1 and not sync.sharding.reshard_after_forward:  # torch's UNSHARD, REDUCE_GRAD run
+        if not has_fsdp_actions(schedule):
+            raise ValueError("ZeRO-3 without resharding runs torch's FSDP actions: expected a schedule that holds "
+                             "them (lowering.add_fsdp_actions)")
+        syncs = _fsdp_syncs(base, mesh, grad_bytes, weights, sync.bucket_bytes)
+        return _replicate(base, mesh, _hybrid(syncs, mesh, base) if mesh.hybrid else syncs)
+    syncs = _syncs(base, schedule, mesh, grad_bytes, sync)
     if sync.sharded and sync.zero < 3 and not sync.overlap and width > 1:
         syncs += _weight_gathers(base, schedule, mesh, weights, sync)
     if sync.zero >= 3 and width > 1:
-        syncs += _param_gathers(base, schedule, mesh, weights, sync.sharding.reshard_after_forward,
-                                sync.sharding.prefetch)
+        syncs += _param_gathers(base, mesh, weights, sync.sharding.prefetch)
     return _replicate(base, mesh, _hybrid(syncs, mesh, base) if mesh.hybrid else syncs)
 
 
@@ -150,26 +156,49 @@ def _weight_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_
 GATHERED_KINDS = (K.F, K.I, K.B)  # the ops that read a stage's weights (W reads activations and output gradients)
 
 
-def _param_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_bytes: list[int], reshard: bool,
-                   prefetch: int = 1) -> list[_Sync]:
-    """ZeRO-3's all-gathers of a stage's weights (the module doc), in each device's op order: without resharding the
-    memory ledger pairs them with the stages' first ops in that order (``memory._gathered``)."""
-    cols, m = base.columns, schedule.num_microbatches
+def _param_gathers(base: Program, mesh: DeviceMesh, weight_bytes: list[int], prefetch: int = 1) -> list[_Sync]:
+    """ZeRO-3's all-gathers of a stage's weights before each op that reads them (``reshard_after_forward``, the
+    module doc), in each device's op order."""
+    cols = base.columns
     codes = [KIND_CODE[kind] for kind in GATHERED_KINDS]
     found = []
     for d, steps in enumerate(base.device_steps):
         ops = [i for i in steps if base.role[i] is Role.COMPUTE]
-        group, started = tuple(mesh.data_group(d)), set()
+        group = tuple(mesh.data_group(d))
         for k, i in enumerate(ops):
             stage, microbatch = int(cols.stage[i]), int(cols.microbatch[i])
             if cols.kind[i] not in codes or weight_bytes[stage] <= 0:
                 continue
-            if not reshard:  # once per stage and iteration: before its first op
-                if (stage, microbatch // m) in started:
-                    continue
-                started.add((stage, microbatch // m))
             collective = Collective(stage, K.ALL_GATHER, microbatch, group, weight_bytes[stage], 0)
             found.append(_Sync(ops[k - prefetch] if k >= prefetch else START, 0, collective, [i], d))
+    return found
+
+
+def _fsdp_syncs(base: Program, mesh: DeviceMesh, grad_bytes: list[int], weight_bytes: list[int], bucket: int
+                ) -> list[_Sync]:
+    """torch's FSDP actions run (docs/parallelism.md, "torch's FSDP actions"): each UNSHARD all-gathers its stage's
+    weights, each REDUCE_GRAD reduce-scatters its stage's gradients (in buckets), issued as the device reaches it, so
+    when the compute op before it ends (with the run when none is). A gather holds back the stage's next op that reads
+    the weights; a reduce-scatter holds back the stage's optimizer step. RESHARD moves nothing (the ledger frees the
+    weights there)."""
+    cols, found = base.columns, []
+    reading = np.isin(cols.kind, [KIND_CODE[kind] for kind in GATHERED_KINDS])
+    for d in range(mesh.pipeline):
+        entries = np.flatnonzero(cols.device == d).tolist()
+        group, before = tuple(mesh.data_group(d)), START
+        for i, waiting in zip(entries, _next_uses(base, entries, reading)):
+            if base.role[i] is Role.COMPUTE:
+                before = i
+                continue
+            kind, stage = base.actions[i].kind, int(cols.stage[i])
+            offset, microbatch = (base.duration[before], int(cols.microbatch[before])) if before >= 0 else (0, 0)
+            if kind is K.UNSHARD and weight_bytes[stage] > 0:
+                collective = Collective(stage, K.ALL_GATHER, microbatch, group, weight_bytes[stage], 0)
+                found.append(_Sync(before, offset, collective, waiting, d))
+            elif kind is K.REDUCE_GRAD and grad_bytes[stage] > 0:
+                for j, size in enumerate(_split(grad_bytes[stage], bucket)):
+                    collective = Collective(stage, K.REDUCE_SCATTER, microbatch, group, size, j)
+                    found.append(_Sync(before, offset, collective, waiting, d))
     return found
 
 
@@ -222,6 +251,25 @@ def _syncs(base: Program, schedule: Schedule, mesh: DeviceMesh, grad_bytes: list
                 collective = Collective(stage, kind, last_microbatch, group, size, j)
                 found.append(_Sync(trigger, offset, collective, blocks))
     return found
+
+
+def _next_uses(base: Program, entries: list[int], reading: np.ndarray) -> list[list[int]]:
+    """Per entry of one device (in order), what an FSDP action there holds back: for an UNSHARD, its stage's next op
+    that reads the weights; for a REDUCE_GRAD, its stage's optimizer steps after it (one walk backwards)."""
+    cols = base.columns
+    is_step = cols.kind == KIND_CODE[K.OPT]
+    next_read: dict[int, int] = {}
+    later_steps: dict[int, list[int]] = {}
+    out: list[list[int]] = []
+    for i in reversed(entries):
+        stage, kind = int(cols.stage[i]), base.actions[i].kind
+        out.append([next_read[stage]] if kind is K.UNSHARD and stage in next_read
+                   else list(later_steps.get(stage, ())) if kind is K.REDUCE_GRAD else [])
+        if reading[i]:
+            next_read[stage] = i
+        elif is_step[i]:
+            later_steps.setdefault(stage, []).append(i)
+    return out[::-1]
 
 
 def _split(nbytes: int, bucket: int) -> list[int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pipescope.simulator import replicas
 from pipescope.simulator.check import structure_problems
 from pipescope.simulator.costs import CostModel, StageCost, check_stage_costs, stage_costs as costs_of
 from pipescope.simulator.engine import Engine, Progress, gc_paused
@@ -13,16 +12,16 @@ from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.host_cores import SharedCores
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
-from pipescope.simulator.lowering import add_optimizer_steps, defers_steps, gradient_buffers, lower
 from pipescope.simulator.memory_runtime import grad_bytes
+from pipescope.simulator.lowering import defers_steps, gradient_buffers
 from pipescope.simulator.mesh import NO_SHARDING
+from pipescope.simulator.passes import ONE_REPLICA, Lowering, run_passes
+from pipescope.simulator.program import Program
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.network import FifoLinks, Network
-from pipescope.simulator.program import Program, compile_program, op_durations
 from pipescope.simulator.replicas import GradSync
 from pipescope.simulator.result import SimResult, build_result
 from pipescope.simulator.timeline import replay_timeline
-from pipescope.simulator.vocab_placement import is_overlapped, overlap_collectives
 
 
 def simulate(schedule: Schedule, costs: CostModel, network: Network | None = None, *, samples_per_microbatch: int = 1,
@@ -59,16 +58,15 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
             raise ScheduleError(problems)
         # 2BW with replicas hides its all-reduce behind the next iteration (lowering.add_optimizer_steps)
         deferred = network is not None and defers_steps(schedule.weight_update, data_parallel)
-        program, stage_costs = prepare(schedule, costs, deferred)
+        stage_costs = costs_of(costs, schedule)
+        check_stage_costs(stage_costs)
         per_param = grad_bytes(extra.get("memory_runtime", "megatron"), costs.precision)
         grads = [c.params * per_param for c in stage_costs]  # what the ledger holds is what the replicas reduce
         weights = [c.params * PRECISIONS[costs.precision].weight_bytes for c in stage_costs]
         width = data_parallel if network is not None and any(grads) else 1
         sync = grad_sync or GradSync()
-        if width > 1:
-            program = replicas.data_parallel(program, schedule, width, grads, sync, weights)
-        if faults is not None:
-            faults.apply(program)
+        lowered = run_passes(Lowering(schedule, stage_costs, deferred, width, grads, weights, sync, faults))
+        schedule, program = lowered.schedule, lowered.program  # the schedule as it ran: with torch's FSDP actions
         network = network or FifoLinks.fixed_delay(0)
         try:
             shared = SharedCores(len(program.device_steps), host_cores) if host_cores else None
@@ -87,18 +85,11 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
 
 
 def prepare(schedule: Schedule, costs: CostModel, deferred_steps: bool = False) -> tuple[Program, list[StageCost]]:
-    """The lowered, compiled program of ``schedule`` under ``costs``, and the per-stage costs it used
-    (``deferred_steps``: ``lowering.add_optimizer_steps``'s ``deferred``)."""
+    """One pipeline's lowered, compiled program of ``schedule`` under ``costs`` (``passes.ONE_REPLICA``), and the
+    per-stage costs it used (``deferred_steps``: ``lowering.add_optimizer_steps``'s ``deferred``)."""
     stage_costs = costs_of(costs, schedule)
     check_stage_costs(stage_costs)
-    program = lower(schedule)
-    if any(c.optimizer_ns for c in stage_costs):  # none under the closed forms' costs: their programs stay as they are
-        program = add_optimizer_steps(program, deferred_steps)
-    program = compile_program(program, op_durations(stage_costs, schedule.recompute),
-                              [c.boundary_bytes for c in stage_costs])
-    if is_overlapped(schedule):  # vocab-1/vocab-2: their collectives run beside the compute stream
-        overlap_collectives(program, schedule.num_stages, schedule.stage_to_device[-1])
-    return program, stage_costs
+    return run_passes(Lowering(schedule, stage_costs, deferred_steps), ONE_REPLICA).program, stage_costs
 
 
 def _run_notes(schedule: Schedule) -> list[str]:

@@ -30,7 +30,7 @@ from pipescope.simulator.check import check
 from pipescope.simulator.costs import UniformCosts
 from pipescope.simulator.readers.csvio import read_csv
 from pipescope.simulator.ir import Action, ActionKind, Collective, ProgramAction, Schedule, ScheduleError, parse_action
-from pipescope.simulator.lowering import add_send_recv, comm_pair, lower
+from pipescope.simulator.lowering import add_fsdp_actions, add_send_recv, comm_pair, lower
 from pipescope.simulator.network import RING_STEPS, FifoLinks
 from pipescope.simulator.schedules import build
 from pipescope.simulator.simulate import simulate
@@ -212,6 +212,19 @@ def test_runtime_lowering_matches_given_the_same_stage_actions(torch_sched: Modu
     given = tuple(tuple(parse_action(str(a)) for a in acts) for acts in pre)
     ours = add_send_recv(dataclasses.replace(torch_schedule(name, 4, 8, 2), device_actions=given))
     assert _texts(ours.device_actions) == _texts(obj.pipeline_order_with_comms)
+
+
+@pytest.mark.parametrize(("name", "chunks"), OURS + [("interleaved", 4), ("dualpipev", 2)])
+@pytest.mark.parametrize(("stages", "microbatches"), SIZES)
+def test_fsdp_actions_are_placed_as_torchs_runtime_places_them(torch_sched: ModuleType, name: str, chunks: int,
+                                                               stages: int, microbatches: int) -> None:
+    """``add_fsdp_actions`` puts UNSHARD, RESHARD and REDUCE_GRAD where torch's ``_add_unshard_reshard`` and
+    ``_add_reduce_grad`` do, on every device of our generators' orders (four chunks a device make it evict)."""
+    schedule = build(name, stages, max(microbatches, 2 * stages), chunks=chunks)
+    order = to_torch_order(schedule)
+    theirs = [torch_sched._add_reduce_grad(torch_sched._add_unshard_reshard(order[d]), schedule.num_microbatches)
+              for d in range(stages)]
+    assert _texts(add_fsdp_actions(schedule).device_actions) == _texts(theirs)
 
 
 @pytest.mark.parametrize(("name", "chunks"), OURS)

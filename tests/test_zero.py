@@ -11,10 +11,13 @@ import pytest
 from pipescope import ConfigError, load_config, run
 from pipescope.simulator.engine import Engine
 from pipescope.simulator.ir import ActionKind
+from pipescope.simulator.lowering import add_fsdp_actions, lower
 from pipescope.simulator.memory import static_memory
 from pipescope.simulator.mesh import Sharding
 from pipescope.simulator.network import RING_STEPS
 from pipescope.simulator.oracle import Oracle
+from pipescope.simulator.passes import PASSES, Lowering
+from pipescope.simulator.readers.csvio import to_csv_text
 from pipescope.simulator.replicas import GradSync, data_parallel
 from pipescope.simulator.schedules import build
 from pipescope.simulator.simulate import prepare
@@ -58,8 +61,10 @@ def test_every_stage_end_to_end_saves_what_it_shards_and_runs_its_collectives() 
     assert kinds == [{"ALL_REDUCE"}, {"REDUCE_SCATTER"}, {"REDUCE_SCATTER"}, {"REDUCE_SCATTER", "ALL_GATHER"}]
     peaks = [r.devices[0].peak_memory_bytes for r in results]
     kept = small("parallel.zero=3", "memory.runtime=torch", "model.vocab=4096", "parallel.reshard_after_forward=false")
-    # stage 3 without resharding gathers back during the step the weights it saves between steps: stage 2's peak
-    assert peaks[0] > peaks[1] > peaks[2] == kept.devices[0].peak_memory_bytes
+    # stage 3 without resharding runs torch's FSDP actions: it gathers back the weights it saves between steps and
+    # accumulates its gradients unsharded until REDUCE_GRAD, so at its peak it holds what stage 1 holds at its own
+    assert peaks[0] > peaks[1] > peaks[2]
+    assert kept.devices[0].peak_memory_bytes == peaks[1]
     # resharding after each op, only two units are whole at once
     assert results[3].devices[0].static_memory_bytes < peaks[3] < peaks[2]
 
@@ -94,8 +99,46 @@ def test_stage_3_moves_one_and_a_half_times_the_bytes_of_plain_data_parallelism(
     assert _wire_bytes(kept) == pytest.approx(_wire_bytes(plain), rel=1e-9)
 
 
+def _csv(tmp_path, schedule) -> str:
+    """``schedule.name`` of a CSV holding ``schedule``'s lists as they are (torch's runtime CSV keeps every cell)."""
+    path = tmp_path / f"{len(list(tmp_path.iterdir()))}.csv"
+    path.write_text(to_csv_text(schedule, compute_only=False))
+    return f"schedule.name=csv:{path}"
+
+
+def test_stage_3_without_resharding_runs_torchs_fsdp_actions(tmp_path) -> None:
+    """The lowering adds UNSHARD/RESHARD/REDUCE_GRAD where torch's runtime does; each UNSHARD all-gathers its stage's
+    weights, issued when the device reaches it, and the stage's next op waits for it; each REDUCE_GRAD
+    reduce-scatters the stage's gradients once, when its last backward ends, and the step waits for it. A CSV that
+    holds the same actions runs the same."""
+    sets = ["parallel.zero=3", "parallel.reshard_after_forward=false", "cluster.bucket_size=1PiB"]
+    kept = small(*sets)
+    assert kept.schedule.device_actions == add_fsdp_actions(build("1f1b", 2, 4)).device_actions
+    rows = kept.timeline
+    for d in range(8):  # 4 replicas of 2 devices, one stage each: one gather and one reduce-scatter a device
+        mine = rows[rows.device == d]
+        gather, = mine[mine.kind == "ALL_GATHER"].itertuples()
+        scatter, = mine[mine.kind == "REDUCE_SCATTER"].itertuples()
+        ops = mine[mine.stream == "compute"]
+        backward, step = ops[ops.kind == "B"], ops[ops.kind == "OPT"]
+        assert gather.start_ns == 0 and ops.start_ns.min() >= gather.end_ns  # UNSHARD before the device's first op
+        assert scatter.start_ns >= backward.end_ns.max() and step.start_ns.min() >= scatter.end_ns
+    same = small(*sets, _csv(tmp_path, add_fsdp_actions(build("1f1b", 2, 4))))
+    assert (same.iteration_time_s, same.peak_memory_bytes) == (kept.iteration_time_s, kept.peak_memory_bytes)
+
+
+def test_torchs_fsdp_actions_and_resharding_after_the_forward_are_refused_together(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"parallel.reshard_after_forward: got true, but schedule.name csv:.* holds "
+                                          r"torch's UNSHARD/RESHARD/REDUCE_GRAD"):
+        small("parallel.zero=3", _csv(tmp_path, add_fsdp_actions(build("1f1b", 2, 4))))
+    with pytest.raises(ConfigError, match=r"parallel.reshard_after_forward: got false with schedule.name csv:.*, a "
+                                          r"lowered schedule \(SEND/RECV cells\) without torch's UNSHARD actions"):
+        small("parallel.zero=3", "parallel.reshard_after_forward=false", _csv(tmp_path, lower(build("1f1b", 2, 4))))
+
+
 def _zero3_program(reshard: bool, prefetch: int = 1):
     schedule = build("1f1b", 2, 4)
+    schedule = schedule if reshard else add_fsdp_actions(schedule)
     program, stage_costs = prepare(schedule, StepCosts())
     grads = [c.params * 2 for c in stage_costs]
     sync = GradSync(bucket_bytes=512 << 20, sharding=Sharding(3, 2, reshard, prefetch=prefetch))
@@ -314,3 +357,25 @@ def test_torchs_zero_on_gloo_ranks_trains_as_one_process_and_holds_what_the_ledg
                                    msg=name)
     ledger = static_memory(check.params, 1, "fp32", "torch", Sharding(stage, world)).total
     assert all(abs(measured / ledger - 1) < 0.05 for measured in check.state_bytes), (check.state_bytes, ledger)
+
+
+def test_the_lowering_passes_each_add_their_own_actions_in_order() -> None:
+    """``passes.PASSES`` from a compute-only schedule to the program of ZeRO-3 without resharding over 2 replicas:
+    torch's FSDP actions, then SEND/RECV, then the optimizer steps and clipping's all-reduce, then the arrays, then
+    the replicas' gathers and reduce-scatters; each pass leaves what the ones before it made."""
+    schedule = build("1f1b", 2, 4)
+    stage_costs = [StepCosts().stage_cost(s, 2, 1) for s in range(2)]
+    run = Lowering(schedule, stage_costs, width=2, grad_bytes=[2 * c.params for c in stage_costs],
+                   weight_bytes=[2 * c.params for c in stage_costs],
+                   sync=GradSync(sharding=Sharding(3, 2, reshard_after_forward=False)))
+    seen = []
+    for each in PASSES:
+        each(run)
+        lists = run.program.actions if run.program is not None else [
+            a for acts in (run.lists or run.schedule).device_actions for a in acts]
+        seen.append({a.kind.value for a in lists})
+    new = [sorted(now - before) for before, now in zip([set()] + seen, seen)]
+    assert new == [["B", "F", "REDUCE_GRAD", "RESHARD", "UNSHARD"],
+                   ["RECV_B", "RECV_F", "SEND_B", "SEND_F"], ["ALL_REDUCE", "OPT"], [], [],
+                   ["ALL_GATHER", "REDUCE_SCATTER"], []]
+    assert run.program.num_entries > 2 * sum(len(acts) for acts in run.lists.device_actions)  # tiled, syncs added
