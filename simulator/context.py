@@ -50,15 +50,30 @@ def check_context(context: int, comm: str, tensor: int, seq: int | None, attenti
         raise ValueError(f"parallel.context_comm: got {short_repr(comm)}, expected one of {', '.join(CONTEXT_COMMS)}")
     if context == 1:
         return
-    if gpus_per_node is not None and gpus_per_node % (context * tensor):
-        raise ValueError(f"parallel.context: got {context} with parallel.tensor {tensor}, expected context x tensor to "
-                         f"divide the {gpus_per_node} GPUs per node (a device's GPUs share one node)")
+    problem = span_problem(tensor, context, gpus_per_node) if gpus_per_node is not None else None
+    if problem:
+        raise ValueError(problem)
     if seq is not None and seq % (2 * context):
         raise ValueError(f"parallel.context: got {context}, expected 2 x context to divide model.seq (={seq}): each "
                          f"GPU holds two chunks of the sequence")
     if attention is not None and attention != "flash":
         raise ValueError(f"parallel.context: got {context} with model.attention {attention}, expected flash "
                          f"(context parallelism splits flash attention's blocks)")
+
+
+def span_problem(tensor: int, context: int, per_node: int, machine: str = "") -> str | None:
+    """Why a device of ``tensor`` x ``context`` GPUs cannot be placed on nodes of ``per_node`` GPUs, or None: its GPUs
+    share one node, or, with context parallelism, fill whole nodes (the context group crosses them; each tensor group
+    stays in one node, as Llama 3's context parallelism ran across nodes). ``machine`` names the nodes' machine."""
+    gpus, nodes = tensor * context, f"{per_node} GPUs per node" + (f" of {machine}" if machine else "")
+    if per_node % gpus == 0 or (context > 1 and gpus % per_node == 0 and per_node % tensor == 0):
+        return None
+    if context == 1:
+        return (f"parallel.tensor: got {tensor}, expected a divisor of the {nodes} (a stage's tensor-parallel GPUs "
+                f"share one node)")
+    return (f"parallel.context: got {context} with parallel.tensor {tensor}, expected context x tensor to divide the "
+            f"{nodes}, or to be a multiple of them with tensor dividing them (a device's GPUs share one node or fill "
+            f"whole nodes)")
 
 
 def exposed_ns(times: ContextTimes, context: int, comm: str, layers: int, attention_ns: tuple[int, int]

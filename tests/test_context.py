@@ -55,8 +55,13 @@ def test_a_long_sequence_splits_its_time_and_activations_over_the_group() -> Non
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["parallel.context=4", "parallel.tensor=4"], "parallel.context: got 4 with parallel.tensor 4, expected context "
-                                                  "x tensor to divide the 8 GPUs per node"),
+    (["parallel.context=3", "parallel.tensor=2"],
+     "parallel.context: got 3 with parallel.tensor 2, expected context x tensor to divide the 8 GPUs per node of "
+     "dgx-h100, or to be a multiple"),
+    (["parallel.context=4", "parallel.tensor=4", "cluster.nodes=4", "cluster.placement=spread"],
+     "cluster.placement: got spread with devices of 16 GPUs, which fill whole nodes"),
+    (["parallel.context=4", "parallel.tensor=4", "cluster.nodes=4", "cluster.placement=4,16"],
+     "cluster.placement: GPU 4 starts a device of 16 GPUs inside a node"),
     (["parallel.context=2", "model.seq=32766"], "expected 2 x context to divide model.seq"),
     (["parallel.context=2", "model.attention=eager"], "with model.attention eager, expected flash"),
     (["parallel.context=2", "parallel.tensor=1", "costs.kind=uniform"],
@@ -105,3 +110,16 @@ def test_the_planner_searches_context_parallelism_and_ranks_it_exactly() -> None
                                                                         "parallel": {"context": 2}}), 8,
                         schedules=("1f1b",), microbatch_sizes=(1,), tensor=(2,), recompute=("full",), vocab=("naive",))
     assert {c.width * c.depth for c in candidates(fixed, 8)} == {2}  # the base's cp = 2 in every candidate
+
+
+def test_a_context_group_may_cross_nodes_and_its_ring_then_runs_at_the_nics_rate() -> None:
+    """t = 4, cp = 4 on DGX H100s: a device is 16 GPUs, two whole nodes; each tensor group stays in a node and the
+    context group [g, g+4, g+8, g+12] crosses them (Llama 3 ran its context parallelism across nodes). Half the
+    bytes of t = 2's ring step then take over twice as long: two of its four transfers leave the node."""
+    within = prepare(load_config(None, [*LONG, "parallel.tensor=2", "parallel.context=4"]))
+    across = prepare(load_config(None, [*LONG, "parallel.tensor=4", "parallel.context=4", "cluster.nodes=4"]))
+    assert across.cluster.rank_of == [0, 16]  # each device starts a node pair
+    step = [built.costs.split.context_times[0].ring_step for built in (within, across)]
+    assert step[1] > 2 * step[0]
+    result = run(across.config)
+    assert result.gpus == 32 and result.iteration_time_s > 0

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
+from pipescope.simulator.context import span_problem
 from pipescope.simulator.faults import FaultsConfig, apply_link_faults, parse_stragglers
 from pipescope.simulator.mesh import NO_SHARDING, Sharding
 from pipescope.simulator.replicas import DDP_BUCKET_BYTES, GradSync
@@ -104,13 +105,9 @@ class Cluster:
         self.name = graph.graph.get("name", "cluster")
         self.tensor = tensor = tensor * context  # the GPUs a device stands for (its lanes)
         per_node, nodes = graph.graph["gpus_per_node"], graph.graph["nodes"]
-        if per_node % tensor and context > 1:
-            raise ValueError(f"parallel.context: got {context} with parallel.tensor {tensor // context}, expected "
-                             f"context x tensor to divide the {per_node} GPUs per node of {self.name} (a device's "
-                             f"GPUs share one node)")
-        if per_node % tensor:
-            raise ValueError(f"parallel.tensor: got {tensor}, expected a divisor of the {per_node} GPUs per node of "
-                             f"{self.name} (a stage's tensor-parallel GPUs share one node)")
+        problem = span_problem(tensor // context, context, per_node, self.name)
+        if problem:
+            raise ValueError(problem)
         if devices * tensor > len(self.gpus):
             raise ValueError(f"cluster.nodes: the run needs {devices * tensor:,} GPUs "
                              f"({_product(tensor // context, context)}) but {nodes} x {per_node} GPUs of {self.name} "
@@ -163,6 +160,9 @@ def placement_ranks(placement: str, devices: int, nodes: int, per_node: int, ten
     if placement == "linear":
         return [d * tensor for d in range(devices)]
     if placement == "spread":  # device d on node d % nodes, filling each node's GPUs in order
+        if tensor > per_node:
+            raise ValueError(f"cluster.placement: got spread with devices of {tensor} GPUs, which fill whole nodes; "
+                             f"expected linear or a list of GPU ranks (spread places devices within nodes)")
         return [(d % nodes) * per_node + d // nodes * tensor for d in range(devices)]
     if not re.fullmatch(r"[0-9]{1,9}(\s*,\s*[0-9]{1,9})*", placement.strip()):
         raise ValueError(f"cluster.placement: got {short_repr(placement)}, expected linear, spread or a "
@@ -177,14 +177,21 @@ def placement_ranks(placement: str, devices: int, nodes: int, per_node: int, ten
     if len(set(ranks)) != len(ranks):
         twice = next(r for r in ranks if ranks.count(r) > 1)
         raise ValueError(f"cluster.placement: GPU {twice} is given twice, expected one device per GPU")
-    return _check_groups(ranks, per_node, tensor) if tensor > 1 else ranks
+    return _check_groups(ranks, per_node, tensor, nodes * per_node) if tensor > 1 else ranks
 
 
-def _check_groups(ranks: list[int], per_node: int, tensor: int) -> list[int]:
-    """Explicit ranks under tensor parallelism: each device's GPUs rank..rank+t-1 in one node, no GPU twice."""
+def _check_groups(ranks: list[int], per_node: int, tensor: int, nodes_gpus: int) -> list[int]:
+    """Explicit ranks under tensor parallelism: each device's GPUs rank..rank+t-1 in one node (or, past a node's
+    GPUs, from the start of a node over whole nodes), no GPU twice."""
     used: dict[int, int] = {}
     for rank in ranks:
-        if rank % per_node + tensor > per_node:
+        if tensor > per_node and rank % per_node:
+            raise ValueError(f"cluster.placement: GPU {rank} starts a device of {tensor} GPUs inside a node, expected "
+                             f"ranks at the start of a node (a device fills {tensor // per_node} whole nodes)")
+        if tensor > per_node and rank + tensor > nodes_gpus:
+            raise ValueError(f"cluster.placement: GPU {rank} starts a device of {tensor} GPUs past the last node, "
+                             f"expected ranks whose GPUs rank..rank+{tensor - 1} exist")
+        if tensor <= per_node and rank % per_node + tensor > per_node:
             raise ValueError(f"cluster.placement: GPU {rank} starts a device's {tensor} tensor-parallel GPUs past its "
                              f"node's last GPU, expected ranks whose GPUs rank..rank+{tensor - 1} share one node")
         for gpu in range(rank, rank + tensor):
