@@ -5,7 +5,9 @@
 output layer, each from its seed) for one step of AdamW on ``world`` CPU ranks, each on its slice of one batch, with
 torch's own ZeRO: stage 1 is ``ZeroRedundancyOptimizer`` over DDP (the optimizer state partitioned by parameter),
 stage 3 is FSDP2's ``fully_shard`` with each module a unit, as the simulator's units are (``reshard_after_forward``
-as asked). It returns the mean loss, the full gradients, the weights after the step and the model-state bytes each
+as asked); stage 2, which torch does not ship for CPU ranks, is the executor's own (``Zero2``: whole weights,
+gradients reduce-scattered into each rank's shard, AdamW over that shard, the weights all-gathered back). It returns
+the mean loss, the full gradients, the weights after the step and the model-state bytes each
 rank holds after the step (its weights, gradients and Adam moments, counted from its tensors' local storage), beside
 one process training the whole batch. The launcher is the executor's (spawned processes, one thread each, killed on
 error or timeout).
@@ -26,8 +28,11 @@ from pipescope.executor.run import launch
 from pipescope.executor.state import batch, build_modules
 from pipescope.calibration.presets import Shape
 
-STAGES = (1, 3)  # what torch ships for CPU and gloo: ZeroRedundancyOptimizer (1) and fully_shard (3)
+STAGES = (1, 2, 3)  # torch's ZeroRedundancyOptimizer (1) and fully_shard (3); the executor's own Zero2
 LEARNING_RATE = 1e-3
+# torch 2.13 names them *_single and deprecates the older names; a GPU machine's older torch has only those
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 class _Whole(nn.Module):
@@ -71,7 +76,58 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+class Zero2:
+    """ZeRO stage 2 over this process group (Rajbhandari et al. 2020, section 5.2): every rank keeps the whole weights
+    in one flat buffer (each parameter a view of it), ``reduce`` reduce-scatters the gradients into this rank's
+    shard (averaged) and frees the whole ones, and ``step`` runs AdamW over the rank's shard of the buffer (a view,
+    so the weights update in place) and all-gathers the shards back. Padding makes the buffer a multiple of the
+    ranks."""
+
+    def __init__(self, model: nn.Module, lr: float) -> None:
+        self.params = [p for p in model.parameters()]
+        world, rank = dist.get_world_size(), dist.get_rank()
+        total = sum(p.numel() for p in self.params)
+        self.flat = torch.zeros(-(-total // world) * world)
+        offset = 0
+        for p in self.params:
+            self.flat[offset:offset + p.numel()] = p.detach().reshape(-1)
+            p.data = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        size = len(self.flat) // world
+        self.shard = nn.Parameter(self.flat.narrow(0, rank * size, size))
+        self.optim = torch.optim.AdamW([self.shard], lr=lr)
+
+    def reduce(self) -> None:
+        """The whole gradients, reduce-scattered (averaged) into this rank's shard; the whole ones freed."""
+        whole = torch.zeros_like(self.flat)
+        offset = 0
+        for p in self.params:
+            whole[offset:offset + p.numel()] = p.grad.reshape(-1)
+            offset += p.numel()
+            p.grad = None
+        self.shard.grad = torch.empty_like(self.shard)
+        _REDUCE_SCATTER(self.shard.grad, whole, op=dist.ReduceOp.AVG)
+
+    def full_grads(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The averaged whole gradients, gathered from every rank's shard (for the check; every rank calls it)."""
+        whole = torch.empty_like(self.flat)
+        _ALL_GATHER(whole, self.shard.grad)
+        out, offset = {}, 0
+        for name, p in zip(names, self.params):
+            out[name] = whole[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        return out
+
+    def step(self) -> None:
+        self.optim.step()
+        _ALL_GATHER(self.flat, self.shard.detach().clone())
+
+    def held_bytes(self) -> int:
+        """The gradient shard: the ledger's sharded gradients."""
+        return self.shard.grad.numel() * self.shard.grad.element_size()
+
+
+def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | Zero2) -> int:
     """What this rank holds of the model states: its weights' and gradients' local storage and its Adam moments (the
     step counters, a few bytes, are left out as the ledger's static part leaves them)."""
     total = 0
@@ -79,6 +135,8 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         total += _local(p).numel() * p.element_size()
         if p.grad is not None:
             total += _local(p.grad).numel() * p.grad.element_size()
+    if isinstance(optimizer, Zero2):  # its weights are the model's (counted above), its gradients a shard
+        total += optimizer.held_bytes()
     state = optimizer.optim.state if hasattr(optimizer, "optim") else optimizer.state
     for entry in state.values():
         for key in ("exp_avg", "exp_avg_sq"):
@@ -87,8 +145,10 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def _wrapped(stage: int, model: _Whole, reshard: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The model and optimizer of ZeRO ``stage`` (torch's own)."""
+def _wrapped(stage: int, model: _Whole, reshard: bool) -> tuple[nn.Module, torch.optim.Optimizer | Zero2]:
+    """The model and optimizer of ZeRO ``stage`` (torch's own; the executor's ``Zero2``)."""
+    if stage == 2:
+        return model, Zero2(model, LEARNING_RATE)
     if stage == 3:
         from torch.distributed.fsdp import fully_shard
 
@@ -114,7 +174,11 @@ def _rank_body(rank: int, payload: tuple[Shape, int, int, int, int, bool], out: 
     loss = model(ids[mine], targets[mine])
     progress[2 * rank + 1] = 1
     loss.backward()
-    grads = {name: _full(p.grad).clone() for name, p in model.named_parameters()}
+    if isinstance(optimizer, Zero2):
+        optimizer.reduce()
+        grads = optimizer.full_grads([name for name, _ in model.named_parameters()])
+    else:
+        grads = {name: _full(p.grad).clone() for name, p in model.named_parameters()}
     optimizer.step()
     weights = {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
     losses = [torch.zeros(1) for _ in range(world)]
@@ -148,11 +212,10 @@ def check_zero(shape: Shape, stage: int, world: int = 2, microbatch_size: int = 
 
     Raises:
         RunError: a rank died or the ranks took longer than ``timeout_s`` (start-up included); they are killed.
-        ValueError: a stage torch does not ship for CPU ranks.
+        ValueError: a stage other than 1, 2 or 3.
     """
     if stage not in STAGES:
-        raise ValueError(f"stage: got {stage}, expected one of {', '.join(map(str, STAGES))} (torch's "
-                         f"ZeroRedundancyOptimizer and fully_shard)")
+        raise ValueError(f"stage: got {stage}, expected one of {', '.join(map(str, STAGES))}")
 
     def where(rank: int, index: int, step: int) -> str:
         return "its start (spawn, process group)" if step < 0 else ("its forward", "its backward")[min(step, 1)]
