@@ -139,7 +139,7 @@ def _allreduce_floor(built, costs: list) -> int:
     device's GPUs all-reduces its own shard (the network's lanes), so the rate is measured with them all. Each
     group's rate is measured once per process."""
     from pipescope.simulator.bounds import allreduce_floor_ns
-    from pipescope.simulator.routed import RoutedNetwork, time_alone
+    from pipescope.simulator.routed import RoutedNetwork
 
     config = built.config
     if built.model is None or config.cluster.data_parallel <= 1:
@@ -148,16 +148,7 @@ def _allreduce_floor(built, costs: list) -> int:
     kind = _gradient_collective(config)
 
     def ns_per_byte(group: list[int]) -> float:
-        # the tensor and context widths too: the same first GPUs with other lanes are another network
-        key = (config.cluster, config.faults, config.seed, config.parallel.gpus_per_device, kind,
-               tuple(built.cluster.rank_of[d] for d in group))
-        if key not in _RATES:
-            if not isinstance(network(), RoutedNetwork):
-                return 0.0
-            one, two = (time_alone(network(), collective=(kind, group, n))[0]
-                        for n in (RATE_PROBE_BYTES, 2 * RATE_PROBE_BYTES))
-            _RATES[key] = max(0, two - one) / RATE_PROBE_BYTES
-        return _RATES[key]
+        return _ns_per_byte(built, network, kind, group)
 
     # under HSDP a shard group's reduce-scatter is part of what each iteration moves: its own floor, still a floor
     width = config.cluster.data_parallel
@@ -168,6 +159,70 @@ def _allreduce_floor(built, costs: list) -> int:
     flush = built.schedule.iterations == 1 and isinstance(network(), RoutedNetwork)
     # (not under HSDP, whose groups' bytes into a server the full group's collective does not bound from below)
     return max(groups, _server_floor(built, costs, network()) if flush and reduced_over == width else 0)
+
+
+def _ns_per_byte(built, network, kind, group: list[int]) -> float:
+    """The marginal ns per byte of the fastest ``kind`` over ``group`` on the idle network (``network()`` builds
+    it; 0 when it is not routed), measured once per process for each cluster, width and GPU ranks."""
+    from pipescope.simulator.routed import RoutedNetwork, time_alone
+
+    config = built.config
+    # the tensor and context widths too: the same first GPUs with other lanes are another network
+    key = (config.cluster, config.faults, config.seed, config.parallel.gpus_per_device, kind,
+           tuple(built.cluster.rank_of[d] for d in group))
+    if key not in _RATES:
+        if not isinstance(network(), RoutedNetwork):
+            return 0.0
+        one, two = (time_alone(network(), collective=(kind, group, n))[0]
+                    for n in (RATE_PROBE_BYTES, 2 * RATE_PROBE_BYTES))
+        _RATES[key] = max(0, two - one) / RATE_PROBE_BYTES
+    return _RATES[key]
+
+
+def _timed_reduction_floor(built, replay) -> int:
+    """The gradient reductions of a flush schedule, timed by when they may start (docs/planner.md, "Three steps"): each
+    stage's reduction starts no earlier than its last weight-gradient op (W or B) starts in ``replay`` (a run no
+    op of the real one starts before, ``refine``), so on each resource the floors price (a device's replica group;
+    a server's links in, ``_server_floor``), all the work of the stages that start at or after any time t is done
+    after t. One reduction an iteration only (plain data parallelism and ZeRO-1, not HSDP); else 0."""
+    import numpy as np
+
+    from pipescope.simulator.ir import ActionKind
+    from pipescope.simulator.mesh import DeviceMesh
+    from pipescope.simulator.routed import RoutedNetwork
+
+    config = built.config
+    width = config.cluster.data_parallel
+    if (built.model is None or width <= 1 or config.parallel.zero_stage > 1 or config.parallel.reduce_group(width)
+            < width or not isinstance(network := built.network(), RoutedNetwork)):
+        return 0
+    records = replay.records
+    grads = records.is_kind(ActionKind.W, ActionKind.B)
+    starts = {int(s): int(records.start[grads & (records.stage == s)].max()) for s in np.unique(records.stage[grads])}
+    costs, per_param = replay.stage_costs, _grad_bytes(config)
+    mesh = DeviceMesh(built.schedule.num_devices, width)
+    kind = _gradient_collective(config)
+    capacity = _ingress_capacity(network.fabric)
+    work: dict[tuple[str, int], list[tuple[int, float]]] = {}  # resource -> (earliest start, ns of work) per stage
+    for stage, start in starts.items():
+        nbytes = costs[stage].params * per_param
+        group = mesh.data_group(built.schedule.stage_to_device[stage])
+        rate = _ns_per_byte(built, lambda: network, kind, group)
+        work.setdefault(("group", group[0]), []).append((start, nbytes * rate))
+        for node, share in _server_shares(network, kind, group).items():
+            if capacity.get(node):
+                work.setdefault(("server", node), []).append((start, nbytes * share / capacity[node]))
+    return max((_latest_finish(items) for items in work.values()), default=0)
+
+
+def _latest_finish(items: list[tuple[int, float]]) -> int:
+    """The least time by which one resource can have done work items that each start no earlier than their time:
+    for every start t, t plus all the work starting at or after t."""
+    best, total = 0, 0.0
+    for start, ns in sorted(items, reverse=True):
+        total += ns
+        best = max(best, int(start + total))
+    return best
 
 
 def _gradient_collective(config):
@@ -186,19 +241,22 @@ def _server_floor(built, costs: list, network) -> int:
     from pipescope.simulator.bounds import gradient_bytes_per_iteration
     from pipescope.simulator.mesh import DeviceMesh
 
-    collectives, fabric = network.collectives, network.fabric
-    server = collectives.server_of
     mesh = DeviceMesh(built.schedule.num_devices, built.config.cluster.data_parallel)
+    kind = _gradient_collective(built.config)
     entering: dict[int, float] = {}
     for d, nbytes in enumerate(gradient_bytes_per_iteration(built.schedule, costs, _grad_bytes(built.config))):
-        group = mesh.data_group(d)
-        per_byte = [_ingress(phases, server) for phases in
-                    collectives.plans_of(_gradient_collective(built.config), group, RATE_PROBE_BYTES).values()]
-        for node in set().union(*per_byte):
-            least = min(moved.get(node, 0) for moved in per_byte) / RATE_PROBE_BYTES
-            entering[node] = entering.get(node, 0.0) + nbytes * least
-    capacity = _ingress_capacity(fabric)
+        for node, share in _server_shares(network, kind, mesh.data_group(d)).items():
+            entering[node] = entering.get(node, 0.0) + nbytes * share
+    capacity = _ingress_capacity(network.fabric)
     return max((int(b / capacity[node]) for node, b in entering.items() if capacity.get(node)), default=0)
+
+
+def _server_shares(network, kind, group: list[int]) -> dict[int, float]:
+    """Per server, the bytes entering it from another per byte reduced over ``group``: the least of the algorithms
+    the run may pick (ring, tree, hierarchical)."""
+    per_byte = [_ingress(phases, network.collectives.server_of)
+                for phases in network.collectives.plans_of(kind, group, RATE_PROBE_BYTES).values()]
+    return {node: min(moved.get(node, 0) for moved in per_byte) / RATE_PROBE_BYTES for node in set().union(*per_byte)}
 
 
 def _ingress(phases: list, server: list[int]) -> dict[int, int]:
@@ -418,19 +476,26 @@ def _candidate_id(item: Candidate | Screened) -> str:
 
 def refine(screened: Screened) -> Screened:
     """``screened`` with a tighter bound where one is cheap and true: a flush schedule (one iteration, whose time is
-    its makespan) runs no faster than on a free network with one replica, since longer transfers and the
-    all-reduces only delay ops whose order on each device is fixed. That run costs a few ms; without faults only
-    (jitter can make an op faster than its cost)."""
+    its makespan) runs no faster than one replica whose transfers each take their time alone on the idle network
+    and whose collectives take none (``bounds.AloneTransfers``; on a network that is not routed, a free one), since
+    shared links and the all-reduces only delay ops whose order on each device is fixed; and the gradient
+    reductions timed from that run (``_timed_reduction_floor``). That costs 10-120 ms; without faults only (jitter
+    can make an op faster than its cost)."""
     from pipescope.runner import prepare_checked
+    from pipescope.simulator.bounds import AloneTransfers
     from pipescope.simulator.faults import FaultsConfig
     from pipescope.simulator.ir import WeightUpdate
+    from pipescope.simulator.routed import RoutedNetwork
     from pipescope.simulator.simulate import simulate
 
     built = prepare_checked(screened.run.config)
     schedule, config = built.schedule, built.config
     if schedule.weight_update is not WeightUpdate.FLUSH or config.faults != FaultsConfig():
         return dataclasses.replace(screened, refined=True)
-    makespan_s = simulate(schedule, built.costs).makespan_ns / 1e9
+    network = built.network()
+    floor = AloneTransfers(network) if isinstance(network, RoutedNetwork) else None
+    replay = simulate(schedule, built.costs, floor)
+    makespan_s = max(replay.makespan_ns, _timed_reduction_floor(built, replay)) / 1e9
     bound = min(screened.bound_samples_per_s, built.samples_per_iteration / makespan_s)
     return dataclasses.replace(screened, bound_samples_per_s=bound, refined=True)
 

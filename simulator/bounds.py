@@ -7,6 +7,10 @@ be true bounds, never estimates:
   time is at least the busiest device's compute per iteration, and the throughput at most samples over that;
 - **all-reduce**: with w replicas, an iteration cannot be shorter than its gradient all-reduce's bytes take on
   the busiest replica group of the idle network;
+- **a replay with each transfer alone**: a flush schedule's iteration is no shorter than one replica's replay in
+  which every transfer takes what it takes on the otherwise idle network and every collective takes nothing
+  (``AloneTransfers``): fair sharing only slows a flow, collectives and the replicas' syncs only delay ops, and
+  each device runs its ops in a fixed order, so every op starts no earlier in the real run;
 - **memory**: what a device holds at its peak is at least its static state (weights x versions, gradients,
   optimizer state) plus what its compute ops stash, and that stash depends only on the device's own op order
   (docs/schedules.md section 0's bookkeeping). The timed ledger adds p2p buffers on top, never less.
@@ -23,7 +27,9 @@ from pipescope.simulator.ir import ActionKind, Schedule
 from pipescope.simulator.lowering import step_group
 from pipescope.simulator.memory import OpArrays, device_params, device_timelines, op_memory_events, static_memory
 from pipescope.simulator.mesh import NO_SHARDING, DeviceMesh, Sharding
+from pipescope.simulator.network import Clock, FifoLinks
 from pipescope.simulator.program import KIND_CODE, op_durations
+from pipescope.simulator.routed import RoutedNetwork, time_alone
 
 
 def busy_per_iteration_ns(schedule: Schedule, stage_costs: Sequence[StageCost]) -> list[int]:
@@ -108,3 +114,15 @@ def gradient_bytes_per_iteration(schedule: Schedule, stage_costs: Sequence[Stage
     m = schedule.num_microbatches
     steps = len({step_group(schedule.weight_update, m, microbatch) for microbatch in range(m)})
     return [steps * nbytes for nbytes in per_device]
+
+
+class AloneTransfers(FifoLinks):
+    """The floor of a routed network (module doc): each transfer as long as it takes alone on ``routed`` (once per
+    source, destination and size), nothing held, and every collective instant."""
+
+    def __init__(self, routed: RoutedNetwork):
+        super().__init__(lambda src, dst, nbytes: (time_alone(routed, [(src, dst, nbytes, 0)])[0], 0))
+
+    def start_collective(self, clock: Clock, now: int, flow: int, kind: ActionKind, group: Sequence[int]) -> int:
+        clock.finish_at(flow, now)
+        return now
