@@ -43,12 +43,14 @@ from pipescope.simulator.parallel import TensorSplit, check_parallel, stage_time
 from pipescope.simulator.profiled import ProfiledCosts, ProfiledCostsConfig
 from pipescope.simulator.replicas import SyncError
 from pipescope.simulator.result import SimResult
+from pipescope.simulator.routed import IdleTimes
 from pipescope.simulator.schedules import ALIASES, GENERATORS, build_schedule, generator
 from pipescope.simulator.schedules.pipedream import DEFAULT_ITERATIONS
 from pipescope.simulator.simulate import simulate
 from pipescope.simulator.readers.units import short_repr
 
 from pipescope.topologies.cluster import Cluster
+from pipescope.topologies.graphs import topology_names
 from pipescope.offload_setup import check_host_memory, check_offload, host_offload
 from pipescope.vocab_setup import apply_vocab
 
@@ -411,21 +413,32 @@ def _tensor_split(config: Config, cluster: Cluster, model: ModelSpec, schedule: 
                         context=p.context, context_comm=p.context_comm)
     if p.gpus_per_device < 2:
         return split
-    network = cluster.tensor_network(schedule.num_devices, config.seed, config.cluster.collective, config.faults)
+    idle = IdleTimes(lambda: cluster.tensor_network(schedule.num_devices, config.seed, config.cluster.collective,
+                                                    config.faults),
+                     cluster.tensor_gpus(schedule.num_devices), _graph_key(config))
     mesh = DeviceMesh(schedule.num_devices, tensor=p.tensor, context=p.context)
     tokens, width = model.seq * b // p.context, PRECISIONS[config.model.precision].activation_bytes
     devices = list(schedule.stage_to_device)
     try:
         if p.tensor > 1:
-            split = dataclasses.replace(split, times=stage_times(network, mesh, devices, tokens * model.hidden * width,
+            split = dataclasses.replace(split, times=stage_times(idle, mesh, devices, tokens * model.hidden * width,
                                                                  tokens))
         if p.context > 1:
             block = 2 * (model.kv_width // p.tensor) * tokens * width  # one GPU's keys and values
             split = dataclasses.replace(split, context_times=context_times(
-                network, mesh, devices, block, block * p.context, _stage_grad_bytes(config, model, split, schedule)))
+                idle, mesh, devices, block, block * p.context, _stage_grad_bytes(config, model, split, schedule)))
     except NetworkError as err:
         raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
     return split
+
+
+def _graph_key(config: Config) -> tuple | None:
+    """What makes the routed network of a built-in machine (``routed.IdleTimes``' key); None for a topology file,
+    which may change while a process lives."""
+    c = config.cluster
+    if c.topology not in topology_names():
+        return None
+    return (c.topology, c.nodes, c.fabric, c.oversubscription, c.collective, config.faults, config.seed)
 
 
 def _stage_grad_bytes(config: Config, model: ModelSpec, split: TensorSplit, schedule: Schedule) -> list[int]:

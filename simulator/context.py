@@ -25,7 +25,7 @@ from pipescope.simulator.mesh import DeviceMesh
 from pipescope.simulator.readers.units import short_repr
 
 if TYPE_CHECKING:
-    from pipescope.simulator.routed import RoutedNetwork
+    from pipescope.simulator.routed import IdleTimes
 
 CONTEXT_COMMS = ("p2p", "all_gather")  # parallel.context_comm
 
@@ -90,16 +90,12 @@ def exposed_ns(times: ContextTimes, context: int, comm: str, layers: int, attent
     return layers * forward, layers * backward
 
 
-def context_times(network: RoutedNetwork, mesh: DeviceMesh, stage_to_device: list[int], block_bytes: int,
+def context_times(idle: IdleTimes, mesh: DeviceMesh, stage_to_device: list[int], block_bytes: int,
                   kv_bytes: int, grad_bytes: list[int]) -> tuple[ContextTimes, ...]:
-    """Per stage, its device's context group's times: a ring step of ``block_bytes`` (one GPU's keys and values), the
-    all-gather and reduce-scatter of ``kv_bytes`` (the whole sequence's) and the all-reduce of the stage's gradient
-    bytes (``grad_bytes``, one GPU's)."""
+    """Per stage, its device's context group's times on the idle network (``routed.IdleTimes``): a ring step of
+    ``block_bytes`` (one GPU's keys and values), the all-gather and reduce-scatter of ``kv_bytes`` (the whole
+    sequence's) and the all-reduce of the stage's gradient bytes (``grad_bytes``, one GPU's)."""
     from pipescope.simulator.ir import ActionKind as K
-    from pipescope.simulator.routed import time_alone
-
-    def alone(kind: K, group: list[int], nbytes: int) -> int:
-        return time_alone(network, collective=(kind, group, nbytes))[0]
 
     exchange: dict[int, ContextTimes] = {}  # per device: what its stages share (an interleaved device has several)
     out = []
@@ -107,8 +103,7 @@ def context_times(network: RoutedNetwork, mesh: DeviceMesh, stage_to_device: lis
         group = mesh.context_gpus(device)
         if device not in exchange:
             ring = [(src, group[(i + 1) % len(group)], block_bytes, 0) for i, src in enumerate(group)]
-            step = max(time_alone(network, ring).values())
-            exchange[device] = ContextTimes(step, alone(K.ALL_GATHER, group, kv_bytes),
-                                            alone(K.REDUCE_SCATTER, group, kv_bytes))
-        out.append(replace(exchange[device], grad_all_reduce=alone(K.ALL_REDUCE, group, grad_bytes[stage])))
+            exchange[device] = ContextTimes(idle.transfers(ring), idle.collective(K.ALL_GATHER, group, kv_bytes),
+                                            idle.collective(K.REDUCE_SCATTER, group, kv_bytes))
+        out.append(replace(exchange[device], grad_all_reduce=idle.collective(K.ALL_REDUCE, group, grad_bytes[stage])))
     return tuple(out)

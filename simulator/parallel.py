@@ -27,7 +27,7 @@ from pipescope.simulator.models import (
 from pipescope.simulator.readers.units import short_repr
 
 if TYPE_CHECKING:
-    from pipescope.simulator.routed import RoutedNetwork
+    from pipescope.simulator.routed import IdleTimes
 
 RECOMPUTE_MODES = ("none", "selective", "full")  # schedule.recompute; docs/cli.md
 # The old boolean key, in the config's boolean spellings (pipescope/config.py): true means full, false none.
@@ -267,26 +267,24 @@ class TensorSplit:
         return forward, backward
 
 
-def collective_times(network: RoutedNetwork, group: list[int], activation_bytes: int, tokens: int
-                     ) -> CollectiveTimes:
-    """The collectives of the tensor-parallel ``group`` (devices of ``network``) on an otherwise idle network
-    (``routed.time_alone``); the collective model (``simulator/collectives.py``) picks the algorithm as for any."""
+def collective_times(idle: IdleTimes, group: list[int], activation_bytes: int, tokens: int) -> CollectiveTimes:
+    """The collectives of the tensor-parallel ``group`` (devices of the network) on an otherwise idle network
+    (``routed.IdleTimes``); the collective model (``simulator/collectives.py``) picks the algorithm as for any."""
     from pipescope.simulator.ir import ActionKind as K
-    from pipescope.simulator.routed import time_alone
 
     def alone(kind: K, nbytes: int) -> int:
-        return time_alone(network, collective=(kind, group, nbytes))[0]
+        return idle.collective(kind, group, nbytes)
 
     return CollectiveTimes(alone(K.ALL_REDUCE, activation_bytes), alone(K.ALL_GATHER, activation_bytes),
                            alone(K.REDUCE_SCATTER, activation_bytes), alone(K.ALL_REDUCE, 4 * tokens))
 
 
-def stage_times(network: RoutedNetwork, mesh: DeviceMesh, stage_to_device: list[int], activation_bytes: int,
+def stage_times(idle: IdleTimes, mesh: DeviceMesh, stage_to_device: list[int], activation_bytes: int,
                 tokens: int) -> tuple[CollectiveTimes, ...]:
     """Per stage, its device's group times (its GPUs: ``DeviceMesh.tensor_gpus``), each distinct group priced once."""
     by_device: dict[int, CollectiveTimes] = {}
     for device in stage_to_device:
         if device not in by_device:
             group = mesh.tensor_gpus(device)
-            by_device[device] = collective_times(network, group, activation_bytes, tokens)
+            by_device[device] = collective_times(idle, group, activation_bytes, tokens)
     return tuple(by_device[device] for device in stage_to_device)

@@ -4,7 +4,7 @@ fair-shared flows (``simulator.flows``, ``simulator.collectives``; docs/network.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from itertools import count
 from typing import TYPE_CHECKING
 
@@ -157,3 +157,49 @@ def time_alone(network: RoutedNetwork, transfers: Sequence[tuple[int, int, int, 
         clock.call_at(0, lambda: network.start_collective(clock, 0, len(transfers), collective[0],
                                                           list(collective[1])))
     return clock.run()
+
+
+class IdleTimes:
+    """``time_alone`` over the network ``network()`` builds, whose devices are the graph nodes ``endpoints``. With a
+    ``key`` (what makes the network: its graph, link faults, ECMP seed and collective algorithm) each answer is
+    remembered for the process under it and the graph nodes the flows run between: the paths and their ECMP choice
+    depend on those alone, not on how the devices are numbered, so runs on one cluster price each group's
+    collectives once (the planner prices thousands), and the network is built only for an answer not remembered.
+    ``key`` None (a graph read from a file, which may change): nothing is remembered."""
+
+    _known: dict[tuple, int] = {}
+    MAX_KNOWN = 100_000  # answers kept before the memory starts over (each a few hundred bytes)
+
+    def __init__(self, network: Callable[[], RoutedNetwork], endpoints: Sequence[str], key: Hashable | None = None):
+        self._build, self._network, self._endpoints, self.key = network, None, endpoints, key
+
+    @property
+    def network(self) -> RoutedNetwork:
+        """Built the first time an answer is not remembered (building one costs more than most answers)."""
+        if self._network is None:
+            self._network = self._build()
+        return self._network
+
+    def collective(self, kind: ActionKind, group: Sequence[int], nbytes: int) -> int:
+        """ns of one ``kind`` of ``nbytes`` over ``group`` (devices of the network) alone."""
+        return self._remembered(("collective", kind, self._names(group), nbytes),
+                                lambda: time_alone(self.network, collective=(kind, group, nbytes))[0])
+
+    def transfers(self, transfers: Sequence[tuple[int, int, int, int]]) -> int:
+        """ns until the last of ``transfers`` (src, dst, bytes, start ns) ends, alone."""
+        key = ("transfers", tuple((self._names((a, b)), n, t) for a, b, n, t in transfers))
+        return self._remembered(key, lambda: max(time_alone(self.network, transfers).values(), default=0))
+
+    def _names(self, devices: Sequence[int]) -> tuple[str, ...]:
+        return tuple(self._endpoints[d] for d in devices)
+
+    def _remembered(self, what: tuple, compute: Callable[[], int]) -> int:
+        if self.key is None:
+            return compute()
+        known = IdleTimes._known
+        key = (self.key, *what)
+        if key not in known:
+            if len(known) >= self.MAX_KNOWN:
+                known.clear()
+            known[key] = compute()
+        return known[key]

@@ -310,3 +310,24 @@ def test_the_table_names_the_options() -> None:
     raw = small(parallel={"tensor": 2, "sequence": True}, schedule={"recompute": "selective"})
     assert "p=3 m=3 v=1 selective recompute t=2 sequence-parallel  weight" in table(run(load_config(raw=raw)))
     assert "v=1 recompute  weight" in table(run(load_config(raw=small(schedule={"recompute": True}))))
+
+
+def test_remembered_idle_times_are_what_pricing_afresh_gives() -> None:
+    """``routed.IdleTimes`` remembers a group's collective times by the graph nodes it runs between: a run whose
+    devices are numbered otherwise on the same cluster (4 stages where the first run had 2, over the same first node)
+    takes its first groups' times from the first run, and they equal what pricing afresh gives."""
+    from pipescope.simulator.routed import IdleTimes
+
+    def times(stages: int) -> tuple:
+        config = load_config(None, ["model.preset=gpt-1.3b", "parallel.tensor=4", f"schedule.stages={stages}",
+                                    "cluster.topology=dgx-a100", "cluster.nodes=2", "parallel.context=1"])
+        return prepare(config).costs.split.times
+
+    IdleTimes._known.clear()
+    times(2)
+    before = len(IdleTimes._known)
+    shared = times(4)
+    added = len(IdleTimes._known) - before
+    IdleTimes._known.clear()
+    assert times(4) == shared
+    assert 0 < added < len(IdleTimes._known)  # the second run priced only the groups the first had not

@@ -139,8 +139,11 @@ class Cluster:
         """
         faults = faults or FaultsConfig()
         graph = apply_link_faults(self.graph, faults.degraded_links, faults.failed_links)
-        gpus = [self.gpus[rank + i] for rank in self.rank_of[:devices] for i in range(self.tensor)]
-        return RoutedNetwork(graph, gpus, seed, algorithm)
+        return RoutedNetwork(graph, self.tensor_gpus(devices), seed, algorithm)
+
+    def tensor_gpus(self, devices: int) -> list[str]:
+        """The graph nodes of ``tensor_network``'s devices: each of the first ``devices`` devices' t GPUs."""
+        return [self.gpus[rank + i] for rank in self.rank_of[:devices] for i in range(self.tensor)]
 
     def slowdown(self, faults: FaultsConfig) -> dict[int, float]:
         """Per device, the slowdown of the straggler GPU it runs on (ValueError naming a GPU no device uses)."""
