@@ -3,10 +3,11 @@
 A compute entry waits for its input signals, then holds the stream for its duration. A SEND asks the network to
 start its transfer and goes on (torch's ``isend``); a RECV is posted without blocking and its consumer waits for the
 arrival (torch's ``irecv`` and the wait before the op). A collective blocks each member until the network says it
-ended; it starts when the last member joins. The clock is integer nanoseconds. Two choices keep the event count at
-one Timeout per op and per flow: a consumer waits on the event that will produce its input (the producer's running
-Timeout, then the flow's), so a fresh event is made only when that has not started; and a flow's end is a Timeout
-whose callback fires it, not a generator resume.
+ended; it starts when the last member joins. The clock is integer nanoseconds. Three choices keep the event count
+at one Timeout per op and per flow, or fewer: a consumer waits on the event that will produce its input (the
+producer's running Timeout, then the flow's), so a fresh event is made only when that has not started; a flow's end
+is a Timeout whose callback fires it, not a generator resume; and a flow that ends the instant it starts (a
+zero-delay transfer) ends at once, with no event.
 """
 
 from __future__ import annotations
@@ -106,7 +107,12 @@ class Engine:
             progress(self.ended, total)
 
     def finish_at(self, flow: int, time: int) -> None:
-        """The network's answer: ``flow`` ends at ``time`` (a later answer replaces an earlier one)."""
+        """The network's answer: ``flow`` ends at ``time`` (a later answer replaces an earlier one). A flow that ends
+        now (a zero-delay transfer: every transfer of the closed forms' runs) ends at once, without an event: what
+        waits for it resumes at this same instant either way."""
+        if time == self.env.now:
+            self._end_flow(flow)
+            return
         event = self.env.timeout(time - self.env.now, flow)
         event.callbacks.append(self._flow_ended)
         self.pending[self.n + flow] = event
@@ -116,13 +122,15 @@ class Engine:
         self.env.timeout(time - self.env.now).callbacks.append(lambda _: callback())
 
     def _flow_ended(self, event: simpy.Event) -> None:
-        flow = event.value
-        if self.pending[self.n + flow] is event:  # else re-planned: a newer event stands for this flow
-            self.times.flow_end[flow] = self.env.now
-            self._fire(self.n + flow)
-            if self.flow_joins:
-                for later in self.flow_joins.get(flow, ()):
-                    self.join(later)
+        if self.pending[self.n + event.value] is event:  # else re-planned: a newer answer stands for this flow
+            self._end_flow(event.value)
+
+    def _end_flow(self, flow: int) -> None:
+        self.times.flow_end[flow] = self.env.now
+        self._fire(self.n + flow)
+        if self.flow_joins:
+            for later in self.flow_joins.get(flow, ()):
+                self.join(later)
 
     def _fire(self, signal: int) -> None:
         self.fired[signal] = True
