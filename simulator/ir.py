@@ -247,6 +247,9 @@ class Schedule:
             ``0 .. iterations*m - 1``; iteration of microbatch k is ``k // m``).
         recompute: forward activations are recomputed before each backward.
         weight_versions: per device, how many weight versions it must hold.
+        overlapped: (forward, backward) pairs that run as one F&B, consecutive on their device (DualPipeV's; torch
+            writes each as one ``(F;B)OVERLAP_F_B`` cell). The simulator runs a pair as its forward then its
+            backward; the pairs say how the order is written.
     """
 
     name: str
@@ -258,6 +261,7 @@ class Schedule:
     iterations: int = 1
     recompute: bool = False
     weight_versions: tuple[int, ...] = field(default=())
+    overlapped: frozenset[tuple[Action, Action]] = field(default=frozenset())
 
     @property
     def num_stages(self) -> int:

@@ -31,6 +31,22 @@ def test_the_order_is_torchs_dualpipev_for_every_size_it_takes(p: int) -> None:
             assert list(ours.compute_actions(device)) == list(theirs.compute_actions(device)), (p, m, device)
 
 
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+def test_the_csv_is_torchs_with_each_pair_one_overlap_cell(p: int, tmp_path) -> None:
+    """``--csv`` writes each F&B pair as torch does, ``(F;B)OVERLAP_F_B``: the text equals torch's own compute-only
+    CSV of ScheduleDualPipeV, and reading it back keeps the pairs."""
+    pytest.importorskip("torch")
+    from pipescope.calibration.torch_schedules import build_torch_schedule
+    from pipescope.simulator.readers.csvio import from_csv_text, to_csv_text
+
+    for m in (2 * p, 2 * p + 3):
+        path = tmp_path / f"{p}-{m}.csv"
+        build_torch_schedule("DualPipeV", p, m, 2, lowered=True)._dump_csv(str(path), format="compute_only")
+        ours = build("dualpipev", p, m)
+        assert to_csv_text(ours) == path.read_text(), (p, m)
+        assert from_csv_text(path.read_text(), m).overlapped == ours.overlapped != frozenset()
+
+
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
 @pytest.mark.parametrize("m_per_stage", [1, 2])
 def test_the_bubble_and_the_activations_stay_within_deepseeks_bounds(p: int, m_per_stage: int) -> None:

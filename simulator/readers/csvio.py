@@ -37,8 +37,23 @@ def to_csv_text(schedule: Schedule, compute_only: bool = True) -> str:
     writer = csv.writer(out, lineterminator="\n")
     for actions in schedule.device_actions:
         kept = [a for a in actions if not compute_only or a is None or a.kind in COMPUTE_KINDS]
-        writer.writerow(["" if a is None else str(a) for a in kept])
+        writer.writerow(_cells(kept, schedule.overlapped))
     return out.getvalue()
+
+
+def _cells(actions: list, overlapped: frozenset) -> list[str]:
+    """One row's cells: "" for an idle step, an F&B pair that follows itself as torch's ``(F;B)OVERLAP_F_B``."""
+    cells, i = [], 0
+    while i < len(actions):
+        a = actions[i]
+        pair = (a, actions[i + 1]) if i + 1 < len(actions) else None
+        if pair in overlapped:
+            cells.append(f"({pair[0]};{pair[1]})OVERLAP_F_B")
+            i += 2
+            continue
+        cells.append("" if a is None else str(a))
+        i += 1
+    return cells
 
 
 def write_csv(schedule: Schedule, path: str) -> None:
@@ -70,13 +85,14 @@ def _check_size(text: str) -> None:
 Where = tuple[int, int, int, str]  # an action's stage, and the row, cell and text it first appears in
 
 
-def _parse_rows(text: str) -> tuple[list[tuple[Action | None, ...]], dict[bool, Where]]:
-    """Per row, its actions (None for an idle cell); and, for compute actions (key True) and the others (False), the
-    highest stage one names and where it first appears."""
+def _parse_rows(text: str) -> tuple[list[tuple[Action | None, ...]], dict[bool, Where], set[tuple[Action, Action]]]:
+    """Per row, its actions (None for an idle cell); for compute actions (key True) and the others (False), the
+    highest stage one names and where it first appears; and the (forward, backward) pairs of OVERLAP_F_B cells."""
     reader = csv.reader(io.StringIO(text), strict=True)  # an unclosed quote is an error, not a cell to the end
     device_actions: list[tuple[Action | None, ...]] = []
     blank: list[int] = []  # blank rows since the last non-blank one (trailing blank lines are not idle ranks)
     highest: dict[bool, Where] = {}
+    pairs: set[tuple[Action, Action]] = set()
     count = 0
     try:
         for row in reader:
@@ -100,6 +116,8 @@ def _parse_rows(text: str) -> tuple[list[tuple[Action | None, ...]], dict[bool, 
                     if top is None or action.stage > top[0]:
                         highest[compute] = (action.stage, rank, c, cell.strip())
                 acts.extend(parsed)
+                if len(parsed) == 2 and cell.strip().endswith(")OVERLAP_F_B"):
+                    pairs.add((parsed[0], parsed[1]))
             if not any(a is not None for a in acts):
                 blank.append(rank)
                 continue
@@ -113,15 +131,15 @@ def _parse_rows(text: str) -> tuple[list[tuple[Action | None, ...]], dict[bool, 
         rank = len(device_actions) + len(blank)
         raise ValueError(f"row {rank} (line {reader.line_num}): {err}, expected short comma-separated cells "
                          f"such as 0F0") from None
-    return device_actions, highest
+    return device_actions, highest, pairs
 
 
 def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "csv") -> Schedule:
     """Parse torch's CSV into a Schedule.
 
-    Stages are placed on the device where they first appear; the checker reports a
-    stage that shows up on a second device. An ``OVERLAP_F_B`` cell becomes its actions in
-    order. Without ``num_microbatches`` it is taken as one more than the highest microbatch seen.
+    Stages are placed on the device where they first appear; the checker reports a stage that shows up on a second
+    device. An ``OVERLAP_F_B`` cell becomes its actions in order, a pair of them kept as the schedule's
+    ``overlapped``. Without ``num_microbatches`` it is taken as one more than the highest microbatch seen.
 
     Raises:
         ValueError: one line naming the row (and cell) and what was expected: the text is over the bounds
@@ -133,7 +151,7 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
     _check_size(text)
     if num_microbatches is not None and num_microbatches < 1:
         raise ValueError(f"microbatches(={num_microbatches}) must be >= 1")
-    device_actions, highest = _parse_rows(text)
+    device_actions, highest, pairs = _parse_rows(text)
     if not device_actions:
         raise ValueError("schedule CSV holds no compute actions")
     home: dict[int, int] = {}
@@ -160,6 +178,7 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
         num_microbatches=num_microbatches or seen_mb,
         stage_to_device=tuple(home[s] for s in range(num_stages)),
         device_actions=tuple(device_actions),
+        overlapped=frozenset(pairs),
     )
 
 

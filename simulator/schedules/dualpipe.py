@@ -38,6 +38,7 @@ class _Device:
         self.backwards = [0, 0]
         self.deferred: deque[Action] = deque()
         self.order: list[Action] = []
+        self.pairs: list[tuple[Action, Action]] = []
 
     def forward(self, chunk: int) -> None:
         self.order.append(Action(self.stages[chunk], K.F, self.forwards[chunk]))
@@ -60,6 +61,7 @@ class _Device:
         """An F&B pair: a forward of ``forward_chunk`` and a whole backward of the other chunk."""
         self.forward(forward_chunk)
         self.backward(1 - forward_chunk)
+        self.pairs.append((self.order[-2], self.order[-1]))
 
 
 def _repeat(times: int, step: Callable[[int], None]) -> None:
@@ -67,8 +69,8 @@ def _repeat(times: int, step: Callable[[int], None]) -> None:
         step(i)
 
 
-def device_order(rank: int, p: int, m: int) -> list[Action]:
-    """Device ``rank``'s DualPipeV order (the module doc's eight phases)."""
+def device_order(rank: int, p: int, m: int) -> _Device:
+    """Device ``rank``'s DualPipeV order (the module doc's eight phases) and its F&B pairs."""
     d, last = _Device(rank, p), rank == p - 1
     _repeat(2 * (p - rank - 1), lambda _: d.forward(0))
     _repeat(rank + 1, lambda _: (d.forward(0), d.forward(1)))
@@ -89,7 +91,7 @@ def device_order(rank: int, p: int, m: int) -> list[Action]:
                                  d.backward(0, split=i >= half)))
     _repeat(p - rank - 1, lambda _: (d.weight(), d.backward(0, split=True)))
     _repeat(rank + 1, lambda _: d.weight())
-    return d.order
+    return d
 
 
 def dualpipev(p: int, m: int, chunks: int = 2, recompute: bool = False) -> Schedule:
@@ -101,5 +103,6 @@ def dualpipev(p: int, m: int, chunks: int = 2, recompute: bool = False) -> Sched
     if m < 2 * p:
         raise ValueError(f"schedule.microbatches(={m}) must be >= 2 x schedule.stages(={p}) = {2 * p} for "
                          f"dualpipev: its warm-up feeds every one of its 2p stages before the steady state")
-    lists = tuple(tuple(device_order(r, p, m)) for r in range(p))
-    return Schedule("dualpipev", p, m, v_placement(p), lists, recompute=recompute, weight_versions=(1,) * p)
+    devices = [device_order(r, p, m) for r in range(p)]
+    return Schedule("dualpipev", p, m, v_placement(p), tuple(tuple(d.order) for d in devices), recompute=recompute,
+                    weight_versions=(1,) * p, overlapped=frozenset(pair for d in devices for pair in d.pairs))
