@@ -17,7 +17,7 @@ from pipescope.simulator.costs import (
     stage_costs,
 )
 from pipescope.simulator.ir import Schedule, WeightUpdate
-from pipescope.simulator.lowering import has_fsdp_actions
+from pipescope.simulator.lowering import has_fsdp_actions, stage_actions
 from pipescope.simulator.models import (
     DEFAULT_PRESET,
     PRECISIONS,
@@ -388,15 +388,15 @@ def _check_fsdp_actions(config: Config, schedule: Schedule) -> None:
     p = config.parallel
     if p.zero_stage < 3:
         return
-    held = has_fsdp_actions(schedule)
+    held, name = has_fsdp_actions(schedule), config.schedule.name
     if held and p.reshard_after_forward:
-        raise ConfigError(f"parallel.reshard_after_forward: got true, but schedule.name {config.schedule.name} holds "
-                          f"torch's UNSHARD/RESHARD/REDUCE_GRAD, which gather a stage's weights once and hold them "
-                          f"until RESHARD; expected false")
-    if not held and not p.reshard_after_forward and schedule.is_lowered:
-        raise ConfigError(f"parallel.reshard_after_forward: got false with schedule.name {config.schedule.name}, a "
-                          f"lowered schedule (SEND/RECV cells) without torch's UNSHARD actions; expected a "
-                          f"compute-only schedule (the lowering adds them) or one that holds them")
+        raise ConfigError(f"parallel.reshard_after_forward: got true, but schedule.name {name} holds torch's UNSHARD/"
+                          f"RESHARD/REDUCE_GRAD, which gather a stage's weights once and hold them until RESHARD; "
+                          f"expected false")
+    if not held and not p.reshard_after_forward and (schedule.is_lowered or stage_actions(schedule)):
+        raise ConfigError(f"parallel.reshard_after_forward: got false with schedule.name {name}, a lowered schedule "
+                          f"(SEND/RECV cells) or one with torch's REDUCE_GRAD but without its UNSHARD actions; "
+                          f"expected a compute-only schedule (the lowering adds them) or one that holds them")
 
 
 def _zero_key(config: Config) -> str:

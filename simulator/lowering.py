@@ -213,17 +213,26 @@ def add_reduce_grad(actions: Sequence[Action], microbatches: int) -> list[Action
 
 
 def add_fsdp_actions(schedule: Schedule) -> Schedule:
-    """``schedule`` (compute-only) with torch's FSDP actions on every device, as torch's runtime adds them before its
-    send/recv lowering: ``add_unshard_reshard``, then ``add_reduce_grad``."""
+    """``schedule`` (compute-only, without torch's per-stage actions: ValueError otherwise) with torch's FSDP actions
+    on every device, as torch's runtime adds them before its send/recv lowering: ``add_unshard_reshard``, then
+    ``add_reduce_grad``."""
+    held = next((a for acts in schedule.device_actions for a in acts if a is not None and a.kind in STAGE_KINDS), None)
+    if held is not None:
+        raise ValueError(f"schedule already holds {held}; add_fsdp_actions expects a compute-only schedule")
     lists = tuple(tuple(add_reduce_grad(add_unshard_reshard(acts), schedule.num_microbatches))
                   for acts in _lowering_input(schedule))
     return dataclasses.replace(schedule, device_actions=lists)
 
 
+def stage_actions(schedule: Schedule) -> set[ActionKind]:
+    """Which of torch's per-stage actions (UNSHARD, RESHARD, REDUCE_GRAD) the lists hold: ``add_fsdp_actions``
+    adds all three; torch's CSV of a stage without FSDP holds REDUCE_GRAD alone."""
+    return {a.kind for acts in schedule.device_actions for a in acts if a is not None and a.kind in STAGE_KINDS}
+
+
 def has_fsdp_actions(schedule: Schedule) -> bool:
-    """The lists hold torch's FSDP actions (UNSHARD, RESHARD, REDUCE_GRAD): added by ``add_fsdp_actions``, or read
-    from torch's CSV."""
-    return any(a is not None and a.kind in STAGE_KINDS for acts in schedule.device_actions for a in acts)
+    """The lists hold torch's UNSHARD actions, which gather a stage's weights under ZeRO-3 without resharding."""
+    return K.UNSHARD in stage_actions(schedule)
 
 
 def lower(schedule: Schedule) -> Schedule:

@@ -2,8 +2,9 @@
 group" (docs/parallelism.md).
 
 A simulated device is one pipeline device of one data-parallel replica; it stands for ``tensor x context`` GPUs of
-one node. Device ``d`` of replica ``r`` is device ``r * pipeline + d``; its GPUs are the network's GPUs from
-``device * tensor * context`` on (``Cluster.tensor_network``'s numbering), tensor ranks innermost.
+one node, or of whole nodes (``context.span_problem``). Device ``d`` of replica ``r`` is device
+``r * pipeline + d``; its GPUs are the network's GPUs from ``device * tensor * context`` on
+(``Cluster.tensor_network``'s numbering), tensor ranks innermost.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pipescope.simulator.costs import StageCost
 from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.ir import Schedule
-from pipescope.simulator.lowering import add_fsdp_actions, add_optimizer_steps, has_fsdp_actions, lower
+from pipescope.simulator.lowering import add_fsdp_actions, add_optimizer_steps, lower, stage_actions
 from pipescope.simulator import replicas
 from pipescope.simulator.program import Program, compile_program, op_durations
 from pipescope.simulator.replicas import GradSync
@@ -43,7 +43,7 @@ def fsdp_actions(run: Lowering) -> None:
     schedule lacks them (docs/parallelism.md, "torch's FSDP actions")."""
     s, sharding = run.schedule, run.sync.sharding
     if (run.width > 1 and sharding.zero >= 3 and not sharding.reshard_after_forward and not s.is_lowered
-            and not has_fsdp_actions(s)):
+            and not stage_actions(s)):
         run.schedule = add_fsdp_actions(s)
 
 

@@ -4,6 +4,7 @@ the weights, prefetched, and what the ledger holds while they are gathered."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from pipescope import ConfigError, load_config, run
 from pipescope.simulator.engine import Engine
 from pipescope.simulator.ir import ActionKind
-from pipescope.simulator.lowering import add_fsdp_actions, lower
+from pipescope.simulator.lowering import add_fsdp_actions, add_reduce_grad, lower
 from pipescope.simulator.memory import static_memory
 from pipescope.simulator.mesh import Sharding
 from pipescope.simulator.network import RING_STEPS
@@ -131,9 +132,16 @@ def test_torchs_fsdp_actions_and_resharding_after_the_forward_are_refused_togeth
     with pytest.raises(ConfigError, match=r"parallel.reshard_after_forward: got true, but schedule.name csv:.* holds "
                                           r"torch's UNSHARD/RESHARD/REDUCE_GRAD"):
         small("parallel.zero=3", _csv(tmp_path, add_fsdp_actions(build("1f1b", 2, 4))))
-    with pytest.raises(ConfigError, match=r"parallel.reshard_after_forward: got false with schedule.name csv:.*, a "
-                                          r"lowered schedule \(SEND/RECV cells\) without torch's UNSHARD actions"):
-        small("parallel.zero=3", "parallel.reshard_after_forward=false", _csv(tmp_path, lower(build("1f1b", 2, 4))))
+    refused = (r"parallel.reshard_after_forward: got false with schedule.name csv:.*, a lowered schedule "
+               r"\(SEND/RECV cells\) or one with torch's REDUCE_GRAD but without its UNSHARD actions")
+    one_f_one_b = build("1f1b", 2, 4)
+    reduced_only = dataclasses.replace(one_f_one_b, device_actions=tuple(  # torch's CSV of stages without FSDP
+        tuple(add_reduce_grad(acts, 4)) for acts in one_f_one_b.device_actions))
+    for schedule in (lower(one_f_one_b), reduced_only):
+        with pytest.raises(ConfigError, match=refused):
+            small("parallel.zero=3", "parallel.reshard_after_forward=false", _csv(tmp_path, schedule))
+    with pytest.raises(ValueError, match="already holds 0REDUCE_GRAD; add_fsdp_actions expects a compute-only"):
+        add_fsdp_actions(reduced_only)
 
 
 def _zero3_program(reshard: bool, prefetch: int = 1):

@@ -72,8 +72,8 @@ class ClusterConfig:
         return GradSync(self.bucket_size, self.overlap_grad_sync, sharding)
 
     def build(self, devices: int, tensor: int = 1, context: int = 1) -> Cluster:
-        """The cluster for ``devices`` devices per replica, each ``tensor`` x ``context`` GPUs of one node
-        (ValueError naming the key if it cannot)."""
+        """The cluster for ``devices`` devices per replica, each ``tensor`` x ``context`` GPUs of one node or of
+        whole nodes (ValueError naming the key if it cannot)."""
         total, per_device = devices * self.data_parallel, tensor * context
         if total * per_device > MAX_GPUS:
             raise ValueError(f"cluster.data_parallel: {_product(tensor, context)} = {total * per_device:,} GPUs, "
@@ -97,7 +97,8 @@ def gpu_nodes(graph: nx.DiGraph) -> list[str]:
 
 class Cluster:
     """A topology graph plus the GPU rank each simulated device runs on: with ``tensor`` t, the first of the t
-    consecutive GPUs of one node the device stands for (its p2p transfers and gradient all-reduces start there)."""
+    consecutive GPUs the device stands for, in one node or filling whole nodes (its p2p transfers and gradient
+    all-reduces start there)."""
 
     def __init__(self, graph: nx.DiGraph, placement: str, devices: int, tensor: int = 1, context: int = 1):
         self.graph = graph
