@@ -84,7 +84,7 @@ class Zero2:
     ranks."""
 
     def __init__(self, model: nn.Module, lr: float) -> None:
-        self.params = [p for p in model.parameters()]
+        self.params = list(model.parameters())
         world, rank = dist.get_world_size(), dist.get_rank()
         total = sum(p.numel() for p in self.params)
         self.flat = torch.zeros(-(-total // world) * world)

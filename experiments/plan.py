@@ -179,12 +179,13 @@ def _ns_per_byte(built, network, kind, group: list[int]) -> float:
     return _RATES[key]
 
 
-def _timed_reduction_floor(built, replay) -> int:
+def _timed_reduction_floor(built, replay, network) -> int:
     """The gradient reductions of a flush schedule, timed by when they may start (docs/planner.md, "Three steps"): each
     stage's reduction starts no earlier than its last weight-gradient op (W or B) starts in ``replay`` (a run no
     op of the real one starts before, ``refine``), so on each resource the floors price (a device's replica group;
     a server's links in, ``_server_floor``), all the work of the stages that start at or after any time t is done
-    after t. One reduction an iteration only (plain data parallelism and ZeRO-1, not HSDP); else 0."""
+    after t, over ``network`` (the run's). One reduction an iteration only (plain data parallelism and ZeRO-1, not
+    HSDP) on a routed network; else 0."""
     import numpy as np
 
     from pipescope.simulator.ir import ActionKind
@@ -194,7 +195,7 @@ def _timed_reduction_floor(built, replay) -> int:
     config = built.config
     width = config.cluster.data_parallel
     if (built.model is None or width <= 1 or config.parallel.zero_stage > 1 or config.parallel.reduce_group(width)
-            < width or not isinstance(network := built.network(), RoutedNetwork)):
+            < width or not isinstance(network, RoutedNetwork)):
         return 0
     records = replay.records
     grads = records.is_kind(ActionKind.W, ActionKind.B)
@@ -495,7 +496,7 @@ def refine(screened: Screened) -> Screened:
     network = built.network()
     floor = AloneTransfers(network) if isinstance(network, RoutedNetwork) else None
     replay = simulate(schedule, built.costs, floor)
-    makespan_s = max(replay.makespan_ns, _timed_reduction_floor(built, replay)) / 1e9
+    makespan_s = max(replay.makespan_ns, _timed_reduction_floor(built, replay, network)) / 1e9
     bound = min(screened.bound_samples_per_s, built.samples_per_iteration / makespan_s)
     return dataclasses.replace(screened, bound_samples_per_s=bound, refined=True)
 

@@ -66,8 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "optimizer state and step on the host: ZeRO-Offload; flush schedules and analytic costs only). "
                    "Default: not searched, the config's applies")
     p.add_argument("--context", help="comma-separated context-parallel degrees cp to try (parallel.context: each "
-                   "pipeline device is tensor x cp GPUs of one node; flash attention and analytic costs only). "
-                   "Default: not searched, the config's parallel.context applies")
+                   "pipeline device is tensor x cp GPUs, of one node or of whole nodes; flash attention and analytic "
+                   "costs only). Default: not searched, the config's parallel.context applies")
     p.add_argument("--shard-groups", help="comma-separated HSDP shard groups to try beside sharding over every "
                    "replica (parallel.shard_group, in replicas; each must divide the width into 2 or more groups; "
                    "needs --zero with a stage 1 to 3). Default: not searched")

@@ -101,12 +101,12 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
             raise ValueError("ZeRO-3 without resharding runs torch's FSDP actions: expected a schedule that holds "
                              "them (lowering.add_fsdp_actions)")
         syncs = _fsdp_syncs(base, mesh, grad_bytes, weights, sync.bucket_bytes)
-        return _replicate(base, mesh, _hybrid(syncs, mesh, base) if mesh.hybrid else syncs)
-    syncs = _syncs(base, schedule, mesh, grad_bytes, sync)
-    if sync.sharded and sync.zero < 3 and not sync.overlap and width > 1:
-        syncs += _weight_gathers(base, schedule, mesh, weights, sync)
-    if sync.zero >= 3 and width > 1:
-        syncs += _param_gathers(base, mesh, weights, sync.sharding.prefetch)
+    else:
+        syncs = _syncs(base, schedule, mesh, grad_bytes, sync)
+        if sync.sharded and sync.zero < 3 and not sync.overlap and width > 1:
+            syncs += _weight_gathers(base, schedule, mesh, weights, sync)
+        if sync.zero >= 3 and width > 1:
+            syncs += _param_gathers(base, mesh, weights, sync.sharding.prefetch)
     return _replicate(base, mesh, _hybrid(syncs, mesh, base) if mesh.hybrid else syncs)
 
 

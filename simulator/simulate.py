@@ -12,13 +12,13 @@ from pipescope.simulator.faults import ComputeFaults
 from pipescope.simulator.host_cores import SharedCores
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
-from pipescope.simulator.memory_runtime import grad_bytes
 from pipescope.simulator.lowering import defers_steps, gradient_buffers
+from pipescope.simulator.memory_runtime import grad_bytes
 from pipescope.simulator.mesh import NO_SHARDING
-from pipescope.simulator.passes import ONE_REPLICA, Lowering, run_passes
-from pipescope.simulator.program import Program
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.network import FifoLinks, Network
+from pipescope.simulator.passes import ONE_REPLICA, Lowering, run_passes
+from pipescope.simulator.program import Program
 from pipescope.simulator.replicas import GradSync
 from pipescope.simulator.result import SimResult, build_result
 from pipescope.simulator.timeline import replay_timeline

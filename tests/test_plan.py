@@ -48,8 +48,9 @@ def test_bounds_hold_against_simulation(name: str) -> None:
 
 def _refined_floor(built) -> int:
     """``plan.refine``'s floor: one replica with each transfer alone, and the reductions timed by their start."""
-    replay = simulate(built.schedule, built.costs, AloneTransfers(built.network()))
-    return max(replay.makespan_ns, _timed_reduction_floor(built, replay))
+    network = built.network()
+    replay = simulate(built.schedule, built.costs, AloneTransfers(network))
+    return max(replay.makespan_ns, _timed_reduction_floor(built, replay, network))
 
 
 @pytest.mark.parametrize("name, stages, tensor, zero", [("1f1b", 16, 1, 0), ("interleaved", 4, 2, 0),
