@@ -5,8 +5,8 @@ input and the LayerNorm affine parameters, every Linear deferred), W (the deferr
 gradients from the stashed inputs and output grads), B (fused ``autograd.backward``), R (the forward a
 recomputing backward replays from the stashed input). Embedding: F and W (its whole backward, a weight
 gradient). Output layer (LayerNorm, projection, cross-entropy): F, I, W, B as for a layer. Vocabulary shards:
-S, T (vocab-1) and S2, T2 (vocab-2) per shard count. Optimizer: AdamW ``step()`` on fp32 master copies of several
-parameter groups.
+S, T (vocab-1) and S2, T2 (vocab-2) per shard count. Optimizer: the executor's op (gradient norm, AdamW ``step()``,
+the gradient buffer zeroed) on fp32 master copies of several parameter groups.
 """
 
 from __future__ import annotations
@@ -190,15 +190,31 @@ def optimizer_groups(blocks: list[Block], embedding: Embedding, output: OutputLa
 
 
 def optimizer_rows(timer: Timer, groups: list[list[nn.Module]]) -> list[Row]:
-    """Time AdamW ``step()`` on fp32 master copies of each group (mixed precision keeps fp32 masters)."""
+    """Time each group's optimizer op as the executor runs it (``executor.weights``), on fp32 masters (mixed
+    precision keeps fp32 masters): the gradient norm read back to the host, AdamW's ``step()`` on gradients that
+    are views of one flat buffer, and that buffer zeroed. The simulator's step stands for all three
+    (``StageCost.optimizer_ns``). On an H200, ``step()`` alone fell 17% short of the executor's op on GPT 1.3B's
+    stages; the zeroing, the norm and the GPU idling while the host launches the step after the norm's sync are
+    most of that (docs/validation.md, "What the probes measured")."""
     rows = []
     for group in groups:
         masters = [nn.Parameter(p.detach().float().clone()) for m in group for p in m.parameters()]
+        # Gradient-like values, refilled before each repetition (the op zeroes them, and an all-zero gradient
+        # makes AdamW several times slower on CPU).
+        values = torch.randn(sum(p.numel() for p in masters), device=masters[0].device) * 1e-3
+        flat = values.clone()
+        offset = 0
         for p in masters:
-            # Gradient-like values: an all-zero gradient makes AdamW several times slower on CPU.
-            p.grad = torch.randn_like(p) * 1e-3
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
         optimizer = torch.optim.AdamW(masters, lr=1e-4)
-        stats = timer.measure(Bench(lambda _, o=optimizer: o.step()))
+
+        def executor_op(_, o=optimizer, g=flat) -> None:
+            float(torch.linalg.vector_norm(g))
+            o.step()
+            g.zero_()
+
+        stats = timer.measure(Bench(executor_op, setup=lambda g=flat, v=values: g.copy_(v)))
         rows.append(timing_row(OPTIMIZER, "step", 0, 0, stats, sum(p.numel() for p in masters), len(masters)))
-        del optimizer, masters
+        del optimizer, masters, flat, values
     return rows

@@ -465,6 +465,7 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
                              memory_efficiency=c.memory_efficiency or gpu.memory_efficiency, attention=m.attention,
                              split=_tensor_split(config, cluster, model, schedule), tiling=Tiling(gpu.sms),
                              flash=gpu.flash, gemms=gemms, warnings=_gemms_note(gemms, cluster),
+                             misaligned_gemm=gpu.misaligned_gemm, vocab_runtime=config.memory.runtime,
                              grad_bytes=grad_bytes(config.memory.runtime, m.precision),
                              checkpoint_layers=config.memory.runtime == "megatron",
                              optimizer_shards=p.optimizer_shards(config.cluster.data_parallel),

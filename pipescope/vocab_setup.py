@@ -91,5 +91,5 @@ def _sharded(config: Config, schedule: Schedule, costs: CostModel, model: ModelS
     if not isinstance(costs, AnalyticCosts):  # uniform: the passes' times are costs.vocab_s and costs.vocab_t
         return costs, collective_bytes(method, 0, 0)
     m = config.model
-    shards = VocabShards(method, schedule.num_devices, model, m.microbatch_size, m.precision)
+    shards = VocabShards(method, schedule.num_devices, model, m.microbatch_size, m.precision, config.memory.runtime)
     return dataclasses.replace(costs, vocab=shards, _cache={}), shards.collective_bytes()

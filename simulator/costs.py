@@ -22,7 +22,7 @@ from pipescope.simulator.kernels import (
     optimizer_kernels,
     output_kernels,
 )
-from pipescope.simulator.models import ModelSpec, check_attention, stage_layers
+from pipescope.simulator.models import ModelSpec, allocated_vocab, check_attention, stage_layers
 from pipescope.simulator.offload import HostOffload
 from pipescope.simulator.context import exposed_ns
 from pipescope.simulator.parallel import TensorSplit
@@ -292,6 +292,8 @@ class AnalyticCosts(PerStageCache):
     tiling: Tiling | None = None  # the GPU's SMs, for a GEMM's tile and wave quantization
     flash: FlashRates | None = None  # the GPU's measured flash-attention rates
     gemms: MeasuredGemms | None = None  # measured matmul rates in place of ``efficiency`` (calibrate-gemms)
+    misaligned_gemm: tuple[tuple[str, float], ...] = ()  # per pass, a misaligned matmul's fraction of the rate
+    vocab_runtime: str = "torch"  # whose vocabulary padding the logits run with (models.allocated_vocab)
     warnings: tuple[str, ...] = ()  # about the inputs (a GEMM table from another device), for the result
     grad_bytes: int | None = None  # per gradient, as the runtime keeps them (None: the precision's)
     checkpoint_layers: bool = False  # full recompute keeps each block's input and rebuilds one block at a time
@@ -305,7 +307,8 @@ class AnalyticCosts(PerStageCache):
     @property
     def roofline(self) -> Roofline:
         memory = self.memory_bandwidth * self.memory_efficiency if self.memory_bandwidth else None
-        return Roofline(self.peak_flops, self.efficiency, memory, self.tiling, self.flash, self.gemms)
+        return Roofline(self.peak_flops, self.efficiency, memory, self.tiling, self.flash, self.gemms,
+                        self.misaligned_gemm)
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
         n = self._layers_of(stage, num_stages, self.model.layers)
@@ -402,7 +405,8 @@ class AnalyticCosts(PerStageCache):
             core = attention_core_kernels(self.model, b, self.precision, self.attention, t, cp)
             parts.append(("recompute", n, [replace(k, op="I") for k in core], gpu))
         if stage == num_stages - 1 and self.vocab is None:
-            parts.append(("output", 1, output_kernels(self.model, b, self.precision, t, sp, cp), gpu))
+            allocated = allocated_vocab(self.vocab_runtime, self.model.vocab, t)
+            parts.append(("output", 1, output_kernels(self.model, b, self.precision, t, sp, cp, allocated), gpu))
         params = -(-self._params(stage, num_stages, n) // self.optimizer_shards)
         if self.offload is not None:
             grads = gradient_bytes(self.precision, self.grad_bytes)

@@ -83,7 +83,9 @@ class Roofline:
     ``peak_flops`` x ``gemm_efficiency`` is what a large, well-tiled matmul reaches; ``tiling`` (None: none)
     scales it by the GEMM's quantization and pipeline fill; ``flash`` (None: flash kernels like any other FLOPs)
     times flash attention; ``memory_rate`` (None: memory traffic is not timed) is the bytes/s a streaming kernel
-    reaches; ``gemms`` (None: none) are measured matmul rates, which replace ``gemm_efficiency`` for matmuls.
+    reaches; ``gemms`` (None: none) are measured matmul rates, which replace ``gemm_efficiency`` for matmuls;
+    ``misaligned`` is, per pass (F, I, W), the fraction of its rate a matmul reaches whose rows do not start on 16
+    bytes (``kernels.is_aligned``); a pass it does not name runs at the aligned rate.
     """
 
     peak_flops: float
@@ -92,6 +94,7 @@ class Roofline:
     tiling: Tiling | None = None
     flash: FlashRates | None = None
     gemms: MeasuredGemms | None = None
+    misaligned: tuple[tuple[str, float], ...] = ()
 
     @property
     def compute_rate(self) -> float:
@@ -102,12 +105,15 @@ class Roofline:
         """The FLOP/s ``kernel`` computes at, in its own FLOP count (a flash kernel's: ``Flash.flops``)."""
         if kernel.flash is not None and self.flash is not None:
             return self.peak_flops * self.flash.fraction(kernel.flash.seq, kernel.flash.head_dim)
-        if kernel.gemm is not None and self.gemms is not None:
-            return self.gemms.flop_rate(kernel.gemm, self.tiling)
-        if kernel.gemm is not None and self.tiling is not None:
-            g = kernel.gemm
-            return self.compute_rate * self.tiling.efficiency(g.batch, g.rows, g.cols, g.inner)
-        return self.compute_rate
+        g = kernel.gemm
+        if g is None:
+            return self.compute_rate
+        alignment = 1.0 if g.aligned else dict(self.misaligned).get(kernel.op, 1.0)
+        if self.gemms is not None:
+            return self.gemms.flop_rate(g, self.tiling) * alignment
+        if self.tiling is not None:
+            return self.compute_rate * self.tiling.efficiency(g.batch, g.rows, g.cols, g.inner) * alignment
+        return self.compute_rate * alignment
 
     def work(self, kernel: Kernel) -> float:
         """The FLOPs its rate is measured in: FlashAttention's own count for a flash kernel timed at flash rates."""

@@ -22,6 +22,7 @@ class Gemm:
     rows: int
     cols: int
     inner: int
+    aligned: bool = True  # every stored row a multiple of 16 bytes (``is_aligned``): what cuBLAS's fast kernels need
 
 
 @dataclass(frozen=True)
@@ -123,14 +124,27 @@ class _Shape:
         return self.tokens * (self.hidden + 2 * self.kv) * self.act
 
 
-def _matmul(name: str, op: str, x: _Shape, k: int, n: int) -> Kernel:
+ALIGNMENT_BYTES = 16  # cuBLAS's fast tensor-core kernels need every row of A, B and C to start on 16 bytes
+
+
+def is_aligned(widths: tuple[int, ...], element_bytes: int) -> bool:
+    """Whether rows of these widths (elements) all start on ``ALIGNMENT_BYTES``. A Linear's rows are its input and
+    output widths (x is t x k, W is n x k, y and dy are t x n); the token count is never a row width, so it may be
+    anything (on an H200 an odd token count ran at the aligned rate, an odd width at 13-19% of it:
+    docs/costs.md, "Aligned and misaligned matmuls")."""
+    return all(w * element_bytes % ALIGNMENT_BYTES == 0 for w in widths)
+
+
+def _matmul(name: str, op: str, x: _Shape, k: int, n: int, allocated: int | None = None) -> Kernel:
     """A Linear of k inputs and n outputs over the tokens. F: y = x W^T (t x n outputs over k); I: dx = dy W (t x k
     over n, the same bytes mirrored); W: dW += dy^T x (n x k over t), the gradient read and written in the gradient's
-    precision."""
+    precision. ``allocated``: the output width the runtime allocates when it pads n (Megatron's vocabulary), which
+    decides alignment; the work stays n's."""
     t = x.tokens
     activations = (t * k + t * n) * x.act
     weights = 2 * k * n * x.grad if op == "W" else k * n * x.weight
-    gemm = {"F": Gemm(1, t, n, k), "I": Gemm(1, t, k, n), "W": Gemm(1, n, k, t)}[op]
+    aligned = is_aligned((k, allocated or n), x.act)
+    gemm = {"F": Gemm(1, t, n, k, aligned), "I": Gemm(1, t, k, n, aligned), "W": Gemm(1, n, k, t, aligned)}[op]
     return Kernel(name, op, 2.0 * t * k * n, activations + weights, gemm)
 
 
@@ -266,23 +280,24 @@ CROSS_ENTROPY_BACKWARD_BYTES = 12  # per logit beyond its write: the saved softm
 
 
 def output_kernels(model: ModelSpec, microbatch_size: int, precision: str, tensor: int = 1,
-                   sequence: bool = False, context: int = 1) -> list[Kernel]:
+                   sequence: bool = False, context: int = 1, allocated: int | None = None) -> list[Kernel]:
     """The output layer's kernels: final layer norm, logits, and Megatron's vocabulary-parallel cross-entropy
     (``cross_entropy.py``, not fused): F copies the logits to fp32, takes the row max, subtracts it in place, takes
     the exponentials into a new buffer, sums them and divides in place (the fp32 softmax it keeps for the backward);
     I scales that softmax in place and hands it to the logits' matmul. Their FLOPs add up to ``output_layer_flops``;
-    with ``tensor`` t, one GPU's vocabulary slice; with ``context`` cp, its share of the tokens."""
+    with ``tensor`` t, one GPU's vocabulary slice; with ``context`` cp, its share of the tokens. ``allocated``: one
+    GPU's slice as the runtime allocates it, padded (``models.allocated_vocab``); None: as it is."""
     x = _Shape.of(model, microbatch_size, precision, tensor, sequence, context)
     h, v, sbh = x.hidden, x.split().vocab, x.whole().sbh
     logits, targets = x.tokens * v, 8 * x.tokens  # int64 targets
     norm = "final RMSNorm" if x.llama else "final layer norm"
     return [Kernel(norm, "F", 0, 2 * sbh),
-            _matmul("logits", "F", x, h, v),
+            _matmul("logits", "F", x, h, v, allocated),
             Kernel("cross-entropy", "F", 0, logits * (x.act + CROSS_ENTROPY_FORWARD_BYTES) + targets),
             Kernel("cross-entropy", "I", 0, logits * (x.act + CROSS_ENTROPY_BACKWARD_BYTES) + targets),
-            _matmul("logits", "I", x, h, v),
+            _matmul("logits", "I", x, h, v, allocated),
             Kernel(norm, "I", 0, 3 * sbh),
-            _matmul("logits", "W", x, h, v)]
+            _matmul("logits", "W", x, h, v, allocated)]
 
 
 def gradient_bytes(precision: str, grad_bytes: int | None = None) -> int:

@@ -26,7 +26,7 @@ from enum import StrEnum
 
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.kernels import Kernel, output_kernels
-from pipescope.simulator.models import PRECISIONS, ModelSpec, output_activation_bytes
+from pipescope.simulator.models import PRECISIONS, ModelSpec, allocated_vocab, output_activation_bytes
 from pipescope.simulator.readers.units import short_repr
 
 K = ActionKind
@@ -90,6 +90,7 @@ class VocabShards:
     model: ModelSpec
     microbatch_size: int
     precision: str
+    runtime: str = "torch"  # whose padding the shard's logits run with: Megatron pads the vocabulary first
 
     @property
     def shard_vocab(self) -> int:
@@ -105,7 +106,8 @@ class VocabShards:
         shard = dataclasses.replace(self.model, vocab=self.shard_vocab)
         grad_x_in = "S" if self.method is VocabMethod.VOCAB_2 else "T"
         passes: dict[str, list[Kernel]] = {"S": [], "T": []}
-        for kernel in output_kernels(shard, self.microbatch_size, self.precision):
+        allocated = padded_vocab(allocated_vocab(self.runtime, self.model.vocab), self.devices) // self.devices
+        for kernel in output_kernels(shard, self.microbatch_size, self.precision, allocated=allocated):
             if kernel.name != "final layer norm":
                 passes[{"F": "S", "I": grad_x_in, "W": "T"}[kernel.op]].append(kernel)
         return passes

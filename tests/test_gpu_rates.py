@@ -3,11 +3,15 @@ measured rates, and the roofline over kernels of each kind."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+import pipescope
 from pipescope.simulator.gpu_rates import PIPELINE_FILL, FlashRates, Roofline, Tiling
-from pipescope.simulator.kernels import Flash, Gemm, Kernel, layer_kernels
-from pipescope.simulator.models import ModelSpec
+from pipescope.simulator.kernels import Flash, Gemm, Kernel, is_aligned, layer_kernels, output_kernels
+from pipescope.simulator.models import ModelSpec, allocated_vocab
+from pipescope.simulator.vocab import VocabMethod, VocabShards
 from pipescope.topologies.devices import DEVICES
 
 A100 = Tiling(108)
@@ -104,3 +108,55 @@ def test_a_flash_kernel_carries_flashattentions_causal_count() -> None:
     flash = {k.op: k for k in layer_kernels(model, 2, "bf16") if k.flash is not None}
     assert flash["F"].flash.flops == 2 * t * model.seq * model.hidden == flash["F"].flops / 2
     assert flash["I"].flash.flops == 2.5 * flash["F"].flash.flops
+
+
+def test_a_row_must_start_on_16_bytes_and_the_token_count_is_not_a_row() -> None:
+    """GPT-2's 50,257 is odd in bf16 and fp32; 50,304 (Megatron's padding) and any token count are fine."""
+    assert not is_aligned((2048, 50257), 2) and not is_aligned((50257,), 4)
+    assert is_aligned((2048, 50304), 2) and is_aligned((2052,), 4) and not is_aligned((2052,), 2)
+    model = ModelSpec("odd", layers=1, hidden=2048, heads=16, seq=1023, vocab=50257)
+    assert all(k.gemm.aligned for k in layer_kernels(model, 3, "bf16") if k.gemm is not None)  # 3069 tokens
+    logits = [k for k in output_kernels(model, 1, "bf16") if k.gemm is not None]
+    assert len(logits) == 3 and not any(k.gemm.aligned for k in logits)
+    assert all(k.gemm.aligned for k in output_kernels(model, 1, "bf16", allocated=50304) if k.gemm is not None)
+
+
+def test_megatron_pads_the_vocabulary_to_128_times_the_tensor_degree_and_torch_does_not() -> None:
+    assert allocated_vocab("megatron", 50257) == 50304 and allocated_vocab("megatron", 50257, 8) == 51200 // 8
+    assert allocated_vocab("torch", 50257) == 50257 and allocated_vocab("torch", 50257, 8) == 6283
+    assert allocated_vocab("megatron", 51200, 8) == 6400  # already a multiple: unchanged
+
+
+def test_a_misaligned_matmul_runs_at_its_gpus_fraction_per_pass() -> None:
+    d = DEVICES["h100"]
+    rates = Roofline(d.peak_flops["bf16"], d.gemm_efficiency, None, Tiling(d.sms), misaligned=d.misaligned_gemm)
+    model = ModelSpec("odd", layers=1, hidden=2048, heads=16, seq=2048, vocab=50257)
+    for kernel in (k for k in output_kernels(model, 4, "bf16") if k.gemm is not None):
+        aligned = replace(kernel, gemm=replace(kernel.gemm, aligned=True))
+        assert rates.flop_rate(kernel) == pytest.approx(rates.flop_rate(aligned) * dict(d.misaligned_gemm)[kernel.op])
+    assert dict(d.misaligned_gemm) == {"F": 0.127, "I": 0.178, "W": 0.186} and not DEVICES["a100"].misaligned_gemm
+
+
+def _logits_seconds(*sets: str) -> dict[str, float]:
+    result = pipescope.run(pipescope.load_config("demo", list(sets)))
+    return {k["pass"]: k["time_s"] for group in result.kernels for k in group["kernels"] if k["kernel"] == "logits"}
+
+
+def test_the_torch_runtime_pays_for_an_odd_vocabulary_on_hopper_and_megatron_pads_it() -> None:
+    """The demo (GPT 1.3B on DGX H100s): Megatron's padded logits run at the aligned rate; torch's at 50,257 at the
+    measured fractions; an A100 has no measurement, so both runtimes price the logits alike."""
+    megatron, torch_runtime = _logits_seconds(), _logits_seconds("memory.runtime=torch")
+    for op, fraction in DEVICES["h100"].misaligned_gemm:
+        assert torch_runtime[op] == pytest.approx(megatron[op] / fraction, rel=1e-3)
+    a100 = ("cluster.topology=dgx-a100",)
+    assert _logits_seconds(*a100) == _logits_seconds(*a100, "memory.runtime=torch")
+
+
+def test_vocabulary_shards_are_padded_as_the_runtime_pads() -> None:
+    """50,257 over 4 devices: the paper's padding to 2p gives 12,566-row shards (odd in bf16) under torch; Megatron
+    pads to 50,304 first, 12,576 rows."""
+    model = ModelSpec("gpt", layers=4, hidden=2048, heads=16, seq=1024, vocab=50257)
+    for runtime, aligned in (("torch", False), ("megatron", True)):
+        shards = VocabShards(VocabMethod.VOCAB_1, 4, model, 1, "bf16", runtime)
+        gemms = [k.gemm for kernels in shards.pass_kernels().values() for k in kernels if k.gemm is not None]
+        assert gemms and all(g.aligned is aligned for g in gemms)

@@ -19,7 +19,9 @@ class DeviceSpec:
     what real kernels reach on it, each a fraction of the datasheet's number (so a ``cluster.peak_flops`` or
     ``memory_bandwidth`` given for another part scales them): ``gemm_measured`` of the peak, the fastest matmul a
     public benchmark found, at its shape ``gemm_shape`` (rows, columns, inner); ``memory_efficiency`` of the HBM
-    bandwidth a streaming kernel reaches; ``flash`` FlashAttention's measured forward+backward rates."""
+    bandwidth a streaming kernel reaches; ``flash`` FlashAttention's measured forward+backward rates;
+    ``misaligned_gemm``, per pass (F, I, W), the fraction of the aligned rate a bf16/fp16 matmul reaches whose rows do
+    not start on 16 bytes (an odd vocabulary), where measured (empty: not measured, priced as aligned)."""
 
     name: str
     peak_flops: dict[str, float]
@@ -30,6 +32,7 @@ class DeviceSpec:
     gemm_shape: tuple[int, int, int]
     memory_efficiency: float
     flash: FlashRates
+    misaligned_gemm: tuple[tuple[str, float], ...] = ()
 
     @property
     def gemm_efficiency(self) -> float:
@@ -62,6 +65,11 @@ _FLASH2_H100_TFLOPS = {64: (141, 192, 232, 257, 273, 284), 128: (163, 221, 265, 
 _FLASH_V100_TFLOPS = {d: tuple(r * 125 / 312 for r in rates) for d, rates in _FLASH2_A100_TFLOPS.items()}
 FLASH_V100, FLASH_A100 = _flash(_FLASH_V100_TFLOPS, 125e12), _flash(_FLASH2_A100_TFLOPS, 312e12)
 FLASH_H100 = _flash(_FLASH2_H100_TFLOPS, 989e12)
+# Misaligned bf16 matmuls on an H200 (calibration/profiles/h200/probes, `python -m pipescope.calibration.probes`):
+# the median, per pass, of 10 pairs each (the logits at vocabularies 50,257 against 50,304, whole and in 8 shards,
+# at 2,048 and 8,192 tokens and widths 2,048 and 12,288; a 8192 x 8192 x 4096 GEMM with its output or input width
+# one short). Same SM architecture and cuBLAS kernels on H100. Not measured on A100 or V100.
+MISALIGNED_HOPPER = (("F", 0.127), ("I", 0.178), ("W", 0.186))
 
 DEVICES: dict[str, DeviceSpec] = {
     # GEMM: 95 of 125 TFLOP/s fp16, the best of square matmuls up to n = 8192 (mli/transformers-benchmarks, README
@@ -79,8 +87,8 @@ DEVICES: dict[str, DeviceSpec] = {
     # 4.8 on H200 (NVIDIA/cccl PR #2086, babelstream mul over 2^28 bytes); no H100 measurement found: the H200's.
     "h100": DeviceSpec("H100-SXM5-80GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 3350e9, 80 * GiB,
                        sms=132, gemm_measured=794.5 / 989, gemm_shape=(2048, 2048, 13312), memory_efficiency=0.83,
-                       flash=FLASH_H100),
+                       flash=FLASH_H100, misaligned_gemm=MISALIGNED_HOPPER),
     "h200": DeviceSpec("H200-SXM-141GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 4800e9, 141 * 10**9,
                        sms=132, gemm_measured=794.5 / 989, gemm_shape=(2048, 2048, 13312), memory_efficiency=0.83,
-                       flash=FLASH_H100),
+                       flash=FLASH_H100, misaligned_gemm=MISALIGNED_HOPPER),
 }

@@ -1,0 +1,85 @@
+"""The GPU probes (``calibration/probes.py``) rehearsed on this machine's CPU at small sizes: every probe runs and
+reports what docs/validation.md ("The probes") reads from it; the committed H200 measurements hold the facts the
+cost model takes from them."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from pipescope.calibration import probes
+from pipescope.calibration.timing import TimingConfig
+from pipescope.topologies.devices import DEVICES
+
+H200_PROBES = Path(__file__).resolve().parent.parent / "calibration" / "profiles" / "h200" / "probes"
+
+
+def test_every_probe_runs_on_a_cpu_and_reports_positive_times(tmp_path: Path) -> None:
+    fast = TimingConfig(warmup=1, min_reps=3, max_reps=5, budget_s=0.01, flush_l2=False)
+    report = probes.run(tmp_path, torch.device("cpu"), timing=fast)
+    assert json.loads((tmp_path / "probes.json").read_text()) == json.loads(json.dumps(report))
+    assert set(report["seconds"]) == set(probes.PROBES)
+    step = report["optimizer"]
+    assert step["params"] > 0 and all(step[k] > 0 for k in ("step_flat_grads", "zero_flat", "norm_host_sync"))
+    assert len(report["gemm_layouts"]) == 3 * len(probes.linear_shapes(probes.CPU_REHEARSAL))
+    assert {r["layout"] for r in report["alignment"]} == {"forward", "dgrad", "wgrad"}
+    assert all(r["ns"] > 0 and r["tflops"] > 0 for r in report["gemm_layouts"] + report["alignment"])
+    assert report["streaming"]["copy_bytes_per_s"] > 0 and report["launch"]["add_one_element"] > 0
+    assert all(w["rate"] > 0 for work in ("gemm", "block") for w in report["sustained"][work]["windows"])
+
+
+def test_no_cuda_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    if torch.cuda.is_available():
+        return
+    assert probes.main([str(tmp_path), "--device", "cuda"]) == 2
+    assert "--device" in capsys.readouterr().err and not (tmp_path / "probes.json").exists()
+
+
+def _rates(name: str) -> dict[tuple, float]:
+    report = json.loads((H200_PROBES / name).read_text())
+    rows = report["gemm_layouts"] if name == "probes-1.json" else report["alignment"]
+    return {(r["name"], r["tokens"], r["in"], r["layout"]): r["tflops"] for r in rows}
+
+
+def test_hoppers_misaligned_fraction_is_the_median_the_h200_measured() -> None:
+    """devices.MISALIGNED_HOPPER per pass is the median of the 10 misaligned / aligned pairs the probes timed."""
+    logits, alignment = _rates("probes-1.json"), _rates("probes-2.json")
+    layouts = {"F": "forward", "I": "dgrad", "W": "wgrad"}
+    for op, fraction in DEVICES["h200"].misaligned_gemm:
+        layout = layouts[op]
+        pairs = [v / logits[(n.replace("50257", "50304"), t, k, layout)]
+                 for (n, t, k, lay), v in logits.items() if n.startswith("logits-50257") and lay == layout]
+        aligned = next(v for (n, _, _, lay), v in alignment.items() if n == "aligned" and lay == layout)
+        pairs += [v / aligned for (n, _, _, lay), v in alignment.items() if n in ("out-odd", "in-odd")
+                  and lay == layout]
+        assert len(pairs) == 10 and round(statistics.median(pairs), 3) == fraction
+
+
+def test_an_odd_token_count_ran_at_the_aligned_rate() -> None:
+    """Only the widths decide alignment (``kernels.is_aligned``): the token count is never a row's width."""
+    rates = _rates("probes-2.json")
+    for layout in ("forward", "dgrad", "wgrad"):
+        aligned = next(v for (n, _, _, lay), v in rates.items() if n == "aligned" and lay == layout)
+        odd = next(v for (n, _, _, lay), v in rates.items() if n == "tokens-odd" and lay == layout)
+        assert abs(odd / aligned - 1) < 0.05
+
+
+def test_under_continuous_load_the_h200_held_less_than_its_short_measurements() -> None:
+    """docs/validation.md, "Under continuous load": the settled GEMM rate against the sweep's short measurement of
+    the same shape, and the block's iteration time against the profile's F + B of that block."""
+    import pandas as pd
+
+    sustained = json.loads((H200_PROBES / "probes-3.json").read_text())["sustained"]
+    settled = [w["rate"] for w in sustained["gemm"]["windows"][2:]]
+    sweep = pd.read_parquet(H200_PROBES.parent / "gemms" / "gemms.parquet")
+    side = sustained["side"]
+    short = sweep[(sweep.m == side) & (sweep.n == side) & (sweep.k == side)].tflops.item()
+    assert round(statistics.median(settled) / short, 3) == 0.820
+    assert all(s["power_w"] > 680 for s in sustained["gemm"]["gpu"][2:])  # at its 700 W limit
+    profile = pd.read_parquet(H200_PROBES.parent / "gpt-1.3b" / "timings.parquet")
+    layer = profile[(profile.component == "layer") & (profile.microbatch_size == 8)].set_index("op").median_ns
+    block = statistics.median(w["rate"] for w in sustained["block"]["windows"][2:])
+    assert round(block * (layer["F"] + layer["B"]) / 1e9, 3) == 0.921
