@@ -130,7 +130,7 @@ ALIGNMENT_BYTES = 16  # cuBLAS's fast tensor-core kernels need every row of A, B
 def is_aligned(widths: tuple[int, ...], element_bytes: int) -> bool:
     """Whether rows of these widths (elements) all start on ``ALIGNMENT_BYTES``. A Linear's rows are its input and
     output widths (x is t x k, W is n x k, y and dy are t x n); the token count is never a row width, so it may be
-    anything (on an H200 an odd token count ran at the aligned rate, an odd width at 13-19% of it:
+    anything (on an H200 an odd token count ran at the aligned rate, an odd width at 12-22% of it:
     docs/costs.md, "Aligned and misaligned matmuls")."""
     return all(w * element_bytes % ALIGNMENT_BYTES == 0 for w in widths)
 

@@ -14,6 +14,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 
 Arc = tuple[int, int, int]  # (the node at the other end, weight, edge id)
+INF = float("inf")
 
 
 class EqualCostRouter:
@@ -62,27 +63,32 @@ class _Meeting:
         self.length = None if self.top is None else self._best
 
     def _search(self) -> tuple[float, float] | None:
-        heaps: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([(0, self.s)], [(0, self.t)])
-        settled: tuple[set[int], set[int]] = (set(), set())
-        arcs = (self.router.out, self.router.into)
-        self._best = float("inf")
+        # Each side's state in one tuple, unpacked once per settled node: this loop is most of a large
+        # collective's routing time, and attribute and tuple lookups per step were a third of it.
+        sides = tuple((heap, set(), arcs, mine, other, tight) for heap, arcs, mine, other, tight in (
+            ([(0, self.s)], self.router.out, self.label[0], self.label[1], self.tight[0]),
+            ([(0, self.t)], self.router.into, self.label[1], self.label[0], self.tight[1])))
+        forward_heap, backward_heap = sides[0][0], sides[1][0]
+        best = INF
         while True:
-            tops = tuple(heap[0][0] if heap else float("inf") for heap in heaps)
-            if tops[0] + tops[1] >= self._best:
-                return None if self._best == float("inf") else tops
-            side = 0 if tops[0] <= tops[1] else 1
-            dist, node = heapq.heappop(heaps[side])
-            mine, other, tight = self.label[side], self.label[1 - side], self.tight[side]
-            if node in settled[side] or dist > mine[node]:
+            top_f = forward_heap[0][0] if forward_heap else INF
+            top_b = backward_heap[0][0] if backward_heap else INF
+            if top_f + top_b >= best:
+                self._best = best
+                return None if best == INF else (top_f, top_b)
+            heap, settled, arcs, mine, other, tight = sides[0] if top_f <= top_b else sides[1]
+            dist, node = heapq.heappop(heap)
+            if node in settled or dist > mine[node]:
                 continue
-            settled[side].add(node)
-            for nxt, weight, e in arcs[side][node]:
+            settled.add(node)
+            for nxt, weight, e in arcs[node]:
                 far, known = dist + weight, mine.get(nxt)
                 if known is None or far < known:
                     mine[nxt], tight[nxt] = far, [(node, weight, e)]
-                    heapq.heappush(heaps[side], (far, nxt))
-                    if nxt in other:
-                        self._best = min(self._best, far + other[nxt])
+                    heapq.heappush(heap, (far, nxt))
+                    meet = other.get(nxt)
+                    if meet is not None and far + meet < best:
+                        best = far + meet
                 elif far == known:
                     tight[nxt].append((node, weight, e))
 
