@@ -83,3 +83,14 @@ def test_under_continuous_load_the_h200_held_less_than_its_short_measurements() 
     layer = profile[(profile.component == "layer") & (profile.microbatch_size == 8)].set_index("op").median_ns
     block = statistics.median(w["rate"] for w in sustained["block"]["windows"][2:])
     assert round(block * (layer["F"] + layer["B"]) / 1e9, 3) == 0.921
+
+
+def test_the_h200s_streaming_and_attention_rates_are_its_probes() -> None:
+    """topologies/devices.py takes the H200's HBM and attention rates from its probes, rounded as written there."""
+    from pipescope.topologies.devices import _SDPA_H200_TFLOPS, H200_SDPA_SEQS, H200_STREAMING
+
+    report = json.loads((H200_PROBES / "probes-2.json").read_text())
+    assert round(report["streaming"]["copy_bytes_per_s"] / DEVICES["h200"].memory_bandwidth, 3) == H200_STREAMING
+    measured = {(r["head_dim"], r["seq"]): round(r["forward_backward_tflops"]) for r in report["attention"]}
+    assert measured == {(d, s): r for d, rates in _SDPA_H200_TFLOPS.items() for s, r in zip(H200_SDPA_SEQS, rates)}
+    assert DEVICES["h200"].memory_efficiency == H200_STREAMING

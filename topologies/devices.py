@@ -50,9 +50,9 @@ GiB = 1 << 30
 SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 
 
-def _flash(tflops: dict[int, tuple[float, ...]], peak: float) -> FlashRates:
-    """FlashRates from TFLOP/s at ``SEQS`` per head dimension, measured on a GPU of dense ``peak`` FLOP/s."""
-    return FlashRates(tuple((d, tuple(zip(SEQS, (r * 1e12 / peak for r in rates)))) for d, rates in tflops.items()))
+def _flash(tflops: dict[int, tuple[float, ...]], peak: float, seqs: tuple[int, ...] = SEQS) -> FlashRates:
+    """FlashRates from TFLOP/s at ``seqs`` per head dimension, measured on a GPU of dense ``peak`` FLOP/s."""
+    return FlashRates(tuple((d, tuple(zip(seqs, (r * 1e12 / peak for r in rates)))) for d, rates in tflops.items()))
 
 
 # FlashAttention-2 (Dao 2023, arXiv 2307.08691), forward+backward under a causal mask, TFLOP/s read off the bars of
@@ -65,6 +65,13 @@ _FLASH2_H100_TFLOPS = {64: (141, 192, 232, 257, 273, 284), 128: (163, 221, 265, 
 _FLASH_V100_TFLOPS = {d: tuple(r * 125 / 312 for r in rates) for d, rates in _FLASH2_A100_TFLOPS.items()}
 FLASH_V100, FLASH_A100 = _flash(_FLASH_V100_TFLOPS, 125e12), _flash(_FLASH2_A100_TFLOPS, 312e12)
 FLASH_H100 = _flash(_FLASH2_H100_TFLOPS, 989e12)
+# Measured on an H200 by the probes (calibration/profiles/h200/probes/probes-2.json, "attention"): torch 2.11's
+# scaled_dot_product_attention, causal, bf16, forward + backward on FlashAttention's count, at sequences 1,024 to
+# 8,192 (held beyond them); which kernel torch picked was not recorded. 1.2-1.7x FlashAttention-2's H100 bars.
+H200_SDPA_SEQS = (1024, 2048, 4096, 8192)
+_SDPA_H200_TFLOPS = {64: (233, 314, 379, 423), 128: (286, 388, 470, 527)}
+FLASH_H200 = _flash(_SDPA_H200_TFLOPS, 989e12, H200_SDPA_SEQS)
+H200_STREAMING = 0.885  # a 1 GiB copy at 4.25 of 4.8 TB/s, reads and writes counted (probes-2.json, "streaming")
 # Misaligned bf16 matmuls on an H200 (calibration/profiles/h200/probes, `python -m pipescope.calibration.probes`):
 # the median, per pass, of 10 pairs each (the logits at vocabularies 50,257 against 50,304, whole and in 8 shards,
 # at 2,048 and 8,192 tokens and widths 2,048 and 12,288; a 8192 x 8192 x 4096 GEMM with its output or input width
@@ -85,10 +92,12 @@ DEVICES: dict[str, DeviceSpec] = {
                        flash=FLASH_A100),
     # GEMM: 794.5 of 989 TFLOP/s bf16 at 2048 x 2048 x 13312 (the same table, "H200 is the same"); HBM: 3.98 TB/s of
     # 4.8 on H200 (NVIDIA/cccl PR #2086, babelstream mul over 2^28 bytes); no H100 measurement found: the H200's.
+    # (The H200's own entry now takes its probes' measurements; H100 keeps these sources, not measured here.)
     "h100": DeviceSpec("H100-SXM5-80GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 3350e9, 80 * GiB,
                        sms=132, gemm_measured=794.5 / 989, gemm_shape=(2048, 2048, 13312), memory_efficiency=0.83,
                        flash=FLASH_H100, misaligned_gemm=MISALIGNED_HOPPER),
+    # GEMM: as H100 (the H200's own sweep agrees: costs.md, "Against an H200"); HBM and attention: its probes.
     "h200": DeviceSpec("H200-SXM-141GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 4800e9, 141 * 10**9,
-                       sms=132, gemm_measured=794.5 / 989, gemm_shape=(2048, 2048, 13312), memory_efficiency=0.83,
-                       flash=FLASH_H100, misaligned_gemm=MISALIGNED_HOPPER),
+                       sms=132, gemm_measured=794.5 / 989, gemm_shape=(2048, 2048, 13312),
+                       memory_efficiency=H200_STREAMING, flash=FLASH_H200, misaligned_gemm=MISALIGNED_HOPPER),
 }
