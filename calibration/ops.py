@@ -189,13 +189,21 @@ def optimizer_groups(blocks: list[Block], embedding: Embedding, output: OutputLa
     return unique
 
 
+def attach_flat_grads(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Each parameter's gradient a view of ``flat``, in order, as the executor keeps them (one buffer per stage)."""
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+
+
 def optimizer_rows(timer: Timer, groups: list[list[nn.Module]]) -> list[Row]:
     """Time each group's optimizer op as the executor runs it (``executor.weights``), on fp32 masters (mixed
     precision keeps fp32 masters): the gradient norm read back to the host, AdamW's ``step()`` on gradients that
     are views of one flat buffer, and that buffer zeroed. The simulator's step stands for all three
     (``StageCost.optimizer_ns``). On an H200, ``step()`` alone fell 17% short of the executor's op on GPT 1.3B's
     stages; the zeroing, the norm and the GPU idling while the host launches the step after the norm's sync are
-    most of that (docs/validation.md, "What the probes measured")."""
+    most of that (docs/validation.md, "The probes")."""
     rows = []
     for group in groups:
         masters = [nn.Parameter(p.detach().float().clone()) for m in group for p in m.parameters()]
@@ -203,10 +211,7 @@ def optimizer_rows(timer: Timer, groups: list[list[nn.Module]]) -> list[Row]:
         # makes AdamW several times slower on CPU).
         values = torch.randn(sum(p.numel() for p in masters), device=masters[0].device) * 1e-3
         flat = values.clone()
-        offset = 0
-        for p in masters:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        attach_flat_grads(masters, flat)
         optimizer = torch.optim.AdamW(masters, lr=1e-4)
 
         def executor_op(_, o=optimizer, g=flat) -> None:

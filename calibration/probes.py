@@ -43,6 +43,7 @@ from torch import nn
 
 from pipescope.calibration import env
 from pipescope.calibration.model import Block
+from pipescope.calibration.ops import attach_flat_grads
 from pipescope.calibration.timing import Bench, Stats, Timer, TimingConfig, make_timer
 
 PROBES = ("launch", "optimizer", "gemm_layouts", "alignment", "attention", "streaming", "sustained")
@@ -68,7 +69,7 @@ class Sizes:
 
 
 GPU = Sizes()
-PROBE_TIMING = TimingConfig(budget_s=0.3, max_reps=50)  # a few hundred ms a measurement: the probes take a minute
+PROBE_TIMING = TimingConfig(budget_s=0.3, max_reps=50)  # at most 0.3 s a measurement
 CPU_REHEARSAL = Sizes(stage=(1, 64, 4), gemm_hidden=(64,), gemm_tokens=(128,), logits_hidden=(64,), vocabs=(257, 264),
                       alignment=(128, 128, 64), head_dims=(16,), seqs=(64,), attention_tokens=128, attention_width=64,
                       stream_bytes=1 << 22, launches=50, sustained=(128, 1.0))
@@ -111,10 +112,7 @@ def _adamw(params: list[torch.Tensor], **options) -> torch.optim.AdamW:
 
 def _flat_grads(params: list[torch.Tensor]) -> torch.Tensor:
     flat = torch.randn(sum(p.numel() for p in params), device=params[0].device) * 1e-3
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
+    attach_flat_grads(params, flat)
     return flat
 
 

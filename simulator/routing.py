@@ -64,7 +64,7 @@ class _Meeting:
 
     def _search(self) -> tuple[float, float] | None:
         # Each side's state in one tuple, unpacked once per settled node: this loop is most of a large
-        # collective's routing time, and attribute and tuple lookups per step were a third of it.
+        # collective's routing time, and looking the state up per step cost 15-35% of it (two sittings).
         sides = tuple((heap, set(), arcs, mine, other, tight) for heap, arcs, mine, other, tight in (
             ([(0, self.s)], self.router.out, self.label[0], self.label[1], self.tight[0]),
             ([(0, self.t)], self.router.into, self.label[1], self.label[0], self.tight[1])))
