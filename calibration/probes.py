@@ -44,7 +44,7 @@ from torch import nn
 from pipescope.calibration import env
 from pipescope.calibration.model import Block
 from pipescope.calibration.ops import attach_flat_grads
-from pipescope.calibration.timing import Bench, Stats, Timer, TimingConfig, make_timer
+from pipescope.calibration.timing import Bench, Timer, TimingConfig, make_timer
 
 PROBES = ("launch", "optimizer", "gemm_layouts", "alignment", "attention", "streaming", "sustained")
 
@@ -66,13 +66,20 @@ class Sizes:
     stream_bytes: int = 1 << 30
     launches: int = 2000
     sustained: tuple[int, float] = (8192, 40.0)  # GEMM side and seconds of back-to-back work under full load
+    sustained_block: tuple[int, int] = (8, 1024)  # samples and sequence of the block run under load (``stage``'s)
 
 
 GPU = Sizes()
 PROBE_TIMING = TimingConfig(budget_s=0.3, max_reps=50)  # at most 0.3 s a measurement
 CPU_REHEARSAL = Sizes(stage=(1, 64, 4), gemm_hidden=(64,), gemm_tokens=(128,), logits_hidden=(64,), vocabs=(257, 264),
                       alignment=(128, 128, 64), head_dims=(16,), seqs=(64,), attention_tokens=128, attention_width=64,
-                      stream_bytes=1 << 22, launches=50, sustained=(128, 1.0))
+                      stream_bytes=1 << 22, launches=50, sustained=(128, 1.0),
+                      sustained_block=(1, 32))
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    """What the probes multiply in: bf16 on a GPU, as training does; fp32 on a CPU, as ``calibrate`` does there."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def _sync(device: torch.device) -> None:
@@ -89,10 +96,6 @@ def host_ns(device: torch.device, work: Callable[[], object], repeats: int) -> f
         work()
     _sync(device)
     return (time.perf_counter_ns() - start) / repeats
-
-
-def _median_ns(stats: Stats) -> int:
-    return stats.median_ns
 
 
 def _stage_params(device: torch.device, sizes: Sizes) -> list[nn.Parameter]:
@@ -123,14 +126,14 @@ def optimizer_probe(device: torch.device, timing: TimingConfig, sizes: Sizes) ->
     out: dict = {"params": sum(p.numel() for p in params), "tensors": len(params)}
     separate = [nn.Parameter(p.detach().clone()) for p in params]
     optimizer = _adamw(separate)
-    out["step_separate_grads"] = _median_ns(timer.measure(Bench(lambda _, o=optimizer: o.step())))
+    out["step_separate_grads"] = timer.measure(Bench(lambda _, o=optimizer: o.step())).median_ns
     del optimizer, separate
     flat = _flat_grads(params)
     stepper = _adamw(params)
-    out["step_flat_grads"] = _median_ns(timer.measure(Bench(lambda _: stepper.step())))
-    out["zero_flat"] = _median_ns(timer.measure(Bench(lambda _: flat.zero_())))
+    out["step_flat_grads"] = timer.measure(Bench(lambda _: stepper.step())).median_ns
+    out["zero_flat"] = timer.measure(Bench(lambda _: flat.zero_())).median_ns
     flat.normal_().mul_(1e-3)
-    out["norm_gpu"] = _median_ns(timer.measure(Bench(lambda _: torch.linalg.vector_norm(flat))))
+    out["norm_gpu"] = timer.measure(Bench(lambda _: torch.linalg.vector_norm(flat))).median_ns
     out["norm_host_sync"] = host_ns(device, lambda: float(torch.linalg.vector_norm(flat)), 50)
     out["step_host_launch"] = _host_launch_ns(device, stepper.step, 20)
 
@@ -146,7 +149,7 @@ def optimizer_probe(device: torch.device, timing: TimingConfig, sizes: Sizes) ->
         except (RuntimeError, ValueError) as exc:  # fused needs a floating device type torch supports
             out[f"step_{option}"] = f"unavailable: {exc}"
             continue
-        out[f"step_{option}"] = _median_ns(timer.measure(Bench(lambda _, o=variant: o.step())))
+        out[f"step_{option}"] = timer.measure(Bench(lambda _, o=variant: o.step())).median_ns
         del variant
     return out
 
@@ -196,11 +199,11 @@ def linear_shapes(sizes: Sizes) -> list[tuple[str, int, int, int]]:
 def gemm_probe(device: torch.device, timing: TimingConfig, shapes: list[tuple[str, int, int, int]]) -> list[dict]:
     """Each shape's forward, input-gradient and weight-gradient GEMM: ns and TFLOP/s."""
     timer = make_timer(device, timing)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(device)
     rows = []
     for index, (name, t, n, k) in enumerate(shapes, 1):
         for layout, work in _layouts(*(torch.randn(*s, device=device, dtype=dtype) for s in ((t, k), (n, k), (t, n)))):
-            ns = _median_ns(timer.measure(Bench(lambda _, work=work: work())))
+            ns = timer.measure(Bench(lambda _, work=work: work())).median_ns
             rows.append({"name": name, "tokens": t, "out": n, "in": k, "layout": layout, "ns": ns,
                          "tflops": 2 * t * n * k / ns / 1e3})
         print(f"probes: gemm {index}/{len(shapes)} {name} {t} x {n} x {k}: "
@@ -262,7 +265,7 @@ def attention_probe(device: torch.device, timing: TimingConfig, sizes: Sizes) ->
     """torch's scaled_dot_product_attention, causal, bf16: forward and forward + backward ns, and TFLOP/s on
     FlashAttention's own count (a causal forward is half of 4 s^2 d per head and sample, the backward 2.5 times it)."""
     timer = make_timer(device, timing)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(device)
     rows = []
     for head_dim in sizes.head_dims:
         for seq in sizes.seqs:
@@ -283,8 +286,8 @@ def _attention_row(timer: Timer, device: torch.device, dtype: torch.dtype, head_
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     flops = 4 * seq * seq * head_dim * batch * heads / 2
-    f_ns = _median_ns(timer.measure(Bench(lambda _: forward())))
-    fb_ns = _median_ns(timer.measure(Bench(lambda _: forward().backward(grad))))
+    f_ns = timer.measure(Bench(lambda _: forward())).median_ns
+    fb_ns = timer.measure(Bench(lambda _: forward().backward(grad))).median_ns
     return {"head_dim": head_dim, "seq": seq, "batch": batch, "heads": heads, "forward_ns": f_ns,
             "forward_backward_ns": fb_ns, "forward_tflops": flops / f_ns / 1e3,
             "forward_backward_tflops": 3.5 * flops / fb_ns / 1e3}
@@ -292,16 +295,16 @@ def _attention_row(timer: Timer, device: torch.device, dtype: torch.dtype, head_
 
 def sustained_probe(device: torch.device, sizes: Sizes) -> dict:
     """Work under a training step's continuous load for ``sizes.sustained`` seconds each: a square bf16 GEMM back
-    to back, then a GPT block's forward and backward (hidden 2048, 8 x 1024 tokens on a GPU). TFLOP/s (the block:
-    iterations/s) per one-second window, and ``nvidia-smi``'s SM clock, power and temperature every second meanwhile
-    (CUDA), so the burst rate a short benchmark sees and the rate a GPU holds under load can be set side by side."""
+    to back, then a GPT block's forward and backward (``stage``'s width, ``sustained_block`` tokens). TFLOP/s (the
+    block: iterations/s) per one-second window, and ``nvidia-smi``'s SM clock, power and temperature every second
+    meanwhile (CUDA), so the burst rate a short benchmark sees and the rate a GPU holds under load can be set side by
+    side."""
     side, seconds = sizes.sustained
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(device)
     a, b = (torch.randn(side, side, device=device, dtype=dtype) for _ in range(2))
     hidden = sizes.stage[1]
     block = Block(hidden, sizes.stage[2]).to(device=device, dtype=dtype)
-    x = torch.randn(8 if device.type == "cuda" else 1, 1024 if device.type == "cuda" else 32, hidden, device=device,
-                    dtype=dtype, requires_grad=True)
+    x = torch.randn(*sizes.sustained_block, hidden, device=device, dtype=dtype, requires_grad=True)
     out = {"side": side}
     for name, work, per_call in (("gemm", lambda: torch.matmul(a, b), 2 * side**3 / 1e12),
                                  ("block", lambda: block(x).sum().backward(), 1.0)):
@@ -355,8 +358,8 @@ def streaming_probe(device: torch.device, timing: TimingConfig, sizes: Sizes) ->
     timer = make_timer(device, timing)
     elements = sizes.stream_bytes // 4
     a, b = torch.empty(elements, device=device), torch.empty(elements, device=device)
-    copy_ns = _median_ns(timer.measure(Bench(lambda _: b.copy_(a))))
-    fill_ns = _median_ns(timer.measure(Bench(lambda _: b.fill_(1.0))))
+    copy_ns = timer.measure(Bench(lambda _: b.copy_(a))).median_ns
+    fill_ns = timer.measure(Bench(lambda _: b.fill_(1.0))).median_ns
     return {"bytes": 4 * elements, "copy_ns": copy_ns, "copy_bytes_per_s": 8 * elements / copy_ns * 1e9,
             "fill_ns": fill_ns, "fill_bytes_per_s": 4 * elements / fill_ns * 1e9}
 
