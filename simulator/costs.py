@@ -172,14 +172,16 @@ DEFAULT_MEMORY_EFFICIENCY = 0.8
 @dataclass(frozen=True)
 class AnalyticCostsConfig:
     """``costs.kind: analytic``: a roofline per kernel; matmuls at ``efficiency`` of the datasheet peak FLOP/s (less
-    their tile and wave quantization), memory traffic at ``memory_efficiency`` of its bandwidth; unset, each is
-    what the GPU was measured to reach (``topologies/devices.py``; docs/costs.md, "Rates"). ``gemms``: a
+    their tile and wave quantization), memory traffic at ``memory_efficiency`` of its bandwidth, compute at
+    ``sustained`` of those rates under continuous load; unset, each is what the GPU was measured to reach
+    (``topologies/devices.py``; docs/costs.md, "Rates"). ``gemms``: a
     ``pipescope calibrate-gemms`` folder whose measured matmul rates replace the large-GEMM rate ("Measured
     GEMMs")."""
 
     kind: CostKind = CostKind.ANALYTIC
     efficiency: float | None = None
     memory_efficiency: float | None = None
+    sustained: float | None = None
     gemms: str | None = None
 
 
@@ -293,6 +295,7 @@ class AnalyticCosts(PerStageCache):
     flash: FlashRates | None = None  # the GPU's measured flash-attention rates
     gemms: MeasuredGemms | None = None  # measured matmul rates in place of ``efficiency`` (calibrate-gemms)
     misaligned_gemm: tuple[tuple[str, float], ...] = ()  # per pass, a misaligned matmul's fraction of the rate
+    sustained: float = 1.0  # the compute rates' fraction held under continuous load (gpu_rates.Roofline)
     vocab_runtime: str = "torch"  # whose vocabulary padding the logits run with (models.allocated_vocab)
     warnings: tuple[str, ...] = ()  # about the inputs (a GEMM table from another device), for the result
     grad_bytes: int | None = None  # per gradient, as the runtime keeps them (None: the precision's)
@@ -308,7 +311,7 @@ class AnalyticCosts(PerStageCache):
     def roofline(self) -> Roofline:
         memory = self.memory_bandwidth * self.memory_efficiency if self.memory_bandwidth else None
         return Roofline(self.peak_flops, self.efficiency, memory, self.tiling, self.flash, self.gemms,
-                        self.misaligned_gemm)
+                        self.misaligned_gemm, self.sustained)
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
         n = self._layers_of(stage, num_stages, self.model.layers)

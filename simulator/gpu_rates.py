@@ -85,7 +85,9 @@ class Roofline:
     times flash attention; ``memory_rate`` (None: memory traffic is not timed) is the bytes/s a streaming kernel
     reaches; ``gemms`` (None: none) are measured matmul rates, which replace ``gemm_efficiency`` for matmuls;
     ``misaligned`` is, per pass (F, I, W), the fraction of its rate a matmul reaches whose rows do not start on 16
-    bytes (``kernels.is_aligned``); a pass it does not name runs at the aligned rate.
+    bytes (``kernels.is_aligned``); a pass it does not name runs at the aligned rate. ``sustained`` is the fraction
+    of those short-benchmark compute rates a GPU holds under a training step's continuous load, at its power limit
+    (docs/costs.md, "Under continuous load"); streaming rates come from long copies and do not take it.
     """
 
     peak_flops: float
@@ -95,22 +97,23 @@ class Roofline:
     flash: FlashRates | None = None
     gemms: MeasuredGemms | None = None
     misaligned: tuple[tuple[str, float], ...] = ()
+    sustained: float = 1.0
 
     @property
     def compute_rate(self) -> float:
-        """FLOP/s of a large, well-tiled matmul."""
-        return self.peak_flops * self.gemm_efficiency
+        """FLOP/s of a large, well-tiled matmul under continuous load."""
+        return self.peak_flops * self.gemm_efficiency * self.sustained
 
     def flop_rate(self, kernel: Kernel) -> float:
         """The FLOP/s ``kernel`` computes at, in its own FLOP count (a flash kernel's: ``Flash.flops``)."""
         if kernel.flash is not None and self.flash is not None:
-            return self.peak_flops * self.flash.fraction(kernel.flash.seq, kernel.flash.head_dim)
+            return self.peak_flops * self.flash.fraction(kernel.flash.seq, kernel.flash.head_dim) * self.sustained
         g = kernel.gemm
         if g is None:
             return self.compute_rate
         alignment = 1.0 if g.aligned else dict(self.misaligned).get(kernel.op, 1.0)
         if self.gemms is not None:
-            return self.gemms.flop_rate(g, self.tiling) * alignment
+            return self.gemms.flop_rate(g, self.tiling) * alignment * self.sustained
         if self.tiling is not None:
             return self.compute_rate * self.tiling.efficiency(g.batch, g.rows, g.cols, g.inner) * alignment
         return self.compute_rate * alignment

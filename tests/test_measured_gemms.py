@@ -92,7 +92,7 @@ def test_a_table_of_the_published_benchmark_reproduces_the_default_model(tmp_pat
                + output_kernels(default.model, 4, "bf16", allocated=padded) if k.gemm is not None]
     assert len(kernels) >= 8
     for kernel in kernels:
-        expected = min(default.roofline.flop_rate(kernel), rate)
+        expected = min(default.roofline.flop_rate(kernel), rate * H100.sustained)  # both under continuous load
         assert measured.roofline.flop_rate(kernel) == pytest.approx(expected, rel=1e-12), kernel.name
     faster = write_table(tmp_path / "fast", [(*shape, ns_at(950e12, *shape))])
     assert pipescope.run(pipescope.load_config("demo", [f"costs.gemms={faster}"])).iteration_time_s < \

@@ -85,6 +85,25 @@ def test_under_continuous_load_the_h200_held_less_than_its_short_measurements() 
     assert round(block * (layer["F"] + layer["B"]) / 1e9, 3) == 0.921
 
 
+def test_the_sustained_compute_fraction_is_the_blocks_measurement_less_its_memory_bound_kernels() -> None:
+    """topologies/devices.py's SUSTAINED_H200: the block held 0.921 of its short time; the memory-bound kernels
+    (on the HBM clock) keep their rate, so the compute-bound ones, the model's share c of the block at short rates,
+    held c / (1 / 0.921 - (1 - c))."""
+    import pipescope
+    from pipescope.topologies.devices import SUSTAINED_H200
+
+    config = {"schedule": {"name": "1f1b", "stages": 1, "microbatches": 1},
+              "model": {"preset": "gpt-1.3b", "microbatch_size": 8, "precision": "bf16"},
+              "cluster": {"topology": "hgx-h200", "nodes": 1}, "costs": {"kind": "analytic", "sustained": 1}}
+    group = pipescope.run(pipescope.load_config(raw=config)).kernels
+    layer = [k for g in group for k in g["kernels"] if k["component"] == "layer"]
+    compute = sum(k["time_s"] for k in layer if k["bound"] == "compute") / sum(k["time_s"] for k in layer)
+    assert round(compute, 3) == 0.905
+    assert round(compute / (1 / 0.921 - (1 - compute)), 3) == SUSTAINED_H200
+    assert DEVICES["h100"].sustained == DEVICES["h200"].sustained == SUSTAINED_H200
+    assert DEVICES["v100"].sustained == 1.0  # its benchmark ran 3 s back to back
+
+
 def test_the_h200s_streaming_and_attention_rates_are_its_probes() -> None:
     """topologies/devices.py takes the H200's HBM and attention rates from its probes, rounded as written there."""
     from pipescope.topologies.devices import _SDPA_H200_TFLOPS, H200_SDPA_SEQS, H200_STREAMING
