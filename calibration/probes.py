@@ -16,8 +16,12 @@ The probes, each written to ``OUT/probes.json``:
   linear, a small layer norm), and a small GPT block's forward and backward per kernel they launch.
 - ``streaming``: a copy's and a fill's bytes per second; ``attention``: torch's causal attention at several sequence
   lengths and head dimensions.
+- ``elementwise``: eager attention's memory-bound kernels on its scores (softmax, dropout, and their backwards)
+  beside a copy of the same tensor: whether each streams at the copy's rate on the cost model's byte count (dropout's
+  forward draws a random number per element, its backward does not).
 - ``sustained``: a GEMM and a GPT block's forward and backward, each run back to back for tens of seconds, their rate
-  per second beside the SM clock, power and temperature: what a GPU holds under a step's continuous load.
+  per second beside the SM clock, power and temperature: what a GPU holds under a step's continuous load; with
+  ``--block-samples`` the block again at those microbatch sizes, whose kernels draw less power.
 - ``device``: what ran it (name, clocks, versions).
 
 Every GPU time is CUDA events on the current stream, L2 flushed (``timing.CudaTimer``); host times are
@@ -34,7 +38,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,7 +50,7 @@ from pipescope.calibration.model import Block
 from pipescope.calibration.ops import attach_flat_grads
 from pipescope.calibration.timing import Bench, Timer, TimingConfig, make_timer
 
-PROBES = ("launch", "optimizer", "gemm_layouts", "alignment", "attention", "streaming", "sustained")
+PROBES = ("launch", "optimizer", "gemm_layouts", "alignment", "attention", "streaming", "elementwise", "sustained")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ class Sizes:
     launches: int = 2000
     sustained: tuple[int, float] = (8192, 40.0)  # GEMM side and seconds of back-to-back work under full load
     sustained_block: tuple[int, int] = (8, 1024)  # samples and sequence of the block run under load (``stage``'s)
+    block_samples: tuple[int, ...] = ()  # the block under load again at these microbatch sizes (``block-<b>``)
+    scores: tuple[int, int] = (96, 1024)  # batch x heads and sequence of eager attention's scores: Qi et al.'s 6.2B
 
 
 GPU = Sizes()
@@ -74,7 +80,7 @@ PROBE_TIMING = TimingConfig(budget_s=0.3, max_reps=50)  # at most 0.3 s a measur
 CPU_REHEARSAL = Sizes(stage=(1, 64, 4), gemm_hidden=(64,), gemm_tokens=(128,), logits_hidden=(64,), vocabs=(257, 264),
                       alignment=(128, 128, 64), head_dims=(16,), seqs=(64,), attention_tokens=128, attention_width=64,
                       stream_bytes=1 << 22, launches=50, sustained=(128, 1.0),
-                      sustained_block=(1, 32))
+                      sustained_block=(1, 32), block_samples=(2,), scores=(4, 32))
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -305,11 +311,14 @@ def sustained_probe(device: torch.device, sizes: Sizes) -> dict:
     hidden = sizes.stage[1]
     block = Block(hidden, sizes.stage[2]).to(device=device, dtype=dtype)
     x = torch.randn(*sizes.sustained_block, hidden, device=device, dtype=dtype, requires_grad=True)
+    blocks = {f"block-{b}": torch.randn(b, sizes.sustained_block[1], hidden, device=device, dtype=dtype,
+                                        requires_grad=True) for b in sizes.block_samples}
     out = {"side": side}
-    for name, work, per_call in (("gemm", lambda: torch.matmul(a, b), 2 * side**3 / 1e12),
-                                 ("block", lambda: block(x).sum().backward(), 1.0)):
+    work = [("gemm", lambda: torch.matmul(a, b), 2 * side**3 / 1e12), ("block", lambda: block(x).sum().backward(), 1.0)]
+    work += [(name, lambda t=t: block(t).sum().backward(), 1.0) for name, t in blocks.items()]
+    for name, step, per_call in work:
         with _gpu_monitor(device) as samples:
-            out[name] = {"windows": _windows(device, work, seconds, per_call), "gpu": samples}
+            out[name] = {"windows": _windows(device, step, seconds, per_call), "gpu": samples}
     return out
 
 
@@ -364,6 +373,33 @@ def streaming_probe(device: torch.device, timing: TimingConfig, sizes: Sizes) ->
             "fill_ns": fill_ns, "fill_bytes_per_s": 4 * elements / fill_ns * 1e9}
 
 
+def elementwise_probe(device: torch.device, timing: TimingConfig, sizes: Sizes) -> dict:
+    """Eager attention's memory-bound kernels on scores of ``sizes.scores`` (batch x heads, seq, seq): ns each, and
+    bytes per second on the bytes ``simulator/kernels.py`` counts for it (a softmax reads and writes each element,
+    its backward reads two and writes one, a dropout reads one and writes one and a 1-byte mask, its backward reads
+    one and the mask and writes one), beside a copy of the same tensor; ``of_copy`` is that rate over the copy's."""
+    timer = make_timer(device, timing)
+    bh, seq = sizes.scores
+    x = torch.randn(bh, seq, seq, device=device, dtype=_dtype(device))
+    y, grad, probs = torch.empty_like(x), torch.randn_like(x), torch.softmax(x, -1)
+    mask = torch.ops.aten.native_dropout(x, 0.1, True)[1]
+    e = x.element_size()
+    kernels: dict[str, tuple[Callable[[object], object], int]] = {
+        "copy": (lambda _: y.copy_(x), 2 * e),
+        "softmax": (lambda _: torch.softmax(x, -1), 2 * e),
+        "softmax_backward": (lambda _: torch.ops.aten._softmax_backward_data(grad, probs, -1, x.dtype), 3 * e),
+        "dropout": (lambda _: torch.ops.aten.native_dropout(x, 0.1, True), 2 * e + 1),
+        "dropout_backward": (lambda _: torch.ops.aten.native_dropout_backward(grad, mask, 1 / 0.9), 2 * e + 1),
+    }
+    rows = {}
+    for name, (work, per_element) in kernels.items():
+        ns = timer.measure(Bench(work)).median_ns
+        rows[name] = {"ns": ns, "bytes_per_s": per_element * x.numel() / ns * 1e9}
+    for row in rows.values():
+        row["of_copy"] = row["bytes_per_s"] / rows["copy"]["bytes_per_s"]
+    return {"shape": list(x.shape), "dtype": str(x.dtype), "kernels": rows}
+
+
 def run(out: Path, device: torch.device, only: list[str] | None = None, sizes: Sizes | None = None,
         timing: TimingConfig = PROBE_TIMING) -> dict:
     """The probes named in ``only`` (all by default) at ``sizes`` (a GPU's on CUDA, the rehearsal's on a CPU),
@@ -379,6 +415,7 @@ def run(out: Path, device: torch.device, only: list[str] | None = None, sizes: S
         "alignment": lambda: gemm_probe(device, timing, alignment_shapes(sizes)),
         "attention": lambda: attention_probe(device, timing, sizes),
         "streaming": lambda: streaming_probe(device, timing, sizes),
+        "elementwise": lambda: elementwise_probe(device, timing, sizes),
         "sustained": lambda: sustained_probe(device, sizes),
     }
     for name in only or every:
@@ -395,17 +432,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pipescope.calibration.probes",
         description="Time what the cost model's named terms rest on: kernel launches, the optimizer step's parts, "
-                    "GEMMs in their three layouts and misaligned, attention, streaming (docs/validation.md, "
+                    "GEMMs in their three layouts and misaligned, attention, streaming, eager attention's "
+                    "element-wise kernels, the rate under continuous load (docs/validation.md, "
                     "\"The probes\"). On a CPU it rehearses every probe at small sizes.")
     parser.add_argument("out", type=Path, help="folder for probes.json (written after each probe)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to time (default: cuda when there is one)")
     parser.add_argument("--only", nargs="+", choices=PROBES, help="these probes, in this order (default: all)")
+    parser.add_argument("--block-samples", nargs="+", type=int, default=[], metavar="B",
+                        help="sustained: also run the block under load at these microbatch sizes (each 1 to 64)")
+    parser.add_argument("--sustained-seconds", type=float, metavar="S",
+                        help="sustained: seconds of back-to-back work per item (5 to 120; default 40 on a GPU)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("probes: --device: got 'cuda', but torch sees no CUDA device here; expected cpu", file=sys.stderr)
         return 2
-    run(args.out, torch.device(args.device), args.only)
+    bad = [b for b in args.block_samples if not 1 <= b <= 64]
+    if bad:
+        print(f"probes: --block-samples: got {bad[0]}, expected a microbatch size from 1 to 64", file=sys.stderr)
+        return 2
+    if args.sustained_seconds is not None and not 5 <= args.sustained_seconds <= 120:
+        print(f"probes: --sustained-seconds: got {args.sustained_seconds}, expected 5 to 120", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    sizes = GPU if device.type == "cuda" else CPU_REHEARSAL
+    sizes = replace(sizes, block_samples=tuple(args.block_samples) or sizes.block_samples)
+    if args.sustained_seconds is not None:
+        sizes = replace(sizes, sustained=(sizes.sustained[0], args.sustained_seconds))
+    run(args.out, device, args.only, sizes)
     return 0
 
 

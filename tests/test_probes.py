@@ -29,7 +29,16 @@ def test_every_probe_runs_on_a_cpu_and_reports_positive_times(tmp_path: Path) ->
     assert {r["layout"] for r in report["alignment"]} == {"forward", "dgrad", "wgrad"}
     assert all(r["ns"] > 0 and r["tflops"] > 0 for r in report["gemm_layouts"] + report["alignment"])
     assert report["streaming"]["copy_bytes_per_s"] > 0 and report["launch"]["add_one_element"] > 0
-    assert all(w["rate"] > 0 for work in ("gemm", "block") for w in report["sustained"][work]["windows"])
+    assert all(w["rate"] > 0 for work in ("gemm", "block", "block-2") for w in report["sustained"][work]["windows"])
+    kernels = report["elementwise"]["kernels"]
+    assert set(kernels) == {"copy", "softmax", "softmax_backward", "dropout", "dropout_backward"}
+    assert kernels["copy"]["of_copy"] == 1 and all(k["ns"] > 0 and k["of_copy"] > 0 for k in kernels.values())
+
+
+@pytest.mark.parametrize("flags", [["--block-samples", "0"], ["--block-samples", "65"], ["--sustained-seconds", "2"]])
+def test_a_bad_sustained_flag_is_a_usage_error(tmp_path: Path, capsys, flags: list[str]) -> None:
+    assert probes.main([str(tmp_path), "--device", "cpu", *flags]) == 2
+    assert flags[0] in capsys.readouterr().err and not (tmp_path / "probes.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
