@@ -48,7 +48,10 @@ class RunSpec:
                 not isinstance(self.data_parallel, int) or self.data_parallel < 1),
                ("iterations", self.iterations, "an integer >= 1", self.iterations < 1),
                ("warmup", self.warmup, "an integer >= 0", self.warmup < 0),
-               ("device", self.device, "cpu or cuda", self.device not in ("cpu", "cuda"))]
+               ("device", self.device, "cpu or cuda", self.device not in ("cpu", "cuda")),
+               ("schedule", self.schedule.name, "a schedule of one pipeline (the executor's stages hand on to the "
+                "next one; a bidirectional schedule's two copies of the model are not built)",
+                self.schedule.pipelines > 1)]
         for name, value, expected, wrong in bad:
             if wrong:
                 raise ValueError(f"RunSpec.{name}: got {value!r}, expected {expected}")

@@ -330,7 +330,10 @@ def _check_flags(args: argparse.Namespace) -> None:
     """The schedule and model the flags name, built under analytic costs before a calibration of tens of seconds:
     ``--stages 0`` or more stages than the model has layers fails now, in one line."""
     from pipescope.runner import prepare
-    prepare(load_config(None, _sets(args, None) + [f"model.preset={json.dumps(args.model or DEFAULT_MODEL)}"]))
+    built = prepare(load_config(None, _sets(args, None) + [f"model.preset={json.dumps(args.model or DEFAULT_MODEL)}"]))
+    if built.schedule.pipelines > 1:
+        raise ConfigError(f"--schedule: {args.schedule} runs {built.schedule.pipelines} pipelines (two copies of the "
+                          f"model), which the real executor does not build; expected a schedule of one pipeline")
 
 
 def _sets(args: argparse.Namespace, profile: str | None) -> list[str]:

@@ -141,12 +141,12 @@ def prepare_checked(config: Config) -> Prepared:
     if isinstance(costs, ProfiledCosts):
         config = _with_profile_model(config, costs)
     if not isinstance(config.costs, UniformCostsConfig):
-        _check_layers(config.model.layers or model.layers, schedule.num_stages)
+        _check_layers(config.model.layers or model.layers, schedule.pipeline_stages)
     config, schedule, costs = apply_vocab(config, schedule, costs, model)  # schedule.vocab (docs/schedules.md 7)
     if config.parallel.offloads_optimizer:
         check_host_memory(config, cluster, device_params(schedule, stage_costs(costs, schedule)))
     if not isinstance(config.costs, UniformCostsConfig):
-        config = _with_layer_split(config, schedule.num_stages)
+        config = _with_layer_split(config, schedule.pipeline_stages)
     return Prepared(_with_what_ran(config, schedule), schedule, cluster, costs, model)
 
 
@@ -191,7 +191,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
         raise ConfigError(str(err)) from None
     except NetworkError as err:
         raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
-    result.kernels = costs.kernel_report(schedule.num_stages)
+    result.kernels = costs.kernel_report(schedule.pipeline_stages)
     result.cluster_name = cluster.name
     result.gpus_per_device = config.parallel.gpus_per_device
     result.tokens_per_sample = model.seq if analytic else None
@@ -442,14 +442,16 @@ def _graph_key(config: Config) -> tuple | None:
 
 
 def _stage_grad_bytes(config: Config, model: ModelSpec, split: TensorSplit, schedule: Schedule) -> list[int]:
-    """Per stage, one GPU's gradient bytes (what its context group all-reduces before the step)."""
+    """Per stage, one GPU's gradient bytes (what its context group all-reduces before the step): its model stage's
+    (``Schedule.model_stage``)."""
     try:
-        layers = stage_layers(model.layers, schedule.num_stages, config.model.layers_per_stage)
+        layers = stage_layers(model.layers, schedule.pipeline_stages, config.model.layers_per_stage)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    last = schedule.num_stages - 1
+    last = schedule.pipeline_stages - 1
     per_param = grad_bytes(config.memory.runtime, config.model.precision)
-    return [split.params(model, n, s == 0, s == last) * per_param for s, n in enumerate(layers)]
+    model_stages = map(schedule.model_stage, range(schedule.num_stages))
+    return [split.params(model, layers[s], s == 0, s == last) * per_param for s in model_stages]
 
 
 def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: Schedule) -> CostModel:

@@ -36,6 +36,9 @@ def apply_vocab(config: Config, schedule: Schedule, costs: CostModel, model: Mod
         raise ConfigError(str(err)) from None
     if method is VocabMethod.NAIVE:
         return config, schedule, costs
+    if schedule.pipelines > 1:
+        raise ConfigError(f"schedule.vocab: {method.value} with schedule.name {schedule.name} is not modelled (its "
+                          f"{schedule.pipelines} pipelines each end in their own output layer); expected naive")
     if config.parallel.tensor > 1 and method is not VocabMethod.REDISTRIBUTE:
         raise ConfigError(f"schedule.vocab: {method.value} with parallel.tensor={config.parallel.tensor} is not "
                           f"modelled (vocabulary shards split again over the tensor group); expected naive or "

@@ -114,20 +114,27 @@ def _coverage_problems(schedule: Schedule, where: dict[Action, list[tuple[int, i
     for action in where:
         kinds.setdefault(action.stage, {}).setdefault(action.microbatch, set()).add(action.kind)
     for stage in range(schedule.num_stages):
-        yield from _stage_coverage(stage, kinds.get(stage, {}), schedule.total_microbatches)
+        yield from _stage_coverage(schedule, stage, kinds.get(stage, {}))
 
 
-def _stage_coverage(stage: int, kinds: dict[int, set[ActionKind]], total: int) -> list[str]:
-    """What is missing for one stage, at most MAX_LISTED_PER_STAGE lines.
+def _stage_coverage(schedule: Schedule, stage: int, kinds: dict[int, set[ActionKind]]) -> list[str]:
+    """What is missing for one stage, at most MAX_LISTED_PER_STAGE lines: every microbatch its pipeline runs
+    (``Schedule.runs``) needs its ops, and one it does not run must have none.
 
     The scan stops early, so a file claiming 10^9 microbatches does not hang the checker.
     """
+    total = schedule.total_microbatches
+    runs = total if schedule.pipelines == 1 else sum(schedule.runs(stage, mb) for mb in range(total))
     in_range = [mb for mb in kinds if 0 <= mb < total]
-    if len(in_range) == total and all(_microbatch_problem(stage, mb, kinds[mb]) is None for mb in in_range):
+    if len(in_range) == runs and all(schedule.runs(stage, mb) and _microbatch_problem(stage, mb, kinds[mb]) is None
+                                     for mb in in_range):
         return []
     problems = []
     for mb in range(total):
-        problem = _microbatch_problem(stage, mb, kinds.get(mb, set()))
+        if not schedule.runs(stage, mb):
+            problem = f"stage {stage} microbatch {mb}: runs in another pipeline" if mb in kinds else None
+        else:
+            problem = _microbatch_problem(stage, mb, kinds.get(mb, set()))
         if problem is not None:
             problems.append(problem)
         if len(problems) == MAX_LISTED_PER_STAGE:
@@ -208,7 +215,8 @@ def _compute_ok(schedule: Schedule) -> bool:
     p, stages, total = schedule.num_devices, schedule.num_stages, schedule.total_microbatches
     per_device = [[a for a in acts if a is not None and a.kind in COMPUTE_KINDS] for acts in schedule.device_actions]
     ops = [a for acts in per_device for a in acts]
-    if len(ops) > 4 * stages * total or len(ops) < 2 * stages * total or stages * total > 50_000_000:
+    runs = stages * total // schedule.pipelines  # (stage, microbatch) pairs that run: a microbatch's pipeline's
+    if len(ops) > 4 * runs or len(ops) < 2 * runs or stages * total > 50_000_000:
         return False
     device = np.repeat(np.arange(p), [len(acts) for acts in per_device])
     cols = Columns.of(ops, device)
@@ -222,5 +230,8 @@ def _compute_ok(schedule: Schedule) -> bool:
     if (where >= 0).sum() != len(ops):
         return False  # an op appears twice
     f, i, w, b = (where[KIND_CODE[k]] >= 0 for k in (K.F, K.I, K.W, K.B))
-    backward_ok = (b & ~i & ~w) | (~b & i & w)
-    return bool(f.all() and backward_ok.all() and (where[KIND_CODE[K.W]] > where[KIND_CODE[K.I]])[i].all())
+    mine = np.ones((stages, total), dtype=bool) if schedule.pipelines == 1 else np.array(
+        [[schedule.runs(s, mb) for mb in range(total)] for s in range(stages)])
+    backward_ok = np.where(mine, (b & ~i & ~w) | (~b & i & w), ~(b | i | w))
+    return bool((f == mine).all() and backward_ok.all()
+                and (where[KIND_CODE[K.W]] > where[KIND_CODE[K.I]])[i].all())

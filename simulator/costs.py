@@ -110,8 +110,11 @@ MAX_BYTES = 1 << 50  # 1 PiB: no stage of a real model stashes or sends more; ke
 
 
 def stage_costs(costs: CostModel, schedule: Schedule) -> list[StageCost]:
-    """Every stage's costs in ``schedule`` (its ``num_stages`` stages, ``chunks`` per device), in stage order."""
-    return [costs.stage_cost(s, schedule.num_stages, schedule.chunks) for s in range(schedule.num_stages)]
+    """Every stage's costs in ``schedule``, in stage order: each its model stage's (``Schedule.model_stage``) of
+    one pipeline's stages, ``pipeline_stages / p`` of them per device (DualPipe's two copies cost the same)."""
+    length = schedule.pipeline_stages
+    chunks = max(1, length // max(1, schedule.num_devices))
+    return [costs.stage_cost(schedule.model_stage(s), length, chunks) for s in range(schedule.num_stages)]
 
 
 def check_stage_costs(costs: list[StageCost]) -> None:

@@ -250,6 +250,10 @@ class Schedule:
         overlapped: (forward, backward) pairs that run as one F&B, consecutive on their device (DualPipeV's; torch
             writes each as one ``(F;B)OVERLAP_F_B`` cell). The simulator runs a pair as its forward then its
             backward; the pairs say how the order is written.
+        pipelines: how many pipelines the stages form, each a copy of the whole model over
+            ``num_stages // pipelines`` consecutive stages (``pipeline_stages``): 1, or 2 for the bidirectional
+            schedules (DualPipe: stages ``0..p-1`` fed from the first device, ``p..2p-1`` from the last). A
+            microbatch runs through one pipeline; stage ``s`` is the model's stage ``s % pipeline_stages``.
     """
 
     name: str
@@ -262,10 +266,28 @@ class Schedule:
     recompute: bool = False
     weight_versions: tuple[int, ...] = field(default=())
     overlapped: frozenset[tuple[Action, Action]] = field(default=frozenset())
+    pipelines: int = 1
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_to_device)
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Stages of one pipeline: the model's stages."""
+        return self.num_stages // self.pipelines
+
+    def model_stage(self, stage: int) -> int:
+        """The model's stage that schedule stage ``stage`` runs (its place in its pipeline)."""
+        return stage % self.pipeline_stages
+
+    def pipeline_of(self, microbatch: int) -> int:
+        """The pipeline a microbatch runs through: each iteration's first ``m / pipelines`` the first, and so on."""
+        return microbatch % self.num_microbatches * self.pipelines // self.num_microbatches
+
+    def runs(self, stage: int, microbatch: int) -> bool:
+        """Whether ``stage`` runs ``microbatch`` (every stage does, but where the stages form several pipelines)."""
+        return self.pipelines == 1 or self.pipeline_of(microbatch) == stage // self.pipeline_stages
 
     @property
     def chunks(self) -> int:
@@ -306,21 +328,24 @@ def v_placement(num_devices: int) -> tuple[int, ...]:
     return tuple(range(num_devices)) + tuple(reversed(range(num_devices)))
 
 
-def producers(action: Action, num_stages: int, present: Container[Action]) -> list[Action]:
+def producers(action: Action, num_stages: int, present: Container[Action],
+              pipeline_stages: int | None = None) -> list[Action]:
     """The compute ops whose results ``action`` needs (docs/schedules.md section 0): the one dependency rule.
 
     F(s) needs F(s-1); I/B(s) needs its own F(s) and the backward of stage s+1 (its I if the schedule has one,
-    else its B); W(s) needs I(s). Lowering turns a producer on another device into the RECV of its transfer
-    (``simulator.lowering.program_inputs``).
+    else its B); W(s) needs I(s). A pipeline's first stage has no F before it and its last no backward after it
+    (``pipeline_stages``: a pipeline's length, ``Schedule.pipelines``; None: one pipeline of ``num_stages``).
+    Lowering turns a producer on another device into the RECV of its transfer (``simulator.lowering.program_inputs``).
     """
     s, mb, kind = action.stage, action.microbatch, action.kind
+    length = pipeline_stages or num_stages
     if kind is ActionKind.F:
-        return [Action(s - 1, ActionKind.F, mb)] if s > 0 else []
+        return [Action(s - 1, ActionKind.F, mb)] if s % length else []
     if kind is ActionKind.W:
         return [Action(s, ActionKind.I, mb)]
     if kind is ActionKind.I or kind is ActionKind.B:
         deps = [Action(s, ActionKind.F, mb)]
-        if s + 1 < num_stages:
+        if s + 1 < num_stages and (s + 1) % length:
             split = Action(s + 1, ActionKind.I, mb)
             deps.append(split if split in present else Action(s + 1, ActionKind.B, mb))
         return deps

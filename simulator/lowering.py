@@ -22,11 +22,13 @@ K = ActionKind
 _SENDS = {K.F: (1, K.SEND_F, K.RECV_F), K.I: (-1, K.SEND_B, K.RECV_B), K.B: (-1, K.SEND_B, K.RECV_B)}
 
 
-def comm_pair(action: Action, stage_to_device: Sequence[int]) -> tuple[Action, Action] | None:
+def comm_pair(action: Action, stage_to_device: Sequence[int],
+              pipeline_stages: int | None = None) -> tuple[Action, Action] | None:
     """The SEND on ``action``'s device and the RECV on its consumer's device, or None when nothing crosses.
 
     F(s) sends its output to stage s+1, I(s)/B(s) the input gradient to stage s-1 (W sends nothing); no
-    transfer when the peer stage is on the same device or does not exist (torch's ``_has_comms``).
+    transfer when the peer stage is on the same device or does not exist (torch's ``_has_comms``), or is in
+    another pipeline (``Schedule.pipelines``; ``pipeline_stages`` is one's length, None: all the stages).
     """
     s, kind, mb = action
     sends = _SENDS.get(kind)
@@ -35,19 +37,23 @@ def comm_pair(action: Action, stage_to_device: Sequence[int]) -> tuple[Action, A
     peer = s + sends[0]
     if not 0 <= peer < len(stage_to_device) or stage_to_device[peer] == stage_to_device[s]:
         return None
+    if pipeline_stages and peer // pipeline_stages != s // pipeline_stages:
+        return None
     return Action(s, sends[1], mb), Action(peer, sends[2], mb)
 
 
-def _placement_needs(action: Action, num_stages: int) -> list[Action]:
+def _placement_needs(action: Action, num_stages: int, pipeline_stages: int | None = None) -> list[Action]:
     """Actions any ONE of which, already placed on this device, lets ``action`` be placed (empty: at once).
 
     torch's rules, weaker than ``simulator.ir.producers``: an I/B does not wait for its own F, nor a W for its I,
-    since placement only looks at what crosses devices.
+    since placement only looks at what crosses devices. A pipeline's first and last stages (``pipeline_stages``,
+    as ``producers``) wait for nothing before and after them.
     """
     s, kind, mb = action.stage, action.kind, action.microbatch
+    length = pipeline_stages or num_stages
     if kind is K.F:
-        return [Action(s, K.RECV_F, mb), Action(s - 1, K.F, mb)] if s > 0 else []
-    if (kind is K.I or kind is K.B) and s < num_stages - 1:
+        return [Action(s, K.RECV_F, mb), Action(s - 1, K.F, mb)] if s % length else []
+    if (kind is K.I or kind is K.B) and s < num_stages - 1 and (s + 1) % length:
         return [Action(s, K.RECV_B, mb), Action(s + 1, K.I, mb), Action(s + 1, K.B, mb)]
     return []
 
@@ -92,10 +98,10 @@ def add_send_recv(schedule: Schedule) -> Schedule:
             names its next action, its position (idle steps not counted) and what it waits for.
     """
     lists = _lowering_input(schedule)
-    home, num_stages = schedule.stage_to_device, schedule.num_stages
+    home, num_stages, length = schedule.stage_to_device, schedule.num_stages, schedule.pipeline_stages
     # Both rules depend on (stage, kind) only, the microbatch passes through: resolve them once per pair.
-    rules = _per_stage_kind(lambda a: ([(n.stage, n.kind) for n in _placement_needs(a, num_stages)],
-                                       comm_pair(a, home) if a.kind in COMPUTE_KINDS else None), lists)
+    rules = _per_stage_kind(lambda a: ([(n.stage, n.kind) for n in _placement_needs(a, num_stages, length)],
+                                       comm_pair(a, home, length) if a.kind in COMPUTE_KINDS else None), lists)
     out: list[list[Action]] = [[] for _ in lists]
     placed: list[set[tuple]] = [set() for _ in lists]
     cursor = [0] * len(lists)
@@ -146,7 +152,8 @@ def add_send_recv(schedule: Schedule) -> Schedule:
     stuck = [d for d in range(len(lists)) if cursor[d] < len(lists[d])]
     if stuck:
         raise ScheduleError(["deadlock: cannot place sends/recvs: " + _waits_line(
-            d, cursor[d], lists[d][cursor[d]], _placement_needs(lists[d][cursor[d]], num_stages)) for d in stuck])
+            d, cursor[d], lists[d][cursor[d]], _placement_needs(lists[d][cursor[d]], num_stages, length))
+            for d in stuck])
     return dataclasses.replace(schedule, device_actions=tuple(tuple(acts) for acts in out))
 
 
@@ -241,13 +248,14 @@ def lower(schedule: Schedule) -> Schedule:
     return schedule if schedule.is_lowered else add_send_recv(schedule)
 
 
-def program_inputs(action: Action, home: Sequence[int], num_stages: int, present: Container[Action]) -> list[Action]:
+def program_inputs(action: Action, home: Sequence[int], num_stages: int, present: Container[Action],
+                   pipeline_stages: int | None = None) -> list[Action]:
     """What ``action`` waits for in a lowered program: its producers (``simulator.ir.producers``, the one
     dependency rule), each one on another device replaced by the RECV of its transfer on this device."""
     here = home[action.stage]
     inputs = []
-    for producer in producers(action, num_stages, present):
-        pair = comm_pair(producer, home) if home[producer.stage] != here else None
+    for producer in producers(action, num_stages, present, pipeline_stages):
+        pair = comm_pair(producer, home, pipeline_stages) if home[producer.stage] != here else None
         inputs.append(producer if pair is None else pair[1])
     return inputs
 
@@ -295,13 +303,15 @@ def gradient_buffers(deferred: bool) -> int:
     return 2 if deferred else 1
 
 
-def add_optimizer_steps(program: Schedule, deferred: bool = False) -> Schedule:
+def add_optimizer_steps(program: Schedule, deferred: bool = False, grad_bytes: Sequence[int] = ()) -> Schedule:
     """``program`` with each stage's optimizer steps (``sOPTk``, see ``step_microbatch``) where the real executor
     runs them (docs/schedules.md "The optimizer step").
 
-    A flush schedule steps after the device's last op: first clipping's norm all-reduce (``NORM_BYTES`` over the
-    pipeline's devices, a ``Collective``), then its stages in order, as a training loop calls ``step()`` after the
-    backward. 2BW steps each stage after its last backward of each iteration, PipeDream after every backward
+    A flush schedule steps after the device's last op: first, where the stages form several pipelines (DualPipe's
+    two copies of the model), each model stage's gradients all-reduced between the devices that hold a copy of it
+    (``grad_bytes[s]`` of schedule stage ``s``; ``copy_syncs``), then clipping's norm all-reduce (``NORM_BYTES``
+    over the pipeline's devices, a ``Collective``), then its stages in order, as a training loop calls ``step()``
+    after the backward. 2BW steps each stage after its last backward of each iteration, PipeDream after every backward
     (``step_points``); they clip each stage's own norm, so there is no collective.
 
     ``deferred`` (2BW with data parallelism): each step goes instead just before the stage's first forward of
@@ -316,9 +326,10 @@ def add_optimizer_steps(program: Schedule, deferred: bool = False) -> Schedule:
         for k in range(program.iterations):
             last = step_microbatch(update, m, k)
             norm = [Collective(-1, K.ALL_REDUCE, last, group, NORM_BYTES)] if len(group) > 1 else []
+            copies = copy_syncs(program, last, grad_bytes)
             for device, acts in enumerate(lists):
                 stages = [s for s, d in enumerate(program.stage_to_device) if d == device]
-                acts += norm + [Action(s, K.OPT, last) for s in stages]
+                acts += copies[device] + norm + [Action(s, K.OPT, last) for s in stages]
         return dataclasses.replace(program, device_actions=tuple(tuple(acts) for acts in lists))
     out = []
     for acts in lists:
@@ -331,6 +342,24 @@ def add_optimizer_steps(program: Schedule, deferred: bool = False) -> Schedule:
 
         out.append([b for at, a in enumerate(acts) for b in [*steps(before, at), a, *steps(after, at)]])
     return dataclasses.replace(program, device_actions=tuple(tuple(acts) for acts in out))
+
+
+def copy_syncs(program: Schedule, microbatch: int, grad_bytes: Sequence[int]) -> list[list[Collective]]:
+    """Per device, the all-reduces that sum the copies of each model stage it holds (``Schedule.pipelines`` > 1),
+    in model-stage order on every device so that each pair meets; none with one pipeline."""
+    out: list[list[Collective]] = [[] for _ in range(program.num_devices)]
+    if program.pipelines == 1:
+        return out
+    holders: dict[int, list[int]] = {}
+    for s in range(program.num_stages):
+        holders.setdefault(program.model_stage(s), []).append(s)
+    for model_stage, stages in sorted(holders.items()):
+        group = tuple(sorted({program.stage_to_device[s] for s in stages}))
+        if len(group) > 1:
+            nbytes = grad_bytes[stages[0]] if grad_bytes else 0
+            for d in group:
+                out[d].append(Collective(model_stage, K.ALL_REDUCE, microbatch, group, nbytes))
+    return out
 
 
 def _deferred(actions: list, points: dict[int, list[tuple[int, int]]], m: int

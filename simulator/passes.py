@@ -55,7 +55,7 @@ def send_recv(run: Lowering) -> None:
 def optimizer_steps(run: Lowering) -> None:
     """Each stage's optimizer step and clipping's norm all-reduce, where the stage costs have a step."""
     if any(c.optimizer_ns for c in run.stage_costs):  # none under the closed forms' costs: their programs stay
-        run.lists = add_optimizer_steps(run.lists, run.deferred_steps)
+        run.lists = add_optimizer_steps(run.lists, run.deferred_steps, run.grad_bytes)
 
 
 def compile_lists(run: Lowering) -> None:

@@ -305,7 +305,8 @@ def _group_inputs(out: Program, program: Schedule, keys: ActionIndex, flow_of: n
     stage, kind, split = code // 2 // len(KINDS), KINDS[code // 2 % len(KINDS)], bool(code % 2)
     present = frozenset({Action(stage + 1, K.I, 0)} if split else ())
     signals = []
-    for needed in program_inputs(Action(stage, kind, 0), program.stage_to_device, program.num_stages, present):
+    for needed in program_inputs(Action(stage, kind, 0), program.stage_to_device, program.num_stages, present,
+                                 program.pipeline_stages):
         j = keys.find(needed.stage, KIND_CODE[needed.kind], mb)
         through_recv = needed.kind in RECEIVED_FROM
         bad = (j < 0) | (through_recv & ((out.columns.device[j] != out.columns.device[entries]) | (j > entries)))

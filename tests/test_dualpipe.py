@@ -83,14 +83,91 @@ def test_what_dualpipev_refuses(sets: list[str], message: str) -> None:
 
 
 def test_it_runs_under_the_gpu_model_and_the_planner_takes_it() -> None:
-    """A whole run on the default cluster, and a plan that names it."""
+    """A whole run on the default cluster, and a plan that names it and DualPipe."""
     from pipescope.experiments.plan import plan
     from pipescope.experiments.plan_space import PlanRequest, base_config
 
     result = pipescope.run(pipescope.load_config(None, ["schedule.name=dualpipev", "schedule.stages=4",
                                                         "schedule.microbatches=8"]))
     assert result.iteration_time_s > 0 and result.schedule.chunks == 2
-    report = plan(PlanRequest(base_config("gpt-355m", "dgx-a100", 1, None), 16, schedules=("dualpipev", "1f1b"),
+    report = plan(PlanRequest(base_config("gpt-355m", "dgx-a100", 1, None), 16, schedules=("dualpipev", "dualpipe",
+                                                                                         "1f1b"),
                               microbatch_sizes=(1,), tensor=(1,), recompute=("none",), vocab=("naive",),
                               depths=(4,)), workers=1, progress=False)
-    assert "dualpipev" in {row["schedule"] for row in report.ranked}
+    assert {"dualpipev", "dualpipe"} <= {row["schedule"] for row in report.ranked}
+
+
+# DualPipe: two pipelines over the same devices (simulator/schedules/dualpipe.py, ``dualpipe``) -----------------------
+
+def dualpipe(p: int, m: int, f: float, i: float, w: float, *sets: str) -> pipescope.SimResult:
+    """Uniform costs per stage: each of a device's two stages is a whole 1/p of the model."""
+    return pipescope.run(pipescope.load_config(raw={
+        "schedule": {"name": "dualpipe", "stages": p, "microbatches": m},
+        "costs": {"kind": "uniform", "forward": f, "backward_input": i, "backward_weight": w}}))
+
+
+@pytest.mark.parametrize("p", [2, 4, 6, 8])
+@pytest.mark.parametrize("m_per_stage", [1, 2])
+def test_dualpipes_bubble_and_activations_are_within_deepseeks_bounds(p: int, m_per_stage: int) -> None:
+    """DeepSeek-V3's table for DualPipe on PP devices: a bubble of (PP/2-1)(F&B+B-3W), with F&B = F + B here (the
+    pair runs its forward, then its backward), and PP+1 stages' activations at a device's peak; every device does
+    both of its stages' work for its half of the microbatches each."""
+    m = 2 * p * m_per_stage
+    for f, i, w in COSTS:
+        result = dualpipe(p, m, f, i, w)
+        b = i + w
+        idle = max(result.makespan_ns / 1e9 - device.busy_s for device in result.devices)
+        assert idle <= (p // 2 - 1) * ((f + b) + b - 3 * w) + 1e-9, (p, m, f, i, w)
+        assert all(device.busy_s == pytest.approx(m * (f + i + w)) for device in result.devices)
+        # peak_activations counts a device's whole share of the model (its two stages) as one
+        assert max(device.peak_activations for device in result.devices) * 2 == p + 1
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 10), (6, 12), (8, 20)])
+def test_the_two_directions_mirror_each_other_and_each_microbatch_runs_one(p: int, m: int) -> None:
+    """Device r holds stage r of the pipeline fed from device 0 and stage p-1-r of the one fed from device p-1
+    (schedule stage p + p-1-r); its order is device p-1-r's with the two pipelines swapped, as DeepSeek's schedule
+    is symmetric; microbatches 0..m/2-1 run only through the first pipeline, the rest only through the second."""
+    from pipescope.simulator.ir import Action
+
+    schedule = build("dualpipe", p, m)
+    assert schedule.pipelines == 2 and list(schedule.stage_to_device) == [*range(p), *reversed(range(p))]
+    assert {schedule.model_stage(s) for s, d in enumerate(schedule.stage_to_device) if d == 0} == {0, p - 1}
+
+    def swapped(a: Action) -> Action:
+        return Action((a.stage + p) % (2 * p), a.kind, (a.microbatch + m // 2) % m)
+
+    for r in range(p):
+        assert list(map(swapped, schedule.compute_actions(r))) == schedule.compute_actions(p - 1 - r), (p, m, r)
+    for r in range(p):
+        for a in schedule.compute_actions(r):
+            assert schedule.pipeline_of(a.microbatch) == a.stage // p
+
+
+def test_the_copies_sum_their_gradients_before_each_step_and_hold_parameters_twice() -> None:
+    """Under the GPU model each model stage's two copies (devices j and p-1-j) all-reduce its gradient bytes before
+    the step, and each device holds two model stages' parameters: those of 1F1B's devices j and p-1-j."""
+    sets = ["schedule.stages=4", "schedule.microbatches=8"]
+    dual = pipescope.run(pipescope.load_config(None, ["schedule.name=dualpipe", *sets]))
+    plain = pipescope.run(pipescope.load_config(None, ["schedule.name=1f1b", *sets]))
+    stage = dual.timeline[dual.timeline.kind == "ALL_REDUCE"]
+    pairs = {tuple(sorted(stage[stage.action == a].device)) for a in set(stage.action) if not a.startswith("-1")}
+    assert pairs == {(0, 3), (1, 2)}
+    params = [c.params for c in dual.stage_costs]
+    assert params[:4] == params[4:] == [c.params for c in plain.stage_costs]
+    for opt in dual.timeline[dual.timeline.kind == "OPT"].itertuples():
+        synced = stage[(stage.device == opt.device) & ~stage.action.str.startswith("-1")]
+        assert (synced.end_ns <= opt.start_ns).all()
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["schedule.stages=3", "schedule.microbatches=6"], r"schedule.stages\(=3\) must be even and >= 2 for dualpipe"),
+    (["schedule.microbatches=7"], r"schedule.microbatches\(=7\) must be even and >= 2 x schedule.stages\(=4\) = 8"),
+    (["schedule.microbatches=6"], r"schedule.microbatches\(=6\) must be even and >= 2 x schedule.stages\(=4\) = 8"),
+    (["schedule.chunks=2"], r"schedule.chunks\(=2\) must be 1 for dualpipe"),
+    (["schedule.vocab=redistribute"], r"schedule.vocab: redistribute with schedule.name dualpipe is not modelled"),
+])
+def test_what_dualpipe_refuses(sets: list[str], message: str) -> None:
+    with pytest.raises(pipescope.ConfigError, match=message):
+        pipescope.run(pipescope.load_config(None, ["schedule.name=dualpipe", "schedule.stages=4",
+                                                   "schedule.microbatches=8", *sets]))

@@ -19,9 +19,9 @@ def test_family_checks_and_simulates_for_every_p_and_m(name: str) -> None:
     # Schedules without a flush run 2 iterations, not their default 3: the second already starts before the first
     # ends, which is all a third would add to what is checked here (a third of their time in the suite)
     options = {"iterations": 2} if "iterations" in GENERATORS[name].options else {}
-    smallest = 2 if name == "dualpipev" else 1  # microbatches per device: DualPipeV's warm-up feeds all 2p stages
-    for p in range(2, 17):
-        for m in range(smallest * p, 4 * p + 1):
+    smallest = 2 if name in ("dualpipev", "dualpipe") else 1  # microbatches per device: their warm-ups feed 2p
+    for p in range(2, 17, 2 if name == "dualpipe" else 1):  # DualPipe's two pipelines meet in the middle: p even
+        for m in range(smallest * p, 4 * p + 1, 2 if name == "dualpipe" else 1):  # half of m feeds each pipeline
             schedule = build(name, p, m, **options)
             result = simulate(schedule, COSTS, P2P)
             compute = result.records.mask(Role.COMPUTE)

@@ -11,7 +11,7 @@ from pipescope.simulator.ir import Schedule
 from pipescope.simulator.parallel import parse_recompute
 from pipescope.simulator.readers.units import did_you_mean, short_repr
 from pipescope.simulator.schedules.basic import gpipe, one_f_one_b
-from pipescope.simulator.schedules.dualpipe import dualpipev
+from pipescope.simulator.schedules.dualpipe import dualpipe, dualpipev
 from pipescope.simulator.schedules.interleaved import interleaved
 from pipescope.simulator.schedules.pipedream import pipedream, two_bw
 from pipescope.simulator.schedules.vshape import v_half, v_min
@@ -59,6 +59,9 @@ register(Generator("v-half", v_half, "V-Half: V placement, 2 chunks, "
 register(Generator("dualpipev", dualpipev, "DualPipeV (DeepSeek-V3's DualPipe cut in half; torch ScheduleDualPipeV): "
                    "V placement, 2 chunks, m >= 2p, forward-and-backward pairs in the steady state",
                    default_chunks=2))
+register(Generator("dualpipe", dualpipe, "DualPipe (DeepSeek-V3): two pipelines of p stages over p devices (p even), "
+                   "fed from both ends, each device one stage of each (parameters twice), m even and >= 2p, "
+                   "forward-and-backward pairs in the steady state"))
 register(Generator("v-min", v_min, "V-Min: V placement, 2 chunks, "
                    "(p+4)//3 activations per device", default_chunks=2))
 

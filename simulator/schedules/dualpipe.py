@@ -16,6 +16,13 @@ holding stages r and 2p-1-r, with microbatches fed from one end, in eight phases
 
 A pair is its forward then its backward on the device's stream: the simulator has no communication inside a
 stage to hide, so F&B takes F + B.
+
+DualPipe itself (DeepSeek-V3; deepseek-ai/DualPipe, ``dualpipe.py``) runs two pipelines of ``p`` stages over ``p``
+devices (p even), one fed from the first device and one from the last, each with half the microbatches: device r
+holds stage r of the first and stage ``p-1-r`` of the second, so every device holds two stages' parameters. Its
+eight steps are DualPipeV's with ``p/2`` ranks and ``m/2`` microbatches: device r runs DualPipeV's order of rank
+``h = min(r, p-1-r)``, its first chunk (V stage h) being the pipeline in which r sits h from the start and its second
+(V stage p-1-h) the other, where r sits h from the end (``dualpipe``). So devices r and p-1-r run mirrored orders.
 """
 
 from __future__ import annotations
@@ -92,6 +99,36 @@ def device_order(rank: int, p: int, m: int) -> _Device:
     _repeat(p - rank - 1, lambda _: (d.weight(), d.backward(0, split=True)))
     _repeat(rank + 1, lambda _: d.weight())
     return d
+
+
+def dualpipe(p: int, m: int, chunks: int = 1, recompute: bool = False) -> Schedule:
+    """DualPipe for ``p`` devices (even): stages ``0..p-1`` the pipeline fed from device 0, ``p..2p-1`` the one fed
+    from device p-1 (stage ``p+j`` on device ``p-1-j``), each with ``m/2`` of the ``m`` microbatches (``m`` even and at
+    least ``2p``, DeepSeek's bound); microbatches ``0..m/2-1`` take the first (``Schedule.pipeline_of``)."""
+    if chunks != 1:
+        raise ValueError(f"schedule.chunks(={chunks}) must be 1 for dualpipe: each device holds one stage of each of "
+                         f"its two pipelines")
+    if p < 2 or p % 2:
+        raise ValueError(f"schedule.stages(={p}) must be even and >= 2 for dualpipe: its two pipelines meet in the "
+                         f"middle")
+    if m % 2 or m < 2 * p:
+        raise ValueError(f"schedule.microbatches(={m}) must be even and >= 2 x schedule.stages(={p}) = {2 * p} for "
+                         f"dualpipe: half of them feed each pipeline, whose warm-up needs p")
+    half, per = p // 2, m // 2
+    orders, pairs = [], set()
+    for r in range(p):
+        order = device_order(min(r, p - 1 - r), half, per)
+
+        def place(a: Action, first_half: bool = r < half) -> Action:
+            # V stage s < p/2 is the device's pipeline in which it sits early; the first half's is the first pipeline
+            if (a.stage < half) == first_half:
+                return a
+            return Action(p + a.stage, a.kind, per + a.microbatch)
+
+        orders.append(tuple(map(place, order.order)))
+        pairs |= {(place(f), place(b)) for f, b in order.pairs}
+    return Schedule("dualpipe", p, m, v_placement(p), tuple(orders), recompute=recompute, weight_versions=(1,) * p,
+                    overlapped=frozenset(pairs), pipelines=2)
 
 
 def dualpipev(p: int, m: int, chunks: int = 2, recompute: bool = False) -> Schedule:
