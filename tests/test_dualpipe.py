@@ -83,7 +83,7 @@ def test_what_dualpipev_refuses(sets: list[str], message: str) -> None:
 
 
 def test_it_runs_under_the_gpu_model_and_the_planner_takes_it() -> None:
-    """A whole run on the default cluster, and a plan that names it and DualPipe."""
+    """A whole run on the default cluster, and a plan that names it, DualPipe and Chimera."""
     from pipescope.experiments.plan import plan
     from pipescope.experiments.plan_space import PlanRequest, base_config
 
@@ -91,18 +91,18 @@ def test_it_runs_under_the_gpu_model_and_the_planner_takes_it() -> None:
                                                         "schedule.microbatches=8"]))
     assert result.iteration_time_s > 0 and result.schedule.chunks == 2
     report = plan(PlanRequest(base_config("gpt-355m", "dgx-a100", 1, None), 16, schedules=("dualpipev", "dualpipe",
-                                                                                         "1f1b"),
+                                                                                         "chimera", "1f1b"),
                               microbatch_sizes=(1,), tensor=(1,), recompute=("none",), vocab=("naive",),
                               depths=(4,)), workers=1, progress=False)
-    assert {"dualpipev", "dualpipe"} <= {row["schedule"] for row in report.ranked}
+    assert {"dualpipev", "dualpipe", "chimera"} <= {row["schedule"] for row in report.ranked}
 
 
 # DualPipe: two pipelines over the same devices (simulator/schedules/dualpipe.py, ``dualpipe``) -----------------------
 
-def dualpipe(p: int, m: int, f: float, i: float, w: float, *sets: str) -> pipescope.SimResult:
+def dualpipe_like(name: str, p: int, m: int, f: float, i: float, w: float) -> pipescope.SimResult:
     """Uniform costs per stage: each of a device's two stages is a whole 1/p of the model."""
     return pipescope.run(pipescope.load_config(raw={
-        "schedule": {"name": "dualpipe", "stages": p, "microbatches": m},
+        "schedule": {"name": name, "stages": p, "microbatches": m},
         "costs": {"kind": "uniform", "forward": f, "backward_input": i, "backward_weight": w}}))
 
 
@@ -114,7 +114,7 @@ def test_dualpipes_bubble_and_activations_are_within_deepseeks_bounds(p: int, m_
     both of its stages' work for its half of the microbatches each."""
     m = 2 * p * m_per_stage
     for f, i, w in COSTS:
-        result = dualpipe(p, m, f, i, w)
+        result = dualpipe_like("dualpipe", p, m, f, i, w)
         b = i + w
         idle = max(result.makespan_ns / 1e9 - device.busy_s for device in result.devices)
         assert idle <= (p // 2 - 1) * ((f + b) + b - 3 * w) + 1e-9, (p, m, f, i, w)
@@ -170,4 +170,45 @@ def test_the_copies_sum_their_gradients_before_each_step_and_hold_parameters_twi
 def test_what_dualpipe_refuses(sets: list[str], message: str) -> None:
     with pytest.raises(pipescope.ConfigError, match=message):
         pipescope.run(pipescope.load_config(None, ["schedule.name=dualpipe", "schedule.stages=4",
+                                                   "schedule.microbatches=8", *sets]))
+
+
+# Chimera: two pipelines in opposite directions (simulator/schedules/chimera.py) ------------------------------------
+
+@pytest.mark.parametrize("p", [2, 4, 6, 8])
+@pytest.mark.parametrize("units", [1, 2, 3])
+def test_chimeras_bubble_is_its_papers_and_its_activations_between_its_bounds(p: int, units: int) -> None:
+    """Li and Hoefler's bubble ratio (D-2)/(2N+D-2) for D devices and N microbatches, exactly, when a backward takes
+    as long as a forward (the paper's unit steps), the iteration (2N+D-2) F; activations at a device's peak between
+    D/2+1 and D microbatches' (its two stages'), D at the middle devices; parameters twice."""
+    m = p * units
+    for f, i, w in ((2, 1, 1), (3, 2, 1)):
+        result = dualpipe_like("chimera", p, m, f, i, w)
+        assert result.makespan_ns == (2 * m + p - 2) * f * 10**9
+        assert result.bubble_rate == pytest.approx((p - 2) / (2 * m + p - 2))
+        peaks = [device.peak_activations * 2 for device in result.devices]  # a device's two stages count one
+        assert min(peaks) == p // 2 + 1 if p > 2 else True
+        assert max(peaks) == p
+    schedule = build("chimera", p, m)
+    assert schedule.pipelines == 2 and list(schedule.stage_to_device) == [*range(p), *reversed(range(p))]
+
+
+def test_chimera_is_its_authors_construction() -> None:
+    """The order of Chimera's runtime (Shigangli/Chimera, ``chimera_pipeline_rank.py``) at D = 4, N = 4, read off
+    its generator: device 0 runs the down pipeline's first forward, waits a step, its second, then the up
+    pipeline's two forward-backward pairs at its last stage, then the down pipeline's two backwards."""
+    order = [str(a) for a in build("chimera", 4, 4).compute_actions(0)]
+    assert order == ["0F0", "0F1", "7F2", "7B2", "7F3", "7B3", "0B0", "0B1"]
+    assert [str(a) for a in build("chimera", 4, 4).compute_actions(3)] == [
+        "4F2", "4F3", "3F0", "3B0", "3F1", "3B1", "4B2", "4B3"]  # its mirror: the up pipeline's first stage
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["schedule.stages=3", "schedule.microbatches=6"], r"schedule.stages\(=3\) must be even and >= 2 for chimera"),
+    (["schedule.microbatches=6"], r"schedule.microbatches\(=6\) must be a multiple of schedule.stages\(=4\)"),
+    (["schedule.chunks=2"], r"schedule.chunks\(=2\) must be 1 for chimera"),
+])
+def test_what_chimera_refuses(sets: list[str], message: str) -> None:
+    with pytest.raises(pipescope.ConfigError, match=message):
+        pipescope.run(pipescope.load_config(None, ["schedule.name=chimera", "schedule.stages=4",
                                                    "schedule.microbatches=8", *sets]))

@@ -20,8 +20,10 @@ def test_family_checks_and_simulates_for_every_p_and_m(name: str) -> None:
     # ends, which is all a third would add to what is checked here (a third of their time in the suite)
     options = {"iterations": 2} if "iterations" in GENERATORS[name].options else {}
     smallest = 2 if name in ("dualpipev", "dualpipe") else 1  # microbatches per device: their warm-ups feed 2p
-    for p in range(2, 17, 2 if name == "dualpipe" else 1):  # DualPipe's two pipelines meet in the middle: p even
-        for m in range(smallest * p, 4 * p + 1, 2 if name == "dualpipe" else 1):  # half of m feeds each pipeline
+    two_way = name in ("dualpipe", "chimera")  # two pipelines that meet in the middle: p even
+    for p in range(2, 17, 2 if two_way else 1):
+        # half of m feeds each of DualPipe's pipelines; Chimera runs units of p
+        for m in range(smallest * p, 4 * p + 1, p if name == "chimera" else 2 if two_way else 1):
             schedule = build(name, p, m, **options)
             result = simulate(schedule, COSTS, P2P)
             compute = result.records.mask(Role.COMPUTE)

@@ -11,6 +11,7 @@ from pipescope.simulator.ir import Schedule
 from pipescope.simulator.parallel import parse_recompute
 from pipescope.simulator.readers.units import did_you_mean, short_repr
 from pipescope.simulator.schedules.basic import gpipe, one_f_one_b
+from pipescope.simulator.schedules.chimera import chimera
 from pipescope.simulator.schedules.dualpipe import dualpipe, dualpipev
 from pipescope.simulator.schedules.interleaved import interleaved
 from pipescope.simulator.schedules.pipedream import pipedream, two_bw
@@ -62,6 +63,9 @@ register(Generator("dualpipev", dualpipev, "DualPipeV (DeepSeek-V3's DualPipe cu
 register(Generator("dualpipe", dualpipe, "DualPipe (DeepSeek-V3): two pipelines of p stages over p devices (p even), "
                    "fed from both ends, each device one stage of each (parameters twice), m even and >= 2p, "
                    "forward-and-backward pairs in the steady state"))
+register(Generator("chimera", chimera, "Chimera (Li and Hoefler, SC'21): two pipelines of p stages over p devices "
+                   "(p even) in opposite directions, each device one stage of each, units of p microbatches "
+                   "concatenated (m a multiple of p), bubble (p-2)/(2m+p-2) when F = B"))
 register(Generator("v-min", v_min, "V-Min: V placement, 2 chunks, "
                    "(p+4)//3 activations per device", default_chunks=2))
 
