@@ -212,3 +212,19 @@ def test_what_chimera_refuses(sets: list[str], message: str) -> None:
     with pytest.raises(pipescope.ConfigError, match=message):
         pipescope.run(pipescope.load_config(None, ["schedule.name=chimera", "schedule.stages=4",
                                                    "schedule.microbatches=8", *sets]))
+
+
+@pytest.mark.parametrize("name, p, m", [("dualpipe", 4, 8), ("chimera", 4, 8), ("chimera", 2, 4)])
+def test_a_two_pipeline_csv_reads_back_as_two_pipelines_and_runs_the_same(name: str, p: int, m: int) -> None:
+    """``--csv`` writes the order (DualPipe's pairs as torch's OVERLAP_F_B cells); reading it back finds the two
+    pipelines, since no single pipeline runs half its microbatches on half its stages, and it runs as built."""
+    from pipescope.simulator.costs import UniformCosts
+    from pipescope.simulator.readers.csvio import from_csv_text, to_csv_text
+    from pipescope.simulator.simulate import simulate
+
+    built = build(name, p, m)
+    read = from_csv_text(to_csv_text(built), m)
+    assert read.pipelines == 2 and read.device_actions == built.device_actions
+    costs = UniformCosts(forward=1.0, backward_input=1.0, backward_weight=0.5)
+    assert simulate(read, costs).iteration_ns == simulate(built, costs).iteration_ns
+    assert from_csv_text(to_csv_text(build("1f1b", p, m)), m).pipelines == 1

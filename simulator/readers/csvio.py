@@ -139,7 +139,10 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
 
     Stages are placed on the device where they first appear; the checker reports a stage that shows up on a second
     device. An ``OVERLAP_F_B`` cell becomes its actions in order, a pair of them kept as the schedule's
-    ``overlapped``. Without ``num_microbatches`` it is taken as one more than the highest microbatch seen.
+    ``overlapped``. Without ``num_microbatches`` it is taken as one more than the highest microbatch seen. A file
+    whose first half of the stages runs only each iteration's first half of the microbatches and whose second half
+    runs only the rest holds two pipelines (``Schedule.pipelines``: DualPipe's and Chimera's CSVs); as one it could
+    never be valid.
 
     Raises:
         ValueError: one line naming the row (and cell) and what was expected: the text is over the bounds
@@ -172,14 +175,25 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
     if top >= num_stages:
         raise ValueError(f"row {rank} cell {cell}: {short_repr(shown, 40)} names stage {top}, expected a stage in "
                          f"0..{num_stages - 1} (the stages the file's compute actions use)")
+    m = num_microbatches or seen_mb
     return Schedule(
         name=name,
         num_devices=len(device_actions),
-        num_microbatches=num_microbatches or seen_mb,
+        num_microbatches=m,
         stage_to_device=tuple(home[s] for s in range(num_stages)),
         device_actions=tuple(device_actions),
         overlapped=frozenset(pairs),
+        pipelines=2 if _two_pipelines(device_actions, num_stages, m) else 1,
     )
+
+
+def _two_pipelines(device_actions: list, num_stages: int, m: int) -> bool:
+    """Whether the compute actions split into two pipelines (``from_csv_text``)."""
+    if num_stages % 2 or m % 2:
+        return False
+    halves = {(a.stage >= num_stages // 2, a.microbatch % m >= m // 2)
+              for actions in device_actions for a in actions if a is not None and a.kind in COMPUTE_KINDS}
+    return halves == {(False, False), (True, True)}
 
 
 def read_csv(path: str, num_microbatches: int | None = None) -> Schedule:
