@@ -14,6 +14,7 @@ are concatenated: the next starts when the previous unit's first microbatch has 
 from __future__ import annotations
 
 from pipescope.simulator.ir import Action, ActionKind, Schedule, v_placement
+from pipescope.simulator.schedules.common import check_two_pipelines
 
 K = ActionKind
 
@@ -21,12 +22,7 @@ K = ActionKind
 def chimera(p: int, m: int, chunks: int = 1, recompute: bool = False) -> Schedule:
     """Chimera for ``p`` devices (even) and ``m`` microbatches, a multiple of ``p``: microbatches ``0..m/2-1`` run
     through the down pipeline (stages ``0..p-1``), the rest through the up one (stage ``p+k`` on device ``p-1-k``)."""
-    if chunks != 1:
-        raise ValueError(f"schedule.chunks(={chunks}) must be 1 for chimera: each device holds one stage of each of "
-                         f"its two pipelines")
-    if p < 2 or p % 2:
-        raise ValueError(f"schedule.stages(={p}) must be even and >= 2 for chimera: each pipeline takes half of a "
-                         f"unit's p microbatches")
+    check_two_pipelines("chimera", p, chunks)
     if m % p:
         raise ValueError(f"schedule.microbatches(={m}) must be a multiple of schedule.stages(={p}) for chimera: it "
                          f"runs units of p microbatches, p/2 in each direction")

@@ -31,6 +31,17 @@ def check_chunks(name: str, chunks: int, allowed: tuple[int, ...]) -> None:
         raise ValueError(f"schedule.chunks(={chunks}) must be {expected} for {name}")
 
 
+def check_two_pipelines(name: str, p: int, chunks: int) -> None:
+    """Raise ValueError unless a bidirectional schedule (DualPipe, Chimera) can run: one stage of each of its two
+    pipelines per device, and an even number of devices, so that the pipelines meet in the middle."""
+    if chunks != 1:
+        raise ValueError(f"schedule.chunks(={chunks}) must be 1 for {name}: each device holds one stage of each of "
+                         f"its two pipelines")
+    if p < 2 or p % 2:
+        raise ValueError(f"schedule.stages(={p}) must be even and >= 2 for {name}: its two pipelines meet in the "
+                         f"middle")
+
+
 def check_iterations(name: str, iterations: int) -> None:
     """Raise ValueError unless at least one iteration is simulated."""
     if iterations < 1:

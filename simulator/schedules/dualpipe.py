@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable
 
 from pipescope.simulator.ir import Action, ActionKind, Schedule, v_placement
-from pipescope.simulator.schedules.common import v_chunks
+from pipescope.simulator.schedules.common import check_two_pipelines, v_chunks
 
 K = ActionKind
 
@@ -105,12 +105,7 @@ def dualpipe(p: int, m: int, chunks: int = 1, recompute: bool = False) -> Schedu
     """DualPipe for ``p`` devices (even): stages ``0..p-1`` the pipeline fed from device 0, ``p..2p-1`` the one fed
     from device p-1 (stage ``p+j`` on device ``p-1-j``), each with ``m/2`` of the ``m`` microbatches (``m`` even and at
     least ``2p``, DeepSeek's bound); microbatches ``0..m/2-1`` take the first (``Schedule.pipeline_of``)."""
-    if chunks != 1:
-        raise ValueError(f"schedule.chunks(={chunks}) must be 1 for dualpipe: each device holds one stage of each of "
-                         f"its two pipelines")
-    if p < 2 or p % 2:
-        raise ValueError(f"schedule.stages(={p}) must be even and >= 2 for dualpipe: its two pipelines meet in the "
-                         f"middle")
+    check_two_pipelines("dualpipe", p, chunks)
     if m % 2 or m < 2 * p:
         raise ValueError(f"schedule.microbatches(={m}) must be even and >= 2 x schedule.stages(={p}) = {2 * p} for "
                          f"dualpipe: half of them feed each pipeline, whose warm-up needs p")
