@@ -177,6 +177,7 @@ def validate(args: argparse.Namespace) -> tuple[dict, pd.DataFrame, pd.DataFrame
         config, warnings = _shared_cores(config) if mode == CPU else (config, [])
         from pipescope.runner import prepare, run_prepared
         built = prepare(config)
+        _check_one_pipeline(built.schedule)
         _check_profile(built.costs, profile, args.device, args.model if args.profile else None, mode != ONE_GPU)
         if args.profile:
             _say_busy(busy)
@@ -331,8 +332,13 @@ def _check_flags(args: argparse.Namespace) -> None:
     ``--stages 0`` or more stages than the model has layers fails now, in one line."""
     from pipescope.runner import prepare
     built = prepare(load_config(None, _sets(args, None) + [f"model.preset={json.dumps(args.model or DEFAULT_MODEL)}"]))
-    if built.schedule.pipelines > 1:
-        raise ConfigError(f"--schedule: {args.schedule} runs {built.schedule.pipelines} pipelines (two copies of the "
+    _check_one_pipeline(built.schedule)
+
+
+def _check_one_pipeline(schedule) -> None:
+    """A bidirectional schedule's two copies of the model are not built by the real executor: one line, exit 2."""
+    if schedule.pipelines > 1:
+        raise ConfigError(f"--schedule: {schedule.name} runs {schedule.pipelines} pipelines (two copies of the "
                           f"model), which the real executor does not build; expected a schedule of one pipeline")
 
 

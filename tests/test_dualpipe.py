@@ -226,3 +226,17 @@ def test_a_two_pipeline_csv_reads_back_as_two_pipelines_and_runs_the_same(name: 
     costs = UniformCosts(forward=1.0, backward_input=1.0, backward_weight=0.5)
     assert simulate(read, costs).iteration_ns == simulate(built, costs).iteration_ns
     assert from_csv_text(to_csv_text(build("1f1b", p, m)), m).pipelines == 1
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "calibration/profiles/h200/tiny"]])
+def test_validate_refuses_a_two_pipeline_schedule_before_it_times_anything(profile: list[str], capsys) -> None:
+    """The real executor builds one copy of the model: one line and exit 2, before any calibration or rank."""
+    from pathlib import Path
+
+    from pipescope.experiments.cli import main
+
+    root = Path(__file__).resolve().parent.parent
+    args = [a if a == "--profile" else str(root / a) for a in profile]
+    assert main(["validate", "--schedule", "dualpipe", "--stages", "2", "--microbatches", "4", *args]) == 2
+    err = capsys.readouterr().err
+    assert "dualpipe runs 2 pipelines" in err and "calibrate" not in err
