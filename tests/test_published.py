@@ -134,8 +134,8 @@ def test_the_fast_subset_holds_its_errors(fast_rows: list[dict]) -> None:
     change that makes predictions worse fails; the issue's targets (TARGETS) are what these bounds move toward."""
     errors = {row["name"]: row["error_rel"] for row in fast_rows}
     assert all(row["status"] == "ok" for row in fast_rows)
-    bounds = {"qi2024-1.5b-1f1b-m24": 0.05, "qi2024-6.2b-zb1p-m32": 0.18, "qi2024-6.2b-1f1b-memory": 0.09,
-              "korthikanti2022-22b-full": 0.05, "korthikanti2022-22b-selective": 0.10}
+    bounds = {"qi2024-1.5b-1f1b-m24": 0.05, "qi2024-6.2b-zb1p-m32": 0.11, "qi2024-6.2b-1f1b-memory": 0.09,
+              "korthikanti2022-22b-full": 0.05, "korthikanti2022-22b-selective": 0.05}
     for name, bound in bounds.items():
         assert abs(errors[name]) <= bound, (name, errors[name])
     summary = summarize(fast_rows)
@@ -174,11 +174,11 @@ def test_bad_published_flags_are_one_line_exit_2(cli, args: list[str], expected:
 
 @pytest.mark.benchmark
 def test_the_whole_corpus_against_the_targets() -> None:
-    """Every run of the corpus (16 minutes on two cores with one worker: the largest are 3,072 GPUs). Holds the
-    errors near where they are today (time 13.7% mean, 24.2% worst; memory 10.7%, 32.9%); docs/costs.md, "Against
+    """Every run of the corpus (7 minutes on two cores with two workers: the largest are 3,072 GPUs). Holds the
+    errors near where they are today (time 8.6% mean, 18.4% worst; memory 10.7%, 32.9%); docs/costs.md, "Against
     published runs", records them against the issue's targets."""
     rows = run_published(RUNS, progress=True)
     summary = summarize(rows)
     assert not summary["failed"]
-    assert summary["time"]["mean_abs_error"] <= 0.15 and summary["time"]["worst_abs_error"] <= 0.27
+    assert summary["time"]["mean_abs_error"] <= 0.10 and summary["time"]["worst_abs_error"] <= 0.20
     assert summary["memory"]["mean_abs_error"] <= 0.12 and summary["memory"]["worst_abs_error"] <= 0.35
