@@ -83,6 +83,11 @@ CPU_REHEARSAL = Sizes(stage=(1, 64, 4), gemm_hidden=(64,), gemm_tokens=(128,), l
                       sustained_block=(1, 32), block_samples=(2,), scores=(4, 32))
 
 
+def default_sizes(device: torch.device) -> Sizes:
+    """A GPU's sizes on CUDA, the rehearsal's on a CPU."""
+    return GPU if device.type == "cuda" else CPU_REHEARSAL
+
+
 def _dtype(device: torch.device) -> torch.dtype:
     """What the probes multiply in: bf16 on a GPU, as training does; fp32 on a CPU, as ``calibrate`` does there."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -404,7 +409,7 @@ def run(out: Path, device: torch.device, only: list[str] | None = None, sizes: S
         timing: TimingConfig = PROBE_TIMING) -> dict:
     """The probes named in ``only`` (all by default) at ``sizes`` (a GPU's on CUDA, the rehearsal's on a CPU),
     written to ``out/probes.json`` after each (a stopped run keeps what it finished)."""
-    sizes = sizes or (GPU if device.type == "cuda" else CPU_REHEARSAL)
+    sizes = sizes or default_sizes(device)
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": env.device_info(device), "versions": env.versions(), "created_utc": env.now_utc(),
                     "sizes": asdict(sizes)}
@@ -455,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"probes: --sustained-seconds: got {args.sustained_seconds}, expected 5 to 120", file=sys.stderr)
         return 2
     device = torch.device(args.device)
-    sizes = GPU if device.type == "cuda" else CPU_REHEARSAL
+    sizes = default_sizes(device)
     sizes = replace(sizes, block_samples=tuple(args.block_samples) or sizes.block_samples)
     if args.sustained_seconds is not None:
         sizes = replace(sizes, sustained=(sizes.sustained[0], args.sustained_seconds))

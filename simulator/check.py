@@ -121,24 +121,26 @@ def _stage_coverage(schedule: Schedule, stage: int, kinds: dict[int, set[ActionK
     """What is missing for one stage, at most MAX_LISTED_PER_STAGE lines: every microbatch its pipeline runs
     (``Schedule.runs``) needs its ops, and one it does not run must have none.
 
-    The scan stops early, so a file claiming 10^9 microbatches does not hang the checker.
+    The scan walks only the stage's own microbatches and stops early, so a file claiming 10^9 microbatches does not
+    hang the checker.
     """
-    total = schedule.total_microbatches
-    runs = total if schedule.pipelines == 1 else sum(schedule.runs(stage, mb) for mb in range(total))
+    m, total = schedule.num_microbatches, schedule.total_microbatches
+    own = schedule.microbatches_of(stage // schedule.pipeline_stages)
     in_range = [mb for mb in kinds if 0 <= mb < total]
-    if len(in_range) == runs and all(schedule.runs(stage, mb) and _microbatch_problem(stage, mb, kinds[mb]) is None
-                                     for mb in in_range):
+    if len(in_range) == schedule.iterations * (own.stop - own.start) and all(  # len() of 10^30 overflows
+            schedule.runs(stage, mb) and _microbatch_problem(stage, mb, kinds[mb]) is None for mb in in_range):
         return []
-    problems = []
-    for mb in range(total):
-        if not schedule.runs(stage, mb):
-            problem = f"stage {stage} microbatch {mb}: runs in another pipeline" if mb in kinds else None
-        else:
-            problem = _microbatch_problem(stage, mb, kinds.get(mb, set()))
+    further = f"stage {stage}: further microbatches not listed"
+    problems = [f"stage {stage} microbatch {mb}: runs in another pipeline"
+                for mb in sorted(in_range) if not schedule.runs(stage, mb)][:MAX_LISTED_PER_STAGE]
+    if len(problems) == MAX_LISTED_PER_STAGE:
+        return problems + [further]
+    for mb in (it * m + k for it in range(schedule.iterations) for k in own):
+        problem = _microbatch_problem(stage, mb, kinds.get(mb, set()))
         if problem is not None:
             problems.append(problem)
         if len(problems) == MAX_LISTED_PER_STAGE:
-            problems.append(f"stage {stage}: further microbatches not listed")
+            problems.append(further)
             break
     return problems
 
@@ -230,8 +232,8 @@ def _compute_ok(schedule: Schedule) -> bool:
     if (where >= 0).sum() != len(ops):
         return False  # an op appears twice
     f, i, w, b = (where[KIND_CODE[k]] >= 0 for k in (K.F, K.I, K.W, K.B))
-    mine = np.ones((stages, total), dtype=bool) if schedule.pipelines == 1 else np.array(
-        [[schedule.runs(s, mb) for mb in range(total)] for s in range(stages)])
+    m, length = schedule.num_microbatches, schedule.pipeline_stages  # Schedule.runs, over every pair at once
+    mine = (np.arange(total) % m * schedule.pipelines // m)[None, :] == (np.arange(stages) // length)[:, None]
     backward_ok = np.where(mine, (b & ~i & ~w) | (~b & i & w), ~(b | i | w))
     return bool((f == mine).all() and backward_ok.all()
                 and (where[KIND_CODE[K.W]] > where[KIND_CODE[K.I]])[i].all())

@@ -285,6 +285,11 @@ class Schedule:
         """The pipeline a microbatch runs through: each iteration's first ``m / pipelines`` the first, and so on."""
         return microbatch % self.num_microbatches * self.pipelines // self.num_microbatches
 
+    def microbatches_of(self, pipeline: int) -> range:
+        """Each iteration's microbatches (of ``0..m-1``) that run through ``pipeline`` (``pipeline_of``)."""
+        m, n = self.num_microbatches, self.pipelines
+        return range(-(-pipeline * m // n), -(-(pipeline + 1) * m // n))
+
     def runs(self, stage: int, microbatch: int) -> bool:
         """Whether ``stage`` runs ``microbatch`` (every stage does, but where the stages form several pipelines)."""
         return self.pipelines == 1 or self.pipeline_of(microbatch) == stage // self.pipeline_stages

@@ -138,6 +138,19 @@ def test_microbatch_beyond_the_given_count_is_a_finding(tmp_path, cli) -> None:
                                             "from 1 to 500,000"), err
 
 
+def test_a_file_that_reads_as_two_pipelines_of_a_billion_microbatches_is_checked_at_once(tmp_path, cli) -> None:
+    """Stage 0 runs microbatch 0, stage 1 microbatch 999,999,999: two pipelines (``from_csv_text``) of 10^9
+    microbatches, each stage missing nearly all of its half. The checker walks each stage's own microbatches and
+    stops after a few findings (it scanned all 10^9 of the other pipeline's and hung)."""
+    path = tmp_path / "far.csv"
+    path.write_text("0F0,0B0\n1F999999999,1B999999999\n")
+    code, out, err = cli(["check", str(path)])
+    assert (code, out) == (1, "")
+    lines = err.splitlines()
+    assert lines[1] == "  stage 0 microbatch 1: missing F (0F1)" and len(lines) == 14, lines[:3]
+    assert "  stage 1 microbatch 500000000: missing F (1F500000000)" in lines
+
+
 def test_a_million_findings_print_a_few_lines(tmp_path, cli) -> None:
     """``0F0,0B0`` on every row puts stage 0 on every device: 2 findings a row (and 0F0 and 0B0 each appear once a
     row). check lists the first 12 and counts the rest, as simulate's one line does; it printed every one (2,000,003
