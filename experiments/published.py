@@ -16,7 +16,8 @@ from typing import Any
 
 from pipescope.config import ConfigError
 from pipescope.simulator.readers.safe_yaml import YamlError, read_yaml_file
-from pipescope.simulator.readers.units import short_repr
+from pipescope.simulator.memory_runtime import RUNTIMES
+from pipescope.simulator.readers.units import parse_size, short_repr
 
 CORPUS = Path(__file__).resolve().parent / "published" / "runs.yaml"
 GIB = 1 << 30
@@ -26,7 +27,8 @@ FLOPS_CONVENTIONS = ("megatron-eq3",)
 MEMORY_MEASURES = ("allocated", "nvidia-smi")
 GRAD_SYNC = ("overlapped", "after-backward")
 SOFTWARE_KEYS = {"precision": str, "attention": str, "grad_sync": str, "bucket_size": str,
-                 "distributed_optimizer": bool, "tp_comm_overlap": bool}
+                 "distributed_optimizer": bool, "tp_comm_overlap": bool, "runtime": str, "cuda_context": str}
+MEMORY_KEYS = ("runtime", "cuda_context")  # software keys that are the config's memory section
 SOFTWARE_DEFAULTS = {"precision": "bf16", "attention": "flash", "grad_sync": "overlapped",
                      "distributed_optimizer": False, "tp_comm_overlap": False}
 SOURCE_KEYS = {"cite", "settings", "hardware", "flops", "memory_measure", "software", "note"}
@@ -161,6 +163,13 @@ def _software(raw: Any, where: str) -> dict[str, Any]:
             raise _fail(where, str(key), value, f"one of {', '.join(SOFTWARE_KEYS)} with its type")
     if raw.get("grad_sync", "overlapped") not in GRAD_SYNC:
         raise _fail(where, "grad_sync", raw["grad_sync"], f"one of {', '.join(GRAD_SYNC)}")
+    if raw.get("runtime", RUNTIMES[0]) not in RUNTIMES:
+        raise _fail(where, "runtime", raw["runtime"], f"one of {', '.join(RUNTIMES)}")
+    if "cuda_context" in raw:
+        try:
+            parse_size(raw["cuda_context"])
+        except ValueError:
+            raise _fail(where, "cuda_context", raw["cuda_context"], "a size such as 1573MiB") from None
     return dict(raw)
 
 
@@ -330,7 +339,8 @@ def config_of(run: PublishedRun, chosen: dict[str, int]) -> dict[str, Any]:
         cluster["bucket_size"] = sw["bucket_size"]
     parallel = {"tensor": run.tensor, "sequence": run.sequence_parallel,
                 "distributed_optimizer": sw["distributed_optimizer"], "tp_comm_overlap": sw["tp_comm_overlap"]}
-    return {"schedule": schedule, "model": model, "cluster": cluster, "parallel": parallel}
+    memory = {key: sw[key] for key in MEMORY_KEYS if key in sw}
+    return {"schedule": schedule, "model": model, "cluster": cluster, "parallel": parallel, "memory": memory}
 
 
 def _nodes(run: PublishedRun) -> int:

@@ -20,6 +20,7 @@ from pipescope.simulator.ir import Schedule, WeightUpdate
 from pipescope.simulator.lowering import has_fsdp_actions, stage_actions
 from pipescope.simulator.models import (
     DEFAULT_PRESET,
+    MEGATRON_MODEL,
     PRECISIONS,
     PRESETS,
     SHAPE_KEYS,
@@ -133,6 +134,9 @@ def prepare_checked(config: Config) -> Prepared:
     if config.parallel.zero_stage and schedule.weight_update is not WeightUpdate.FLUSH:
         raise ConfigError(f"{_zero_key(config)} with schedule.name {config.schedule.name}, expected a flush schedule "
                           f"(one synchronous step per iteration, which ZeRO shards)")
+    if config.memory.runtime == "deepspeed" and config.parallel.zero_stage >= 2:
+        raise ConfigError(f"memory.runtime: got deepspeed, and {_zero_key(config)}; expected parallel.zero 0 or 1 "
+                          f"(the runtime counts DeepSpeed's BF16 optimizer, which shards at most the optimizer state)")
     _check_fsdp_actions(config, schedule)
     if cluster is None:  # a CSV schedule: its size was in the file
         _check_size(schedule.num_stages * schedule.total_microbatches * config.cluster.data_parallel)
@@ -470,7 +474,7 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
                              misaligned_gemm=gpu.misaligned_gemm, sustained=c.sustained or gpu.sustained,
                              vocab_runtime=config.memory.runtime,
                              grad_bytes=grad_bytes(config.memory.runtime, m.precision),
-                             checkpoint_layers=config.memory.runtime == "megatron",
+                             checkpoint_layers=config.memory.runtime in MEGATRON_MODEL,
                              optimizer_shards=p.optimizer_shards(config.cluster.data_parallel),
                              offload=host_offload(config, cluster))
     if not c.profile:

@@ -18,7 +18,7 @@ from pipescope.simulator.costs import StageCost
 from pipescope.simulator.ir import COMPUTE_KINDS, ActionKind, Role, Schedule
 from pipescope.simulator.mesh import NO_SHARDING, Sharding
 from pipescope.simulator.models import PRECISIONS
-from pipescope.simulator.memory_runtime import buffer_events, grad_bytes, step_counter_bytes
+from pipescope.simulator.memory_runtime import buffer_events, grad_bytes, held_grad_bytes, step_counter_bytes
 from pipescope.simulator.program import KIND_CODE
 from pipescope.simulator.timeline import Timeline
 
@@ -44,7 +44,7 @@ def static_memory(params: int, versions: int, precision: str, runtime: str = "me
     optimizer state is on the host, not here (``offload.host_bytes``)."""
     bytes_per = PRECISIONS[precision]  # simulator/models.py: the one precision table
     return StaticMemory(sharding.part(params * bytes_per.weight_bytes * versions, "weights"),
-                        sharding.part(params * grad_bytes(runtime, precision), "gradients"),
+                        sharding.part(params * held_grad_bytes(runtime, precision), "gradients"),
                         0 if sharding.offload else sharding.part(params * bytes_per.optimizer_bytes, "optimizer"))
 
 

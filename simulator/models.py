@@ -272,13 +272,15 @@ DEFAULT_PRESET = "gpt-1.3b"
 # Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by (default 128) times the tensor
 # degree (megatron/training/tokenizer/tokenizer.py, _vocab_size_with_padding), so each GPU's slice is a multiple of 128
 MEGATRON_VOCAB_MULTIPLE = 128
+# The memory runtimes (``simulator.memory_runtime``) that run Megatron's model code: its padding, its checkpointing
+MEGATRON_MODEL = ("megatron", "deepspeed")
 
 
 def allocated_vocab(runtime: str, vocab: int, tensor: int = 1) -> int:
     """One GPU's slice of the output layer's vocabulary as ``runtime`` allocates it: Megatron's padded slice, or
     torch's vocabulary as it is, split over ``tensor`` GPUs (ceil). It decides whether the logits' matmuls are
     aligned (``kernels.is_aligned``); the work is counted on the vocabulary itself."""
-    if runtime == "megatron":
+    if runtime in MEGATRON_MODEL:
         unit = MEGATRON_VOCAB_MULTIPLE * tensor
         return -(-vocab // unit) * unit // tensor
     return -(-vocab // tensor)

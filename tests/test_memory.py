@@ -26,6 +26,8 @@ def test_static_bytes_per_parameter() -> None:
     assert static_memory(1000, 1, "bf16").gradients == 4_000
     assert static_memory(1000, 3, "bf16").weights == 6_000
     assert static_memory(1000, 1, "fp32").total == static_memory(1000, 1, "fp32", "torch").total == 16_000
+    assert static_memory(1000, 1, "bf16", "deepspeed").gradients == 6_000  # fp32 accumulator + autograd's bf16
+    assert static_memory(1000, 1, "fp16", "deepspeed").gradients == 2_000  # no BF16 optimizer: fp16 as Megatron
 
 
 def test_pipedream_holds_p_minus_r_versions() -> None:
@@ -101,6 +103,11 @@ def _at(memory, time_ns: int) -> int:
     return int(memory.bytes_in_use[np.searchsorted(memory.times, time_ns, side="right") - 1])
 
 
+# Per runtime: gradient bytes per parameter, device 0's held boundaries at its peak, device 1's when its last
+# backward starts, step-counter bytes per tensor
+RUNTIME_HOLDS = {"megatron": (4, 0, 0, 0), "deepspeed": (6, 4, 0, 0), "torch": (2, 5, 3, 4)}
+
+
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_runtimes_hold_outputs_and_sent_buffers_as_their_runtime_does(runtime: str) -> None:
     """GPipe, p = 2, m = 4, instant transfers, so Megatron holds no p2p buffer for any time.
@@ -108,17 +115,22 @@ def test_runtimes_hold_outputs_and_sent_buffers_as_their_runtime_does(runtime: s
     torch keeps device 0's four outputs (sent) until the end of the step, and each received gradient until its
     backward ends: at its first backward 4 stashes + 4 outputs + 1 gradient. Device 1 keeps the input gradients it
     sent: when its last backward starts, 3 of them. Megatron frees all of them, and its gradients are 4 bytes per
-    parameter under bf16 (torch: 2); torch's AdamW adds a 4-byte step counter per parameter tensor."""
+    parameter under bf16 (torch: 2); torch's AdamW adds a 4-byte step counter per parameter tensor. DeepSpeed's
+    pipe buffers keep device 0's outputs until each one's backward (4 at the first), and its BF16 optimizer keeps
+    bf16 gradients beside fp32 ones (6 bytes)."""
+    grad, held_0, held_1, counter = RUNTIME_HOLDS[runtime]
     costs = BoundaryCosts(activation_bytes=ACTIVATION, params=PARAMS, precision="bf16")
     result = simulate(build("gpipe", 2, 4), costs, memory_runtime=runtime)
-    torch = runtime == "torch"
-    static = PARAMS * (2 + (2 if torch else 4) + 12) + (4 * TENSORS if torch else 0)  # per device-stage
+    static = PARAMS * (2 + grad + 12) + counter * TENSORS  # per device-stage
     assert [d.static_memory_bytes for d in result.devices] == [static, static]
-    assert result.devices[0].peak_memory_bytes == static + 4 * ACTIVATION + (5 * BOUNDARY if torch else 0)
+    assert result.devices[0].peak_memory_bytes == static + 4 * ACTIVATION + held_0 * BOUNDARY
     frame = result.timeline
     last_backward = frame[(frame["device"] == 1) & (frame["kind"] == "B")]["start_ns"].max()
-    assert _at(result.memory[1], last_backward) == static + ACTIVATION + (3 * BOUNDARY if torch else 0)
+    assert _at(result.memory[1], last_backward) == static + ACTIVATION + held_1 * BOUNDARY
     assert result.memory[0].bytes_in_use[-1] == result.memory[1].bytes_in_use[-1] == static  # all freed at the end
+    if runtime == "deepspeed":  # each output is freed when its backward ends: one fewer after device 0's first
+        first_backward_end = frame[(frame["device"] == 0) & (frame["kind"] == "B")]["end_ns"].min()
+        assert _at(result.memory[0], first_backward_end) == static + 3 * ACTIVATION + 3 * BOUNDARY
 
 
 def test_validate_simulates_with_torch_accounting() -> None:

@@ -37,6 +37,8 @@ def test_the_corpus_holds_every_source_the_issue_names_and_every_configuration_r
             assert config.cluster.data_parallel * config.parallel.tensor * config.schedule.stages == run.gpus
             assert config.schedule.microbatches * config.model.microbatch_size * run.data_parallel == \
                 run.global_batch
+    bloom = validated_config(config_of(by_name("bloom2022-176b-memory"), {}), {}).memory  # the source's own stack
+    assert bloom.runtime == "deepspeed" and bloom.cuda_context == 1573 << 20
 
 
 def test_measurements_become_iteration_times_by_their_sources_conventions() -> None:
@@ -91,6 +93,10 @@ def by_entry(raw: dict, name: str) -> dict:
     (lambda raw: raw["runs"].append(copy.deepcopy(first(raw))), r"run name 'narayanan2021-1\.7b' appears twice"),
     (lambda raw: raw["sources"]["qi2024"].update(flops="6N"), r"sources\.'qi2024': flops: got '6N', expected one"),
     (lambda raw: raw.pop("sources"), r"expected a mapping of 'sources' and 'runs'"),
+    (lambda raw: raw["sources"]["bloom2022"]["software"].update(runtime="jax"), r"sources\.'bloom2022': software: "
+     r"runtime: got 'jax', expected one of megatron, deepspeed, torch"),
+    (lambda raw: raw["sources"]["bloom2022"]["software"].update(cuda_context="lots"), r"software: cuda_context: got "
+     r"'lots', expected a size"),
     (lambda raw: raw["sources"]["qi2024"].pop("memory_measure"), r"\(qi2024-1\.5b-1f1b-memory\): measured: got "
      r"'peak_memory_gib', expected a source with 'memory_measure'"),
     (lambda raw: by_entry(raw, "qi2024-1.5b-1f1b-memory")["measured"].update(device=8), r"measured\.device: got 8, "
@@ -123,9 +129,10 @@ def test_an_unstated_setting_is_chosen_as_the_fastest_that_fits(tmp_path: Path) 
 
 @pytest.fixture(scope="module")
 def fast_rows() -> list[dict]:
-    """The runs of a second or less each: two zero-bubble settings and their memory, Korthikanti's 22B layer."""
+    """The runs of a second or less each: two zero-bubble settings and their memory, Korthikanti's 22B layer, BLOOM's
+    memory under DeepSpeed's accounting."""
     names = ["qi2024-1.5b-1f1b-m24", "qi2024-6.2b-zb1p-m32", "qi2024-6.2b-1f1b-memory", "korthikanti2022-22b-full",
-             "korthikanti2022-22b-selective"]
+             "korthikanti2022-22b-selective", "bloom2022-176b-memory"]
     return run_published(select(RUNS, names), workers=2, progress=False)
 
 
@@ -135,11 +142,11 @@ def test_the_fast_subset_holds_its_errors(fast_rows: list[dict]) -> None:
     errors = {row["name"]: row["error_rel"] for row in fast_rows}
     assert all(row["status"] == "ok" for row in fast_rows)
     bounds = {"qi2024-1.5b-1f1b-m24": 0.05, "qi2024-6.2b-zb1p-m32": 0.11, "qi2024-6.2b-1f1b-memory": 0.09,
-              "korthikanti2022-22b-full": 0.05, "korthikanti2022-22b-selective": 0.05}
+              "korthikanti2022-22b-full": 0.05, "korthikanti2022-22b-selective": 0.05, "bloom2022-176b-memory": 0.19}
     for name, bound in bounds.items():
         assert abs(errors[name]) <= bound, (name, errors[name])
     summary = summarize(fast_rows)
-    assert summary["time"]["runs"] == 4 and summary["memory"]["runs"] == 1
+    assert summary["time"]["runs"] == 4 and summary["memory"]["runs"] == 2
     assert summary["sources"]["korthikanti2022"]["time"]["mean_abs_error"] <= TARGETS["source_mean"]
 
 
@@ -175,10 +182,10 @@ def test_bad_published_flags_are_one_line_exit_2(cli, args: list[str], expected:
 @pytest.mark.benchmark
 def test_the_whole_corpus_against_the_targets() -> None:
     """Every run of the corpus (7 minutes on two cores with two workers: the largest are 3,072 GPUs). Holds the
-    errors near where they are today (time 8.6% mean, 18.4% worst; memory 10.7%, 32.9%); docs/costs.md, "Against
+    errors near where they are today (time 8.6% mean, 18.4% worst; memory 11.1%, 22.8%); docs/costs.md, "Against
     published runs", records them against the issue's targets."""
     rows = run_published(RUNS, progress=True)
     summary = summarize(rows)
     assert not summary["failed"]
     assert summary["time"]["mean_abs_error"] <= 0.10 and summary["time"]["worst_abs_error"] <= 0.20
-    assert summary["memory"]["mean_abs_error"] <= 0.12 and summary["memory"]["worst_abs_error"] <= 0.35
+    assert summary["memory"]["mean_abs_error"] <= 0.12 and summary["memory"]["worst_abs_error"] <= 0.24

@@ -299,6 +299,21 @@ def test_hsdp_holds_a_groups_shards_and_inside_a_node_beats_sharding_across_node
     assert hybrid.iteration_time_s < 0.5 * full.iteration_time_s
 
 
+def test_deepspeed_holds_bf16_gradients_beside_the_fp32_ones_it_reduces() -> None:
+    """DeepSpeed's BF16 optimizer keeps autograd's bf16 gradients (2 bytes a parameter) beside the fp32 ones it
+    reduces: the same step time as Megatron's accounting, each device's static bytes 2 per parameter more; it has no
+    ZeRO-2 or 3."""
+    megatron, deepspeed = small("parallel.zero=1"), small("parallel.zero=1", "memory.runtime=deepspeed")
+    assert deepspeed.iteration_time_s == megatron.iteration_time_s
+    params = [sum(c.params for s, c in enumerate(megatron.stage_costs) if megatron.schedule.stage_to_device[s] == d)
+              for d in range(2)]
+    assert [d.static_memory_bytes - m.static_memory_bytes for d, m in zip(deepspeed.devices, megatron.devices)] == \
+        [2 * params[d % 2] for d in range(8)]  # four replicas of the two stages
+    with pytest.raises(ConfigError, match=r"^memory.runtime: got deepspeed, and parallel.zero: got 2; expected "
+                                          r"parallel.zero 0 or 1"):
+        small("parallel.zero=2", "memory.runtime=deepspeed")
+
+
 def test_hsdp_is_refused_where_it_has_no_meaning() -> None:
     with pytest.raises(ConfigError, match="parallel.shard_group: got 2 with parallel.zero 0, expected parallel.zero"):
         small("parallel.shard_group=2")
@@ -309,7 +324,8 @@ def test_hsdp_is_refused_where_it_has_no_meaning() -> None:
 @pytest.mark.parametrize("sets", [["parallel.zero=1"], ["parallel.zero=2"], ["parallel.zero=3"],
                                   ["parallel.zero=3", "parallel.reshard_after_forward=false"],
                                   ["parallel.zero=3", "parallel.shard_group=2"], ["parallel.offload=optimizer"],
-                                  ["parallel.zero=2", "parallel.offload=optimizer"]])
+                                  ["parallel.zero=2", "parallel.offload=optimizer"],
+                                  ["parallel.zero=1", "memory.runtime=deepspeed"]])
 def test_the_planners_bounds_hold_under_zero(sets: list[str]) -> None:
     """The floors the planner prunes with stay below what the simulation gives: the reduce-scatter's time and the
     memory with the sharded static state (so its ranking stays exact)."""
