@@ -403,7 +403,8 @@ def build_parser() -> Parser:
                    "with more and more data-parallel replicas (128 GPUs and up): wall time, peak memory, events/s "
                    "and the exponent of the growth")
     p.add_argument("--max-gpus", default="1024", help="--scale: the largest rung to run: 128, 256, 1024 (default, "
-                   "about a minute), 4096 (about 10 minutes) or 16384 (hours today)")
+                   "about a minute), 4096 (about 10 minutes) or 16384 (hours today); the collective's rungs (512, "
+                   "4096 and 32768 GPUs, seconds each) up to the same")
     p.add_argument("--plot", metavar="FILE", help="--scale: draw wall time against GPUs, log-log (.png, .svg, .pdf)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
@@ -29,6 +30,7 @@ import numpy as np
 
 from pipescope.simulator.network import Clock
 from pipescope.simulator.routing import EqualCostRouter
+from pipescope.simulator.server_symmetry import Renaming, Routes, ServerSymmetry
 
 MAX_ECMP_PATHS = 16  # equal-cost paths considered per pair; fabrics with more spines reuse the first 16
 HOP_WEIGHT = 1 << 20  # more hops than any real path has: latency decides first, hop count breaks ties
@@ -118,7 +120,7 @@ class EdgeStats:
 
     nbytes: list[int]
     busy_ns: list[int]
-    busy_spans: list[list[tuple[int, int]]]
+    busy_spans: defaultdict[int, list[tuple[int, int]]]  # only the edges that carried a flow
 
 
 @dataclass
@@ -146,14 +148,17 @@ class FlowFabric:
         self._capacity = np.asarray(self.capacity, dtype=np.float64)
         self.latency = [float(self.graph.edges[e]["latency_ns"]) for e in self.names]
         # Every node is routable, a GPU whose links all failed too: it is just unreachable.
-        self._router = EqualCostRouter(self.graph, self.names, [routing_weight(lat) for lat in self.latency])
+        weights = [routing_weight(lat) for lat in self.latency]
+        self._router = EqualCostRouter(self.graph, self.names, weights)
+        self._servers = ServerSymmetry.of(self.graph, self.names, self.latency)  # None: every pair is searched
         self._routes: dict[tuple[int, int], list[tuple[tuple[int, ...], int]]] = {}
         self.reset()
 
     def reset(self) -> None:
         """Forget flows in flight and edge statistics (before a replay)."""
-        self.on_edge: list[set[Flow]] = [set() for _ in self.names]
-        self.stats = EdgeStats([0] * len(self.names), [0] * len(self.names), [[] for _ in self.names])
+        # per edge, made when a flow first crosses it: a cluster of 32,768 GPUs has a million edges, most idle
+        self.on_edge: defaultdict[int, set[Flow]] = defaultdict(set)
+        self.stats = EdgeStats([0] * len(self.names), [0] * len(self.names), defaultdict(list))
         self._busy_since = [0] * len(self.names)
         self._users = np.zeros(len(self.names), dtype=np.int64)  # flows in flight per edge
         self._dirty: set[Flow] = set()
@@ -171,19 +176,39 @@ class FlowFabric:
     def routes(self, src: int, dst: int) -> list[tuple[tuple[int, ...], int]]:
         """The equal-latency shortest paths from device ``src`` to ``dst``: (edge ids, summed latency ns) each;
         empty when there is none."""
+        found = self._class_routes(src, dst)
+        if found is not None:
+            routes, onto = found
+            return [(self._servers.rename(path, onto), latency) for path, latency in routes]
+        return self._pair_routes(src, dst)
+
+    def route(self, src: int, dst: int, key: int) -> tuple[tuple[int, ...], int] | None:
+        """The path flow ``key`` takes: one of the equal paths by a seeded hash of the flow (None: no route). Between
+        identical servers only that one path is renamed from its class's (``server_symmetry``)."""
+        found = self._class_routes(src, dst)
+        paths = found[0] if found is not None else self._pair_routes(src, dst)
+        if not paths:
+            return None
+        path, latency = paths[_mix(self.seed, key) % len(paths)] if len(paths) > 1 else paths[0]
+        return (self._servers.rename(path, found[1]), latency) if found is not None else (path, latency)
+
+    def _class_routes(self, src: int, dst: int) -> tuple[Routes, Renaming] | None:
+        """The routes of the pair's class and their renaming (``ServerSymmetry.of_class``), or None."""
+        if self._servers is None:
+            return None
+        return self._servers.of_class(self.endpoints[src], self.endpoints[dst], self._search)
+
+    def _pair_routes(self, src: int, dst: int) -> list[tuple[tuple[int, ...], int]]:
         key = (src, dst)
         known = self._routes.get(key)
         if known is None:
-            paths = self._router.paths(self.endpoints[src], self.endpoints[dst], MAX_ECMP_PATHS)
-            known = self._routes[key] = [(p, round(sum(self.latency[e] for e in p))) for p in paths]
+            known = self._routes[key] = self._search(self.endpoints[src], self.endpoints[dst])
         return known
 
-    def route(self, src: int, dst: int, key: int) -> tuple[tuple[int, ...], int] | None:
-        """The path flow ``key`` takes: one of the equal paths by a seeded hash of the flow (None: no route)."""
-        paths = self.routes(src, dst)
-        if not paths:
-            return None
-        return paths[_mix(self.seed, key) % len(paths)] if len(paths) > 1 else paths[0]
+    def _search(self, source: str, target: str) -> list[tuple[tuple[int, ...], int]]:
+        """Up to ``MAX_ECMP_PATHS`` shortest paths between two graph nodes, each with its summed latency."""
+        paths = self._router.paths(source, target, MAX_ECMP_PATHS)
+        return [(p, round(sum(self.latency[e] for e in p))) for p in paths]
 
     # Flows -------------------------------------------------------------------------------------------------------
 

@@ -26,7 +26,16 @@ def test_the_smallest_rung_runs_in_its_own_process_and_reports_its_memory_and_ev
     events = rung["ops"] + rung["flows"] + rung["rate_updates"]
     assert rung["events_per_s"] == pytest.approx(events / rung["wall_s"])
     assert report["exponent"] is None and report["target"]["gpus"] == 16_384
+    assert report["collectives"] == []  # its smallest rung is 512 GPUs
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_collective_rung_times_one_all_reduce_in_its_own_process() -> None:
+    from pipescope.experiments.bench_scale import run_collective
+    rung = run_collective(64)  # 512 GPUs: about a second
+    assert rung["gpus"] == 512 and rung["algorithm"].startswith(("hierarchical", "ring", "tree"))
+    assert 0 < rung["time_s"] < rung["wall_s"] and rung["busbw_GBps"] > 0
+    assert 50 * 2**20 < rung["peak_rss_bytes"] < 4 * 2**30
 
 
 def test_the_exponent_is_the_slope_of_log_wall_time_over_log_gpus() -> None:

@@ -117,7 +117,7 @@ def test_flows_on_separate_links_do_not_slow_each_other_and_all_leave():
     starts = [(0, 1, 10**6, 0), (0, 1, 10**6, 0), (2, 3, 10**6, 500_000), (2, 3, 10**6, 500_000),
               (1, 0, 10**6, 1_000_000)]
     assert time_alone(network, starts) == {0: 2_000_000, 1: 2_000_000, 2: 2_500_000, 3: 2_500_000, 4: 2_000_000}
-    assert network.fabric._flying == 0 and not any(network.fabric.on_edge)
+    assert network.fabric._flying == 0 and not any(network.fabric.on_edge.values())
 
 
 def test_a_flow_joining_two_on_a_shared_path_gets_its_share_once_the_walk_has_them_all():
@@ -208,6 +208,35 @@ def test_the_router_on_built_in_clusters_matches_a_full_dijkstra(name, nodes, fa
     for a, b in random.Random(0).sample([(a, b) for a in range(len(gpus)) for b in range(len(gpus))], 60):
         expected = brute_force_paths(graph, fabric_.names, weights, gpus[a], gpus[b])[:MAX_ECMP_PATHS]
         assert [path for path, _ in fabric_.routes(a, b)] == expected
+
+
+@pytest.mark.parametrize("name, nodes, fabric, symmetric", [
+    ("dgx-h100", 4, "rail", True), ("dgx-a100", 3, "rail", True), ("dgx-h100", 3, "fat-tree", True),
+    ("p3.16xlarge", 3, None, True), ("pcie-box", 3, None, True), ("dgx-h100", 5, "fat-tree", False)])
+def test_routes_between_identical_servers_are_their_class_renamed_to_the_edge(name, nodes, fabric, symmetric):
+    """Every GPU pair's paths, found from its class's (servers 0 and 1, or 0 alone), are the list a search of
+    that pair gives: the same edges in the same order. Five DGX H100s on a fat-tree fill two leaves (32 NICs
+    each), so their servers meet the fabric differently and every pair is searched."""
+    graph = load_topology(name, nodes, fabric)
+    gpus = gpu_nodes(graph)
+    fabric_ = RoutedNetwork(graph, gpus).fabric
+    assert (fabric_._servers is not None) is symmetric
+    for a in range(len(gpus)):
+        for b in range(len(gpus)):
+            assert fabric_.routes(a, b) == fabric_._search(gpus[a], gpus[b]), (a, b)
+            assert fabric_.route(a, b, a * 7 + b) in fabric_.routes(a, b)
+    if symmetric:  # one search per class: (GPU, GPU) on one server and on two, both orders of the two
+        per_node = graph.graph["gpus_per_node"]
+        assert len(fabric_._servers._canonical) <= 3 * per_node ** 2
+
+
+def test_a_failed_link_breaks_the_symmetry_and_every_pair_is_searched():
+    graph = load_topology("dgx-h100", 3, "rail")
+    graph.remove_edges_from([("n1.nic7", "leaf7"), ("leaf7", "n1.nic7")])
+    gpus = gpu_nodes(graph)
+    fabric_ = RoutedNetwork(graph, gpus).fabric
+    assert fabric_._servers is None
+    assert fabric_.routes(15, 23) == fabric_._search(gpus[15], gpus[23])
 
 
 # Collectives -------------------------------------------------------------------------------------------------------

@@ -73,7 +73,8 @@ def _load(name_or_path: str, nodes: int, fabric: str | None, oversubscription: f
     fabric = fabric or source.default_fabric
     _check_buildable(source, nodes, fabric, where)
     graph = build_cluster(source, nodes, fabric, 1.0 if oversubscription is None else float(oversubscription))
-    validate(graph, where)
+    if builtin(name_or_path) is None:  # a machine file's server; the built-in ones' clusters are checked in tests
+        validate(graph, where)
     return graph
 
 
