@@ -150,7 +150,7 @@ class FlowFabric:
         # Every node is routable, a GPU whose links all failed too: it is just unreachable.
         weights = [routing_weight(lat) for lat in self.latency]
         self._router = EqualCostRouter(self.graph, self.names, weights)
-        self._servers = ServerSymmetry.of(self.graph, self.names, self.latency)  # None: every pair is searched
+        self._servers = ServerSymmetry.of(self.graph, self.names, self.latency, MAX_ECMP_PATHS)  # None: none
         self._routes: dict[tuple[int, int], list[tuple[tuple[int, ...], int]]] = {}
         self.reset()
 
@@ -176,21 +176,22 @@ class FlowFabric:
     def routes(self, src: int, dst: int) -> list[tuple[tuple[int, ...], int]]:
         """The equal-latency shortest paths from device ``src`` to ``dst``: (edge ids, summed latency ns) each;
         empty when there is none."""
-        found = self._class_routes(src, dst)
-        if found is not None:
-            routes, onto = found
-            return [(self._servers.rename(path, onto), latency) for path, latency in routes]
-        return self._pair_routes(src, dst)
+        paths, onto = self._paths(src, dst)
+        return paths if onto is None else [(self._servers.rename(path, onto), latency) for path, latency in paths]
 
     def route(self, src: int, dst: int, key: int) -> tuple[tuple[int, ...], int] | None:
         """The path flow ``key`` takes: one of the equal paths by a seeded hash of the flow (None: no route). Between
         identical servers only that one path is renamed from its class's (``server_symmetry``)."""
-        found = self._class_routes(src, dst)
-        paths = found[0] if found is not None else self._pair_routes(src, dst)
+        paths, onto = self._paths(src, dst)
         if not paths:
             return None
         path, latency = paths[_mix(self.seed, key) % len(paths)] if len(paths) > 1 else paths[0]
-        return (self._servers.rename(path, found[1]), latency) if found is not None else (path, latency)
+        return (path, latency) if onto is None else (self._servers.rename(path, onto), latency)
+
+    def _paths(self, src: int, dst: int) -> tuple[list[tuple[tuple[int, ...], int]], Renaming | None]:
+        """The pair's routes, or its class's and their renaming (``ServerSymmetry.of_class``)."""
+        found = self._class_routes(src, dst)
+        return found if found is not None else (self._pair_routes(src, dst), None)
 
     def _class_routes(self, src: int, dst: int) -> tuple[Routes, Renaming] | None:
         """The routes of the pair's class and their renaming (``ServerSymmetry.of_class``), or None."""

@@ -93,7 +93,6 @@ def buffer_events(records: Timeline, boundary_bytes: np.ndarray, runtime: str,
     consumer = ops.compute_op(stage[recvs], microbatch[recvs], backward_recv)
     produced = np.where(producer >= 0, end[producer], records.start[sends])
     consumer_start = np.where(consumer >= 0, records.start[consumer], 0)
-    run_end = _run_end(records)
     if runtime != "torch":
         # DeepSpeed's pipe buffer is the output itself (counted by _outputs), so only gradient sends are held here
         held = np.ones(len(sends), dtype=bool) if runtime == "megatron" else records.is_kind(K.SEND_B)[sends]
@@ -101,8 +100,9 @@ def buffer_events(records: Timeline, boundary_bytes: np.ndarray, runtime: str,
         consumed = np.maximum(end[recvs], consumer_start)
         parts = [held_sends, (records.device[recvs], records.start[recvs], consumed, records.nbytes[recvs])]
         if runtime == "deepspeed":
-            parts.append(_outputs(records, ops, compute, boundary_bytes, run_end, until_step_end=False))
+            parts.append(_outputs(records, ops, compute, boundary_bytes, _run_end(records), until_step_end=False))
         return _joined(parts)
+    run_end = _run_end(records)
     consumer_end = np.where(consumer >= 0, end[consumer], 0)
     consumed = np.maximum(end[recvs], np.where(backward_recv, consumer_end, consumer_start))
     gradients = records.is_kind(K.SEND_B)[sends]  # an output's send is the output itself: counted below

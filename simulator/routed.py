@@ -60,7 +60,7 @@ class RoutedNetwork:
             if pair[0] >= 0 and pair not in checked:
                 checked.add(pair)
                 for a, b in self._lane_pairs(*pair):
-                    if not self.fabric.routes(a, b):
+                    if self.fabric.route(a, b, 0) is None:
                         raise NetworkError(self._no_route(pair[0], pair[1], a, b), flow)
 
     def _lane_pairs(self, src: int, dst: int) -> list[tuple[int, int]]:

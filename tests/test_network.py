@@ -230,6 +230,50 @@ def test_routes_between_identical_servers_are_their_class_renamed_to_the_edge(na
         assert len(fabric_._servers._canonical) <= 3 * per_node ** 2
 
 
+def _servers_graph(servers: int, wire) -> nx.DiGraph:
+    """Servers ``n{k}.*`` (kind and node set) and switches, linked by ``wire(link)`` at 100 ns unless it says."""
+    graph = nx.DiGraph()
+
+    def link(a: str, b: str, ns: float = 100.0) -> None:
+        for u, v in ((a, b), (b, a)):
+            for w in (u, v):
+                if w not in graph:
+                    server = int(w[1:w.index(".")]) if w.startswith("n") and "." in w else -1
+                    graph.add_node(w, kind="gpu" if w.split(".")[-1].startswith("g") else "nic", node=server)
+            graph.add_edge(u, v, bandwidth=1e9, latency_ns=ns)
+    wire(link)
+    return graph
+
+
+def test_hand_made_graphs_that_look_symmetric_still_route_as_a_search_does():
+    """Two full graphs of a file's kind that build_cluster cannot make. Server 1's own parts named as the fabric's
+    leaves are not the leaves: its servers differ. Four servers with 8 equal paths through each: a class's list is
+    cut at 16, where another server's paths sort differently, so the pair is searched."""
+    def named_as_leaves(link) -> None:
+        for k in (0, 1):
+            link(f"n{k}.g", f"n{k}.h", 10_000.0)
+            link(f"n{k}.g", f"n{k}.nic0")
+            link(f"n{k}.h", f"n{k}.nic1")
+        link("n0.nic0", "L"), link("n0.nic1", "L2"), link("n1.nic0", "n1.L"), link("n1.nic1", "n1.L2")
+        link("L", "S"), link("L2", "S")
+
+    def many_paths(link) -> None:
+        for k in range(4):
+            link(f"n{k}.ga", f"n{k}.na"), link(f"n{k}.gb", f"n{k}.nb")
+            for j in range(8):
+                link(f"n{k}.nc", f"n{k}.s{j}"), link(f"n{k}.s{j}", f"n{k}.nd")
+        for k in range(4):
+            link(f"n{k}.na", "leaf0"), link(f"n{k}.nc", "leaf0"), link(f"n{k}.nb", "leaf1"), link(f"n{k}.nd", "leaf1")
+
+    graph = _servers_graph(2, named_as_leaves)
+    fabric_ = RoutedNetwork(graph, ["n0.g", "n0.h", "n1.g", "n1.h"]).fabric
+    assert fabric_._servers is None and fabric_.routes(2, 3) == fabric_._search("n1.g", "n1.h")
+    ends = [f"n{k}.{g}" for k in range(4) for g in ("ga", "gb")]
+    fabric_ = RoutedNetwork(_servers_graph(4, many_paths), ends).fabric
+    assert fabric_._servers is not None
+    assert len(fabric_.routes(4, 7)) == MAX_ECMP_PATHS and fabric_.routes(4, 7) == fabric_._search("n2.ga", "n3.gb")
+
+
 def test_a_failed_link_breaks_the_symmetry_and_every_pair_is_searched():
     graph = load_topology("dgx-h100", 3, "rail")
     graph.remove_edges_from([("n1.nic7", "leaf7"), ("leaf7", "n1.nic7")])

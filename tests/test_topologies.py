@@ -73,16 +73,17 @@ def test_every_builtin_loads_valid_with_its_device() -> None:
         assert graph.graph["device"] in DEVICES and graph.graph["device"] == machine_device(name)
         assert sorted(d["rank"] for _, d in graph.nodes(data=True) if d["kind"] == "gpu") == list(range(8))
     assert load_topology("p3dn-v100").graph["name"] == "p3dn.24xlarge"
+    assert load_topology("p3-16xlarge").graph["name"] == "p3.16xlarge"
 
 
-@pytest.mark.parametrize("nodes, fabric, oversubscription", [(3, "rail", 1.0), (40, "fat-tree", 4.0), (5, None, 1.0)])
+@pytest.mark.parametrize("nodes, fabric, oversubscription", [(3, "rail", 1.0), (40, "fat-tree", 4.0), (5, None, 1.0),
+                                                           (512, "rail", 2.0)])
 def test_every_builtin_cluster_is_valid(nodes: int, fabric: str | None, oversubscription: float) -> None:
     """A built-in machine's cluster is not validated when it loads (it is ours, and at 32,768 GPUs validating took
     over a second), so every one is validated here, on both fabrics and oversubscribed."""
     for name in topology_names():
         if builtin(name).nics:  # a server without NICs is one node
             validate(load_topology(name, nodes, fabric, oversubscription), name)
-    assert load_topology("p3-16xlarge").graph["name"] == "p3.16xlarge"
 
 
 def test_shipped_machine_files_are_the_builtins_in_the_server_format() -> None:
