@@ -151,7 +151,8 @@ class FlowFabric:
         weights = [routing_weight(lat) for lat in self.latency]
         self._router = EqualCostRouter(self.graph, self.names, weights)
         self._servers = ServerSymmetry.of(self.graph, self.names, self.latency, MAX_ECMP_PATHS)  # None: none
-        self._routes: dict[tuple[int, int], list[tuple[tuple[int, ...], int]]] = {}
+        # per device pair: its routes, or its class's and their renaming (a shared list and a small dict)
+        self._routes: dict[tuple[int, int], tuple[Routes, Renaming | None]] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -189,21 +190,13 @@ class FlowFabric:
         return (path, latency) if onto is None else (self._servers.rename(path, onto), latency)
 
     def _paths(self, src: int, dst: int) -> tuple[list[tuple[tuple[int, ...], int]], Renaming | None]:
-        """The pair's routes, or its class's and their renaming (``ServerSymmetry.of_class``)."""
-        found = self._class_routes(src, dst)
-        return found if found is not None else (self._pair_routes(src, dst), None)
-
-    def _class_routes(self, src: int, dst: int) -> tuple[Routes, Renaming] | None:
-        """The routes of the pair's class and their renaming (``ServerSymmetry.of_class``), or None."""
-        if self._servers is None:
-            return None
-        return self._servers.of_class(self.endpoints[src], self.endpoints[dst], self._search)
-
-    def _pair_routes(self, src: int, dst: int) -> list[tuple[tuple[int, ...], int]]:
+        """The pair's routes, or its class's and their renaming (``ServerSymmetry.of_class``), once per pair."""
         key = (src, dst)
         known = self._routes.get(key)
         if known is None:
-            known = self._routes[key] = self._search(self.endpoints[src], self.endpoints[dst])
+            ends = self.endpoints[src], self.endpoints[dst]
+            found = None if self._servers is None else self._servers.of_class(*ends, self._search)
+            known = self._routes[key] = found if found is not None else (self._search(*ends), None)
         return known
 
     def _search(self, source: str, target: str) -> list[tuple[tuple[int, ...], int]]:
