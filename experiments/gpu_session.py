@@ -22,11 +22,11 @@ from pathlib import Path
 from pipescope.calibration.gemms import CPU_SIZES, DEFAULT_SIZES, MAX_SIZE
 from pipescope.experiments.processes import run_in_group
 
-MODELS = ("tiny", "gpt-355m", "gpt-1.3b")
+MODELS = ("tiny", "gpt-355m", "gpt-1.3b", "gpt-2.2b", "gpt-3.8b")
 # What validate needs beyond a GPU box's torch, numpy, pandas and pyarrow: distribution -> the names it imports as
 CARRIED = {"pyyaml": ("yaml", "_yaml"), "simpy": ("simpy",), "tqdm": ("tqdm",)}
 # validate's schedule per model: zb-h1 times F, I, W and the step of every stage; stages divide the layers
-VALIDATION = {"tiny": ("zb-h1", 2, 4), "gpt-355m": ("zb-h1", 4, 8), "gpt-1.3b": ("zb-h1", 4, 8)}
+VALIDATION = {"tiny": ("zb-h1", 2, 4), **{m: ("zb-h1", 4, 8) for m in MODELS[1:]}}
 ROOT = Path(__file__).resolve().parent.parent  # the source tree: `python -m pipescope...` runs from here
 
 
@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="python -m pipescope.experiments.gpu_session",
                     description=__doc__.split("\n\n")[1].replace("\n", " "))
     parser.add_argument("out", type=Path, help="folder for profiles/, validation/ and logs/")
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="presets (default: all)")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS[:3]),
+                        help="presets (default: tiny gpt-355m gpt-1.3b, which fit one 10-minute command)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default), or cpu to rehearse")
     parser.add_argument("--budget-s", default="2.0", help="calibrate's wall-time budget per op in seconds (default 2)")
     parser.add_argument("--iterations", default="10", help="validate's measured iterations (default 10)")
