@@ -7,8 +7,9 @@ import math
 from dataclasses import dataclass
 
 from pipescope.executor.weights import OPTIMIZERS
+from pipescope.executor.zero import ZERO_STAGES
 from pipescope.calibration.presets import Shape
-from pipescope.simulator.ir import Action, ActionKind, Schedule
+from pipescope.simulator.ir import Action, ActionKind, Schedule, WeightUpdate
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class RunSpec:
     lr: float = 1e-3
     clip_norm: float | None = 1.0
     data_parallel: int = 1
+    zero: int = 0  # ZeRO over the replicas: 0, 1 or 2 (``executor.zero``)
     device: str = "cpu"
     timeout_s: float = 120.0
     inject: tuple[str, int, int] | None = None  # ("exit" | "hang", rank, step): a rank that dies or hangs there
@@ -51,10 +53,25 @@ class RunSpec:
                ("device", self.device, "cpu or cuda", self.device not in ("cpu", "cuda")),
                ("schedule", self.schedule.name, "a schedule of one pipeline (the executor's stages hand on to the "
                 "next one; a bidirectional schedule's two copies of the model are not built)",
-                self.schedule.pipelines > 1)]
+                self.schedule.pipelines > 1), *self._zero_checks()]
         for name, value, expected, wrong in bad:
             if wrong:
                 raise ValueError(f"RunSpec.{name}: got {value!r}, expected {expected}")
+
+
+    def _zero_checks(self) -> list[tuple[str, object, str, bool]]:
+        """ZeRO's: a stage of 0-2, sharded over replicas, one step an iteration, and ZeRO-2's reduction after each
+        whole backward op (an I/W split would keep the whole gradients from I to W)."""
+        if self.zero not in ZERO_STAGES:
+            return [("zero", self.zero, "0, 1 or 2 (ZeRO-3 runs in executor.zero_check)", True)]
+        if not self.zero:
+            return []
+        split = any(a is not None and a.kind is ActionKind.I for acts in self.schedule.device_actions for a in acts)
+        return [("zero", self.zero, "data_parallel >= 2 (the replicas it shards over)", self.data_parallel < 2),
+                ("zero", self.zero, f"a flush schedule (one step an iteration), not {self.schedule.name}",
+                 self.schedule.weight_update is not WeightUpdate.FLUSH),
+                ("zero", self.zero, f"0 or 1 with {self.schedule.name}, whose backward is split into I and W",
+                 self.zero == 2 and split)]
 
 
 # A p2p action -> (which way its peer stage is, the SEND of the message it moves, as the stage offset and kind)

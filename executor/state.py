@@ -21,6 +21,7 @@ from torch import nn
 
 from pipescope.executor.clock import make_clock
 from pipescope.executor.memory import MemoryTracker
+from pipescope.executor.zero import ShardedStageWeights
 from pipescope.executor.weights import (StageWeights, UpdateRule, clip_coefficient, optimizer_tensors,
                                                    squared_norm)
 from pipescope.calibration.model import Block, Embedding, OutputLayer
@@ -87,7 +88,7 @@ class Rank:
         mine = [s for s in range(program.num_stages) if self.home[s] == self.index]
         modules = {i: m.to(device) for i, m in
                    build_modules(spec.shape, spec.seed, {i for s in mine for i in self.parts[s]}).items()}
-        self.stages = {s: StageWeights({i: modules[i] for i in self.parts[s]}, spec.optimizer, spec.lr) for s in mine}
+        self.stages = {s: self._weights(s, {i: modules[i] for i in self.parts[s]}) for s in mine}
         m, w = program.num_microbatches, spec.data_parallel
         data = batch(spec.shape, spec.microbatch_size, program.total_microbatches * w, spec.seed)
         self.data = [tuple(t.to(device) for t in data[global_microbatch(self.replica, j, m, w)])
@@ -98,8 +99,16 @@ class Rank:
         self.tracker = MemoryTracker(time.perf_counter_ns)
         for stage in self.stages.values():
             self._hold_static(stage.own, stage)
-            self.tracker.hold(stage.grad, "gradients", ("gradients", id(stage)))
+            self.tracker.hold(stage.held_grad, "gradients", ("gradients", id(stage)))
         self.grads: dict[str, torch.Tensor] = {}
+
+    def _weights(self, stage: int, modules: dict[int, nn.Module]) -> StageWeights:
+        """A stage's weights, gradients and optimizer: whole, or sharded over its replicas (``RunSpec.zero``)."""
+        spec = self.spec
+        if not spec.zero:
+            return StageWeights(modules, spec.optimizer, spec.lr)
+        return ShardedStageWeights(modules, spec.optimizer, spec.lr, spec.zero, self.groups.get(f"stage{stage}"),
+                                   self.replica, spec.data_parallel)
 
     def _hold_static(self, weights: list[torch.Tensor], stage: StageWeights) -> None:
         for t in weights:
@@ -211,8 +220,13 @@ class Rank:
             grad = self.inputs.pop((a.stage + 1, a.microbatch)).grad
         else:
             grad = self.arrived.pop(recv)
+        whole = stage.open_grads()  # ZeRO-2: the op's whole gradients, reduce-scattered when it ends
+        if whole is not None:
+            self.tracker.hold(whole, "gradients", ("whole gradients", a.stage))
         torch.autograd.backward(out, grad)
         del out, grad
+        stage.close_grads()
+        self.tracker.release(("whole gradients", a.stage))
         stage.backward_done(a.microbatch)
         deferrable = [m for i in self.parts[a.stage] if hasattr(m := stage.modules[i], "store")]
         pending = [(m.store, [(x, g, self.tracker.original(w), b) for x, g, w, b in m.store.pending])
@@ -286,9 +300,14 @@ class Rank:
         return rows
 
     def _reduce(self, stage: int, group: int) -> None:
-        """Start the average of the stage's gradient buffer over its replicas (in place, like DDP's buckets)."""
+        """Start the average of the stage's gradient buffer over its replicas (in place, like DDP's buckets), or
+        under ZeRO its reduce-scatter (``executor.zero``)."""
         ended: list[int] = []
         start = self.clock.stamp()  # on a GPU an event: when the device reaches the launch, not when the host does
+        weights = self.stages[stage]
+        if isinstance(weights, ShardedStageWeights):
+            self.reducing[stage] = (weights.start_reduce(), None, group, start, ended)
+            return
         work = dist.all_reduce(self.stages[stage].grad, group=self.groups[f"stage{stage}"], async_op=True)
         stamped = work.get_future().then(lambda _: ended.append(time.perf_counter_ns()))
         self.reducing[stage] = (work, stamped, group, start, ended)
@@ -298,6 +317,12 @@ class Rank:
         if stage not in self.reducing:
             return []
         work, stamped, group, start, ended = self.reducing.pop(stage)
+        k = self.rule.last_microbatch(group)
+        weights = self.stages[stage]
+        if isinstance(weights, ShardedStageWeights):  # its row spans the launch to the averaged shard
+            weights.finish_reduce(work)
+            return [(str(Action(stage, K.REDUCE_SCATTER, k)), K.REDUCE_SCATTER.value, stage, k, start,
+                     self.clock.stamp())]
         work.wait()
         if self.clock.wall:  # gloo completes it when the reduction ends, which may be long before this wait
             stamped.wait()
@@ -305,7 +330,6 @@ class Rank:
         else:  # nccl completes the future at launch: the end is an event on the stream that now waits for the
             end = self.clock.stamp()  # reduction; CPU time: this thread's, as the start (gloo's callback has none)
         self.stages[stage].grad.div_(self.spec.data_parallel)
-        k = self.rule.last_microbatch(group)
         return [(str(Action(stage, K.ALL_REDUCE, k)), K.ALL_REDUCE.value, stage, k, start, end)]
 
     def _step(self, stage: int, group: int, coefficient: float) -> Row:
@@ -313,7 +337,9 @@ class Rank:
         weights = self.stages[stage]
         weights.updates += 1
         if self.last_run and weights.updates == self.rule.steps_per_run:
-            self.grads.update(weights.named([p.grad for p in weights.versions[weights.latest]]))
+            sharded = isinstance(weights, ShardedStageWeights)
+            self.grads.update(weights.named(weights.full_grads() if sharded else
+                                            [p.grad for p in weights.versions[weights.latest]]))
         start = self.clock.stamp()
         created = weights.step(coefficient, lagged=self.rule.lagged)
         end = self.clock.stamp()
@@ -333,10 +359,13 @@ class Rank:
         if self.rule.inline:
             return []
         rows = [row for stage in sorted(self.stages) for row in self._reduced(stage)]
-        squared = torch.tensor([squared_norm([s.grad for s in self.stages.values()])], dtype=torch.float64,
-                               device=self.device)
+        if self.spec.zero:  # each rank holds a shard of each of its stages: the norm is over every rank
+            squares, group = sum(s.squared_norm() for s in self.stages.values()), None
+        else:
+            squares, group = squared_norm([s.grad for s in self.stages.values()]), self.groups["pipeline"]
+        squared = torch.tensor([squares], dtype=torch.float64, device=self.device)
         start = self.clock.stamp()
-        dist.all_reduce(squared, group=self.groups["pipeline"])
+        dist.all_reduce(squared, group=group)
         k = self.rule.last_microbatch(0)  # stage -1: the pipeline's, named as the simulator names its collective
         rows.append((str(Action(-1, K.ALL_REDUCE, k)), K.ALL_REDUCE.value, -1, k, start, self.clock.stamp()))
         coefficient = clip_coefficient(float(squared), self.spec.clip_norm)

@@ -128,6 +128,18 @@ class StageWeights:
         self.base = 0  # the newest version when the current run of the program started
         self.updates = 0  # steps in the current run
 
+    @property
+    def held_grad(self) -> torch.Tensor:
+        """The gradients the stage keeps between ops: its whole flat buffer."""
+        return self.grad
+
+    def open_grads(self) -> torch.Tensor | None:
+        """Before a backward op: a buffer made for it (None: the gradients accumulate into ``grad``)."""
+        return None
+
+    def close_grads(self) -> None:
+        """After a backward op: nothing to hand on (ZeRO-2 reduces here: ``executor.zero``)."""
+
     def _attach_grads(self, params: list[torch.Tensor]) -> None:
         offset = 0
         for p in params:

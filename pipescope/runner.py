@@ -352,9 +352,12 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
     if not analytic and config.parallel.context > 1:
         raise ConfigError(f"parallel.context: got {config.parallel.context} under costs.kind {kind}, expected 1 (only "
                           f"analytic costs split the tokens over context-parallel GPUs)")
-    if not analytic and config.parallel.zero_stage:
-        raise ConfigError(f"{_zero_key(config)} under costs.kind {kind}, expected none (only analytic costs shard "
-                          f"the model states)")
+    if isinstance(config.costs, UniformCostsConfig) and config.parallel.zero_stage:
+        raise ConfigError(f"{_zero_key(config)} under costs.kind {kind}, expected none (uniform costs have no "
+                          f"model states to shard)")
+    if not analytic and config.parallel.zero_stage > 2:  # a profile times a stage's ops, not its units' gathers
+        raise ConfigError(f"{_zero_key(config)} under costs.kind {kind}, expected 0, 1 or 2 (only analytic costs "
+                          f"gather ZeRO-3's weights unit by unit)")
     if not analytic and config.schedule.recompute == "selective":
         raise ConfigError(f"schedule.recompute: got selective under costs.kind {kind}, expected none or full (only "
                           f"analytic costs separate the attention core)")
@@ -481,7 +484,8 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
         raise ConfigError("costs.profile: missing, expected a profile folder written by 'pipescope calibrate'")
     try:
         costs = ProfiledCosts.load(c.profile, m.microbatch_size, seq=m.seq, layers=m.layers, precision=m.precision,
-                                   layers_per_stage=m.layers_per_stage)
+                                   layers_per_stage=m.layers_per_stage,
+                                   optimizer_shards=config.parallel.optimizer_shards(config.cluster.data_parallel))
     except (OSError, ValueError) as err:
         message = str(err).removeprefix("costs.profile: ")
         raise ConfigError(f"costs.profile: {c.profile!r}: {message}") from None

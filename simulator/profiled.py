@@ -227,7 +227,8 @@ class ProfiledCosts(PerStageCache):
     times, plus the embedding on the first stage (F, and its backward as W) and the output layer on the last
     (F, I, W). Bytes: activation (M_B) from the saved-tensor count per layer; weight-grad (M_W) from the bytes
     the deferred Linears' W still holds after I (their inputs and output grads; see the README). The optimizer
-    step: the AdamW fit (``optimizer_ns``) at the stage's parameters and parameter tensors.
+    step: the AdamW fit (``optimizer_ns``) at the stage's parameters (under ZeRO, a replica's shard of them) and
+    parameter tensors.
     """
 
     timings: pd.DataFrame
@@ -241,6 +242,7 @@ class ProfiledCosts(PerStageCache):
     layers_per_stage: tuple[int, ...] | None = None  # None: the equal split
     vocab_shards: int = 0  # vocabulary parallelism over this many devices (0: naive, the output on the last stage)
     vocab_2: bool = False  # vocab-2's passes (S2, T2) rather than vocab-1's (S, T)
+    optimizer_shards: int = 1  # ZeRO 1-2: the step runs on 1 / shards of the stage's parameters (the fit's point)
     # Per stage, op times (ns by kind: F, B, I, W, OPT) measured stage by stage in the executor, which replace the
     # profile's (``validate --op-times stages``, executor/stage_timing.py); bytes stay the profile's
     op_times: tuple[dict[str, int], ...] | None = None
@@ -251,7 +253,7 @@ class ProfiledCosts(PerStageCache):
     @classmethod
     def load(cls, profile_dir: str | os.PathLike, microbatch_size: int, seq: int | None = None,
              layers: int | None = None, precision: str | None = None,
-             layers_per_stage: Sequence[int] | None = None) -> ProfiledCosts:
+             layers_per_stage: Sequence[int] | None = None, optimizer_shards: int = 1) -> ProfiledCosts:
         """Read and check ``profile_dir`` (and its comms profile when there is one), before any simulation.
 
         Args:
@@ -262,6 +264,7 @@ class ProfiledCosts(PerStageCache):
             precision: the simulation's precision; a mismatch with the profile's is warned about.
             layers_per_stage: transformer layers of each stage (default: the equal split); checked against the
                 stage count when a stage's cost is asked for (``models.stage_layers``).
+            optimizer_shards: the replicas a ZeRO stage of 1 or 2 shards the optimizer's step over.
 
         Raises:
             ProfileError: a missing, unreadable or malformed file, another schema version, a missing column, a
@@ -280,7 +283,7 @@ class ProfiledCosts(PerStageCache):
         costs = cls(_read_checked(paths["timings"], "timings"), _read_checked(paths["memory"], "memory"), meta,
                     microbatch_size, seq, layers, meta.get("precision", "fp32"),
                     layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
-                    files={table: str(path) for table, path in paths.items()})
+                    optimizer_shards=optimizer_shards, files={table: str(path) for table, path in paths.items()})
         if precision is not None and precision != costs.precision:
             costs.warnings.append(f"costs.profile: measured in {costs.precision}, the model asks for {precision}; "
                                   f"using the measured {costs.precision} costs")
@@ -497,7 +500,8 @@ class ProfiledCosts(PerStageCache):
             recompute_ns=self._ns(n * self.time_ns("layer", "R"), f"the recompute of {where}"),
             boundary_bytes=boundary, activation_bytes=int(round(act)), weight_grad_bytes=int(round(m_w)),
             input_bytes=boundary if stage else self.microbatch_size * self.seq * TOKEN_ID_BYTES, params=params,
-            optimizer_ns=self.optimizer_ns(params, tensors), param_tensors=tensors, **self._vocab_part(stage),
+            optimizer_ns=self.optimizer_ns(-(-params // self.optimizer_shards), tensors), param_tensors=tensors,
+            **self._vocab_part(stage),
         )
 
     def _vocab_params(self, stage: int) -> int:

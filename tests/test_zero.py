@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -180,6 +181,9 @@ def test_zero_is_refused_where_it_has_no_meaning() -> None:
         small("parallel.zero=3", "schedule.name=2bw")
     with pytest.raises(ConfigError, match="parallel.zero: got 2 under costs.kind uniform, expected none"):
         small("parallel.zero=2", "costs.kind=uniform")
+    profile = str(Path(__file__).resolve().parent.parent / "calibration" / "profiles" / "h200" / "tiny")
+    with pytest.raises(ConfigError, match="parallel.zero: got 3 under costs.kind profile, expected 0, 1 or 2"):
+        small("parallel.zero=3", "costs.kind=profile", f"costs.profile={profile}")
 
 
 def test_the_headline_names_the_zero_stage_and_the_old_key_is_stage_1() -> None:
@@ -253,8 +257,8 @@ def test_the_planner_searches_offload_and_hsdp_groups_and_ranks_them_exactly(cli
 def test_an_op_holds_two_units_whole_or_its_whole_stage_when_smaller() -> None:
     sharded = Sharding(3, 4, unit_params=10)
     assert sharded.in_flight(2 * 1000, "weights", 2) == 2 * 10 * 2  # two units of 10 parameters, 2 bytes each
-    assert sharded.in_flight(2 * 16, "weights", 2) == 32 - 8  # a stage smaller than two units: all but the shard
-    assert Sharding(3, 4).in_flight(2 * 1000, "weights", 2) == 2000 - 500  # no units: the whole stage
+    assert sharded.in_flight(2 * 16, "weights", 2) == 32  # a stage smaller than two units: all of it, beside the shard
+    assert Sharding(3, 4).in_flight(2 * 1000, "weights", 2) == 2000  # no units: the whole stage
     assert Sharding(2, 4, unit_params=10).in_flight(2 * 1000, "weights", 2) == 0  # stage 2 keeps weights whole
     deeper = Sharding(3, 4, unit_params=10, prefetch=3)  # three units gathered ahead of the one in use
     assert deeper.in_flight(2 * 1000, "weights", 2) == 4 * 10 * 2 and deeper.in_flight(4000, "gradients", 4) == 80
@@ -403,3 +407,62 @@ def test_the_lowering_passes_each_add_their_own_actions_in_order() -> None:
                    ["RECV_B", "RECV_F", "SEND_B", "SEND_F"], ["ALL_REDUCE", "OPT"], [], [],
                    ["ALL_GATHER", "REDUCE_SCATTER"], []]
     assert run.program.num_entries > 2 * sum(len(acts) for acts in run.lists.device_actions)  # tiled, syncs added
+
+
+# ZeRO 1 and 2 inside the executor's pipeline program (docs/validation.md, "ZeRO in the pipeline") -----------------
+
+PIPELINE_SHAPE = dict(layers=4, hidden=32, heads=2, seq=16, vocab=64)
+
+
+def test_zero_inside_the_pipeline_trains_as_one_process_and_peaks_where_the_ledger_says(tmp_path, cli) -> None:
+    """A 2-stage pipeline, 2 replicas (4 gloo ranks), two AdamW steps with clipping under ZeRO 1 and 2: every loss,
+    the last gradients and the final weights are one process's over all the microbatches, the replicas end equal,
+    the stage's reduction is one reduce-scatter, and each rank's measured peak is the ledger's on a profile of the
+    same model (the ledger counts one 4-byte step counter per parameter tensor, the executor's flat shard has one)."""
+    torch = pytest.importorskip("torch")
+    from pipescope.calibration.presets import Shape
+    from pipescope.executor.run import RunSpec, execute_all, reference_step
+
+    shape = Shape("test", **PIPELINE_SHAPE)
+    cases = [("1f1b", 1), ("1f1b", 2), ("zb-h1", 1)]
+    specs = [RunSpec(build(name, 2, 4), shape, microbatch_size=2, seed=3, data_parallel=2, zero=zero, iterations=2,
+                     clip_norm=0.5) for name, zero in cases]
+    profile = tmp_path / "profile"
+    code, _, err = cli(["calibrate", *[f"--{k}={v}" for k, v in PIPELINE_SHAPE.items()], "--microbatch-sizes", "2",
+                        "--precision", "fp32", "--device", "cpu", "--budget-s", "0.05", "--out", str(profile)])
+    assert code == 0, err
+    for (name, zero), spec, result in zip(cases, specs, execute_all(specs)):
+        reference = reference_step(spec)
+        assert result.losses == pytest.approx(reference.losses, rel=1e-6)
+        for key, weight in reference.weights.items():
+            torch.testing.assert_close(result.weights[0][key], weight, rtol=1e-4, atol=5e-5, msg=key)
+            assert torch.equal(result.weights[1][key], result.weights[0][key])
+        for key, grad in reference.grads.items():
+            torch.testing.assert_close(result.grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)
+        assert [r[0] for r in result.rows[-1][0] if r[1] in ("ALL_REDUCE", "REDUCE_SCATTER")] == \
+            ["0REDUCE_SCATTER3", "-1ALL_REDUCE3"]  # the stage's reduction, then clipping's norm
+        ledger = run(load_config(raw={
+            "schedule": {"name": name, "stages": 2, "microbatches": 4},
+            "model": {"microbatch_size": 2, "precision": "fp32"}, "memory": {"runtime": "torch"},
+            "costs": {"kind": "profile", "profile": str(profile)}, "cluster": {"data_parallel": 2},
+            "parallel": {"zero": zero}}))
+        measured = [m.peak_bytes for m in result.memory]
+        predicted = [d.peak_memory_bytes for d in ledger.devices]
+        tolerance = 0.001 if name == "1f1b" else 0.01  # zb-h1's last device: a few KiB, as without ZeRO
+        assert all(abs(p / m - 1) < tolerance for p, m in zip(predicted, measured)), (name, zero, predicted, measured)
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"zero": 3}, "0, 1 or 2"), ({"zero": 1}, "data_parallel >= 2"),
+    ({"zero": 1, "data_parallel": 2, "name": "2bw"}, "a flush schedule"),
+    ({"zero": 2, "data_parallel": 2, "name": "zb-h1"}, "whose backward is split into I and W")])
+def test_the_executor_refuses_a_zero_it_cannot_run_in_one_line(options: dict, expected: str) -> None:
+    pytest.importorskip("torch")
+    from pipescope.calibration.presets import Shape
+    from pipescope.executor.run import RunSpec
+
+    name = options.pop("name", "1f1b")
+    spec = RunSpec(build(name, 2, 4), Shape("test", **PIPELINE_SHAPE), **options)
+    with pytest.raises(ValueError, match=r"^RunSpec.zero: got \d, expected ") as caught:
+        spec.check()
+    assert expected in str(caught.value) and "\n" not in str(caught.value)

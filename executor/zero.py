@@ -1,0 +1,127 @@
+"""ZeRO stages 1 and 2 inside the executor's pipeline program (docs/validation.md, "ZeRO in the pipeline").
+
+A stage's weights move into one flat buffer, padded to a multiple of the stage's data-parallel replicas (each
+parameter becomes a view of it, as Megatron's distributed optimizer and DeepSpeed lay them out); replica r owns the
+r-th of the equal shards and its optimizer steps only that shard, a view, so the step updates the buffer in place,
+and the shards are all-gathered back after it.
+
+- ZeRO-1: the gradients stay whole, one padded flat buffer as without ZeRO; after the stage's last backward it is
+  reduce-scattered, and the replica's averaged shard lands in its own slice of that buffer.
+- ZeRO-2: only the replica's shard of the gradients is kept. Each backward op (B) accumulates into a whole buffer
+  made for it, which is reduce-scattered into the shard and freed when the op ends (DeepSpeed's reduction at every
+  micro-step). A backward split into I and W would keep the whole gradients from I to W, so it is refused.
+
+The collectives run over the stage's replica group (``executor.run._groups``): every replica runs the same program,
+so they are called in the same order everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipescope.executor.weights import StageWeights, make_optimizer
+
+ZERO_STAGES = (0, 1, 2)  # the pipeline executor's; ZeRO-3 runs on its own in ``executor.zero_check``
+# torch 2.13 names them *_single and deprecates the older names; a GPU machine's older torch has only those
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+class ShardedStageWeights(StageWeights):
+    """A stage's weights, gradients and optimizer under ZeRO ``zero`` (1 or 2) over ``world`` replicas, this one
+    ``replica`` of them, in the process ``group`` of the stage's replicas. Flush schedules only: one version."""
+
+    def __init__(self, modules: dict[int, nn.Module], optimizer: str, lr: float, zero: int, group: object,
+                 replica: int, world: int) -> None:
+        super().__init__(modules, optimizer, lr)
+        self.zero, self.group, self.world = zero, group, world
+        total = sum(p.numel() for p in self.own)
+        self.size = -(-total // world)  # one shard, in elements
+        like = self.own[0]
+        self.flat = torch.zeros(self.size * world, dtype=like.dtype, device=like.device)
+        offset = 0
+        for p in self.own:
+            view = self.flat[offset:offset + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+            offset += p.numel()
+        self.shard = nn.Parameter(self.flat.narrow(0, replica * self.size, self.size))
+        if zero == 1:  # whole and padded, as the reduce-scatter reads it; the shard's gradient is its own slice
+            self.grad = torch.zeros_like(self.flat)
+            self._attach_grads(self.own)
+            self.shard.grad = self.grad.narrow(0, replica * self.size, self.size)
+        else:  # the shard the reductions accumulate into; the whole gradients exist only during a backward op
+            self.grad = None
+            for p in self.own:
+                p.grad = None
+            self.shard.grad = torch.zeros_like(self.shard)
+        self.optimizer = make_optimizer(optimizer, lr, [self.shard])
+
+    @property
+    def held_grad(self) -> torch.Tensor:
+        """What the stage keeps of its gradients between ops: the whole buffer (ZeRO-1) or its shard (ZeRO-2)."""
+        return self.grad if self.zero == 1 else self.shard.grad
+
+    def open_grads(self) -> torch.Tensor | None:
+        """ZeRO-2, before a backward op: a whole zeroed gradient buffer, every parameter's gradient a view of it."""
+        if self.zero != 2:
+            return None
+        self.grad = torch.zeros_like(self.flat)
+        self._attach_grads(self.own)
+        return self.grad
+
+    def close_grads(self) -> None:
+        """ZeRO-2, after a backward op: its whole gradients reduce-scattered (summed) into the shard, then freed."""
+        if self.zero != 2:
+            return
+        part = torch.empty_like(self.shard.grad)
+        REDUCE_SCATTER(part, self.grad, group=self.group)
+        self.shard.grad.add_(part)
+        for p in self.own:
+            p.grad = None
+        self.grad = None
+
+    def start_reduce(self) -> tuple[object, torch.Tensor] | None:
+        """ZeRO-1, after the stage's last backward: the reduce-scatter of the whole buffer, started (the work and
+        where it lands); ZeRO-2 has reduced after every op."""
+        if self.zero != 1:
+            return None
+        part = torch.empty_like(self.shard.grad)
+        return REDUCE_SCATTER(part, self.grad, group=self.group, async_op=True), part
+
+    def finish_reduce(self, started: tuple[object, torch.Tensor] | None) -> None:
+        """The shard's gradient, summed over the replicas (``start_reduce`` waited for), averaged."""
+        if started is not None:
+            work, part = started
+            work.wait()
+            self.shard.grad.copy_(part)
+        self.shard.grad.div_(self.world)
+
+    def squared_norm(self) -> float:
+        """The squares of this replica's shard of the averaged gradient: summed over every rank, the pipeline's."""
+        return float(torch.linalg.vector_norm(self.shard.grad)) ** 2
+
+    def full_grads(self) -> list[torch.Tensor]:
+        """The averaged gradient of every parameter, gathered from the shards (every replica calls it)."""
+        whole = torch.empty_like(self.flat)
+        ALL_GATHER(whole, self.shard.grad.contiguous(), group=self.group)
+        out, offset = [], 0
+        for p in self.own:
+            out.append(whole[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
+
+    def step(self, coefficient: float, lagged: bool) -> list[torch.Tensor]:
+        """The optimizer's step on this replica's shard (scaled by ``coefficient``), the gradients zeroed, and every
+        replica's updated shard gathered into the whole weights."""
+        with torch.no_grad():
+            if coefficient != 1.0:
+                self.shard.grad.mul_(coefficient)
+            self.optimizer.step()
+            (self.grad if self.zero == 1 else self.shard.grad).zero_()
+            ALL_GATHER(self.flat, self.shard.detach().clone(), group=self.group)
+        self.latest += 1
+        self.versions[self.latest] = self.versions.pop(self.latest - 1)
+        return []
