@@ -49,7 +49,8 @@ class _Saved:
 
     def __init__(self, tensor: torch.Tensor, tracker: MemoryTracker):
         self.tensor, self.tracker, self.token = tensor, tracker, object()
-        tracker.hold(tensor, "saved", self.token)
+        if storage_key(tensor) not in tracker.gathered:  # ZeRO-3's gathered weights are freed in place, not kept
+            tracker.hold(tensor, "saved", self.token)
 
     def __del__(self) -> None:
         self.tracker.release(self.token)
@@ -67,6 +68,7 @@ class MemoryTracker:
         self.storages: dict[tuple[str, int], tuple[int, list[str]]] = {}  # key -> (bytes, holder categories)
         self.owners: dict[Hashable, list[tuple[tuple[str, int], str]]] = {}
         self.weights: dict[int, torch.Tensor] = {}  # data_ptr -> a weight held (see ``original``)
+        self.gathered: set[tuple[str, int]] = set()  # storages of weights gathered whole for a while (ZeRO-3)
         self.result = RankMemory(category_peaks=dict.fromkeys(CATEGORIES, 0))
 
     def hold(self, tensor: torch.Tensor, category: str, token: Hashable) -> None:
@@ -82,6 +84,18 @@ class MemoryTracker:
         self.storages[key] = (nbytes, holders)
         self.owners.setdefault(token, []).append((key, category))
         self._note(category)
+
+    def hold_gathered(self, tensor: torch.Tensor, token: Hashable) -> None:
+        """Weights gathered whole for a while (ZeRO-3, ``executor.zero``): held as weights; what autograd saves of
+        them holds nothing more, as their storage is freed in place when they are resharded (FSDP's way), not kept
+        alive by the saved tensors."""
+        self.gathered.add(storage_key(tensor))
+        self.hold(tensor, "weights", token)
+
+    def release_gathered(self, tensor: torch.Tensor, token: Hashable) -> None:
+        """``hold_gathered`` undone, before the storage is freed (its address is the key)."""
+        self.gathered.discard(storage_key(tensor))
+        self.release(token)
 
     def release(self, token: Hashable) -> None:
         for key, category in self.owners.pop(token, ()):

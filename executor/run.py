@@ -45,7 +45,7 @@ from pipescope.executor.reference import Reference, reference_step
 from pipescope.executor.spec import RunSpec, p2p_order_mismatch
 from pipescope.executor.state import Rank, Row
 from pipescope.simulator.ir import ActionKind
-from pipescope.simulator.lowering import lower, step_points
+from pipescope.simulator.lowering import add_fsdp_actions, lower, step_points
 
 __all__ = ["Reference", "RunError", "RunResult", "RunSpec", "execute", "execute_all", "execute_timed", "free_port",
            "launch", "reference_step"]
@@ -134,7 +134,8 @@ def _groups(spec: RunSpec, rank: int, cache: dict[tuple[int, ...], object]) -> d
 def _run_spec(rank: int, spec: RunSpec, path: str, progress, groups: dict[str, object]) -> None:
     """Warm-up and measured runs of one schedule on this rank; rows, losses, gradients, weights and the memory of
     the first run saved to ``path``."""
-    program = lower(spec.schedule)
+    fsdp = spec.zero == 3 and not spec.reshard_after_forward  # torch's runtime adds its FSDP actions first
+    program = lower(add_fsdp_actions(spec.schedule) if fsdp else spec.schedule)
     cuda = spec.device == "cuda"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     state = Rank(spec, rank, program, groups, device)

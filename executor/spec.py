@@ -29,7 +29,8 @@ class RunSpec:
     lr: float = 1e-3
     clip_norm: float | None = 1.0
     data_parallel: int = 1
-    zero: int = 0  # ZeRO over the replicas: 0, 1 or 2 (``executor.zero``)
+    zero: int = 0  # ZeRO over the replicas: 0 to 3 (``executor.zero``)
+    reshard_after_forward: bool = True  # ZeRO-3: gather per op (FSDP's default), else at torch's FSDP actions
     device: str = "cpu"
     timeout_s: float = 120.0
     inject: tuple[str, int, int] | None = None  # ("exit" | "hang", rank, step): a rank that dies or hangs there
@@ -60,10 +61,10 @@ class RunSpec:
 
 
     def _zero_checks(self) -> list[tuple[str, object, str, bool]]:
-        """ZeRO's: a stage of 0-2, sharded over replicas, one step an iteration, and ZeRO-2's reduction after each
-        whole backward op (an I/W split would keep the whole gradients from I to W)."""
+        """ZeRO's: a stage of 0-3, sharded over replicas, one step an iteration, and ZeRO-2's and 3's gradients
+        made whole by whole backward ops (an I/W split would keep them whole from I to W)."""
         if self.zero not in ZERO_STAGES:
-            return [("zero", self.zero, "0, 1 or 2 (ZeRO-3 runs in executor.zero_check)", True)]
+            return [("zero", self.zero, "0, 1, 2 or 3", True)]
         if not self.zero:
             return []
         split = any(a is not None and a.kind is ActionKind.I for acts in self.schedule.device_actions for a in acts)
@@ -71,7 +72,7 @@ class RunSpec:
                 ("zero", self.zero, f"a flush schedule (one step an iteration), not {self.schedule.name}",
                  self.schedule.weight_update is not WeightUpdate.FLUSH),
                 ("zero", self.zero, f"0 or 1 with {self.schedule.name}, whose backward is split into I and W",
-                 self.zero == 2 and split)]
+                 self.zero >= 2 and split)]
 
 
 # A p2p action -> (which way its peer stage is, the SEND of the message it moves, as the stage offset and kind)

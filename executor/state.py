@@ -98,7 +98,7 @@ class Rank:
         self.clock = make_clock(device, spec.cpu_time)
         self.tracker = MemoryTracker(time.perf_counter_ns)
         for stage in self.stages.values():
-            self._hold_static(stage.own, stage)
+            self._hold_static(stage.held_weights, stage)
             self.tracker.hold(stage.held_grad, "gradients", ("gradients", id(stage)))
         self.grads: dict[str, torch.Tensor] = {}
 
@@ -108,7 +108,7 @@ class Rank:
         if not spec.zero:
             return StageWeights(modules, spec.optimizer, spec.lr)
         return ShardedStageWeights(modules, spec.optimizer, spec.lr, spec.zero, self.groups.get(f"stage{stage}"),
-                                   self.replica, spec.data_parallel)
+                                   self.replica, spec.data_parallel, spec.reshard_after_forward)
 
     def _hold_static(self, weights: list[torch.Tensor], stage: StageWeights) -> None:
         for t in weights:
@@ -153,6 +153,7 @@ class Rank:
     # Compute --------------------------------------------------------------------------------------------------------
 
     def _f(self, a: Action) -> None:
+        gathered = self._unshard(a)
         ids, targets = self.data[a.microbatch]
         stage = self.stages[a.stage]
         version = stage.forward_version(a.microbatch, self.rule.lagged_version(stage.base, a.microbatch))
@@ -177,6 +178,8 @@ class Rank:
         self.outputs[a.stage, a.microbatch] = x
         self.tracker.hold(x, "outputs", ("out", a.stage, a.microbatch))
         self.tracker.release(("recv", Action(a.stage, K.RECV_F, a.microbatch)))
+        if gathered:
+            self._reshard(a)
 
     def _forward(self, a: Action, tensors: list[torch.Tensor], x: torch.Tensor, targets: torch.Tensor,
                  grad: bool) -> torch.Tensor:
@@ -203,6 +206,7 @@ class Rank:
         self.seen.append((kind, a.stage, a.microbatch, version, newest, tensors[0]._version))
 
     def _backward(self, a: Action) -> None:
+        gathered = self._unshard(a)
         stage = self.stages[a.stage]
         version = stage.used[a.microbatch]
         self._see("B", a, version, stage.versions[version])
@@ -226,7 +230,8 @@ class Rank:
         torch.autograd.backward(out, grad)
         del out, grad
         stage.close_grads()
-        self.tracker.release(("whole gradients", a.stage))
+        if stage.grad is None:  # reduce-scattered into the shard
+            self.tracker.release(("whole gradients", a.stage))
         stage.backward_done(a.microbatch)
         deferrable = [m for i in self.parts[a.stage] if hasattr(m := stage.modules[i], "store")]
         pending = [(m.store, [(x, g, self.tracker.original(w), b) for x, g, w, b in m.store.pending])
@@ -243,8 +248,29 @@ class Rank:
             self.tracker.hold(x.grad, "p2p", ("in", a.stage, a.microbatch))
         for token in (("out", a.stage, a.microbatch), ("recv", recv), ("in", a.stage + 1, a.microbatch)):
             self.tracker.release(token)
+        if gathered:
+            self._reshard(a)
 
     _i = _b = _backward
+
+    # ZeRO-3's gathers: per op, or at torch's FSDP actions (``executor.zero``) ---------------------------------------
+
+    def _unshard(self, a: Action) -> bool:
+        """The stage's whole weights gathered, unless they are already (by its UNSHARD); True when gathered here."""
+        whole = self.stages[a.stage].unshard()
+        if whole is not None:
+            self.tracker.hold_gathered(whole, ("whole weights", a.stage))
+        return whole is not None
+
+    def _reshard(self, a: Action) -> None:
+        stage = self.stages[a.stage]
+        if isinstance(stage, ShardedStageWeights) and stage.zero == 3:
+            self.tracker.release_gathered(stage.flat, ("whole weights", a.stage))
+        stage.reshard()
+
+    def _reduce_grad(self, a: Action) -> None:
+        self.stages[a.stage].reduce_grad()
+        self.tracker.release(("whole gradients", a.stage))
 
     def _w(self, a: Action) -> None:
         with torch.no_grad():  # the weight gradients are not differentiated further
@@ -319,10 +345,10 @@ class Rank:
         work, stamped, group, start, ended = self.reducing.pop(stage)
         k = self.rule.last_microbatch(group)
         weights = self.stages[stage]
-        if isinstance(weights, ShardedStageWeights):  # its row spans the launch to the averaged shard
+        if isinstance(weights, ShardedStageWeights):  # a row for ZeRO-1's one reduce-scatter: launch to averaged
             weights.finish_reduce(work)
-            return [(str(Action(stage, K.REDUCE_SCATTER, k)), K.REDUCE_SCATTER.value, stage, k, start,
-                     self.clock.stamp())]
+            return [] if work is None else [(str(Action(stage, K.REDUCE_SCATTER, k)), K.REDUCE_SCATTER.value, stage,
+                                             k, start, self.clock.stamp())]
         work.wait()
         if self.clock.wall:  # gloo completes it when the reduction ends, which may be long before this wait
             stamped.wait()
@@ -373,11 +399,11 @@ class Rank:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Every parameter's newest value by name."""
-        return {name: t.cpu() for s in self.stages.values() for name, t in s.named(s.versions[s.latest]).items()}
+        return {name: t.cpu() for s in self.stages.values() for name, t in s.named(s.whole_weights()).items()}
 
 
 def _nothing(_: Action) -> None:
-    """UNSHARD, RESHARD, REDUCE_GRAD: torch's per-stage bookkeeping, no work here."""
+    """An action a rank has no work for (its collectives and steps run in ``after`` and ``finish``)."""
 
 
 def _tag(send: Action) -> int:

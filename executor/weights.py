@@ -133,12 +133,32 @@ class StageWeights:
         """The gradients the stage keeps between ops: its whole flat buffer."""
         return self.grad
 
+    @property
+    def held_weights(self) -> list[torch.Tensor]:
+        """The weights the stage keeps between ops: every version's tensors are added as they are made."""
+        return self.own
+
+    def whole_weights(self) -> list[torch.Tensor]:
+        """Every parameter's newest value."""
+        return self.versions[self.latest]
+
+    # What ZeRO does at these points (``executor.zero``); nothing here, where every state is whole
     def open_grads(self) -> torch.Tensor | None:
         """Before a backward op: a buffer made for it (None: the gradients accumulate into ``grad``)."""
         return None
 
     def close_grads(self) -> None:
-        """After a backward op: nothing to hand on (ZeRO-2 reduces here: ``executor.zero``)."""
+        """After a backward op."""
+
+    def unshard(self) -> torch.Tensor | None:
+        """Before an op that reads the weights, or at torch's UNSHARD: the whole weights gathered (None: whole)."""
+        return None
+
+    def reshard(self) -> None:
+        """After such an op, or at torch's RESHARD."""
+
+    def reduce_grad(self) -> None:
+        """At torch's REDUCE_GRAD."""
 
     def _attach_grads(self, params: list[torch.Tensor]) -> None:
         offset = 0

@@ -1,15 +1,21 @@
-"""ZeRO stages 1 and 2 inside the executor's pipeline program (docs/validation.md, "ZeRO in the pipeline").
+"""ZeRO stages 1-3 inside the executor's pipeline program (docs/validation.md, "ZeRO in the pipeline").
 
 A stage's weights move into one flat buffer, padded to a multiple of the stage's data-parallel replicas (each
 parameter becomes a view of it, as Megatron's distributed optimizer and DeepSpeed lay them out); replica r owns the
-r-th of the equal shards and its optimizer steps only that shard, a view, so the step updates the buffer in place,
-and the shards are all-gathered back after it.
+r-th of the equal shards and its optimizer steps only that shard.
 
 - ZeRO-1: the gradients stay whole, one padded flat buffer as without ZeRO; after the stage's last backward it is
-  reduce-scattered, and the replica's averaged shard lands in its own slice of that buffer.
-- ZeRO-2: only the replica's shard of the gradients is kept. Each backward op (B) accumulates into a whole buffer
-  made for it, which is reduce-scattered into the shard and freed when the op ends (DeepSpeed's reduction at every
-  micro-step). A backward split into I and W would keep the whole gradients from I to W, so it is refused.
+  reduce-scattered, and the replica's averaged shard lands in its own slice of that buffer. The shard is a view of
+  the weights, so the step updates them in place, and the shards are all-gathered back after it.
+- ZeRO-2: as 1, but only the replica's shard of the gradients is kept. Each backward op (B) accumulates into a
+  whole buffer made for it, which is reduce-scattered into the shard and freed when the op ends (DeepSpeed's
+  reduction at every micro-step). A backward split into I and W would keep the whole gradients from I to W, so it
+  is refused.
+- ZeRO-3: the weights are kept as the shard alone, and gathered whole (``unshard``) only while needed: for each op
+  that reads them, as ZeRO-2 reduces its gradients (FSDP's ``reshard_after_forward``), or from each of torch's
+  UNSHARD actions to its RESHARD, the gradients accumulating whole until the stage's REDUCE_GRAD (torch's
+  pipelining runtime over ``fully_shard``ed stages). A gathered buffer sits beside the shard, as FSDP's unsharded
+  parameters do.
 
 The collectives run over the stage's replica group (``executor.run._groups``): every replica runs the same program,
 so they are called in the same order everywhere.
@@ -23,20 +29,22 @@ from torch import nn
 
 from pipescope.executor.weights import StageWeights, make_optimizer
 
-ZERO_STAGES = (0, 1, 2)  # the pipeline executor's; ZeRO-3 runs on its own in ``executor.zero_check``
+ZERO_STAGES = (0, 1, 2, 3)
 # torch 2.13 names them *_single and deprecates the older names; a GPU machine's older torch has only those
 ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 class ShardedStageWeights(StageWeights):
-    """A stage's weights, gradients and optimizer under ZeRO ``zero`` (1 or 2) over ``world`` replicas, this one
+    """A stage's weights, gradients and optimizer under ZeRO ``zero`` (1 to 3) over ``world`` replicas, this one
     ``replica`` of them, in the process ``group`` of the stage's replicas. Flush schedules only: one version."""
 
     def __init__(self, modules: dict[int, nn.Module], optimizer: str, lr: float, zero: int, group: object,
-                 replica: int, world: int) -> None:
+                 replica: int, world: int, reshard_after_forward: bool = True) -> None:
         super().__init__(modules, optimizer, lr)
         self.zero, self.group, self.world = zero, group, world
+        # the whole gradients of one backward op, reduce-scattered when it ends (else: at REDUCE_GRAD, or ZeRO-1's end)
+        self.per_op = zero == 2 or (zero == 3 and reshard_after_forward)
         total = sum(p.numel() for p in self.own)
         self.size = -(-total // world)  # one shard, in elements
         like = self.own[0]
@@ -48,6 +56,9 @@ class ShardedStageWeights(StageWeights):
             p.data = view.view_as(p)
             offset += p.numel()
         self.shard = nn.Parameter(self.flat.narrow(0, replica * self.size, self.size))
+        self.shapes = [p.shape for p in self.own]
+        if zero == 3:  # the shard alone, a tensor of its own; the whole weights only while gathered
+            self.shard = nn.Parameter(self.shard.detach().clone())
         if zero == 1:  # whole and padded, as the reduce-scatter reads it; the shard's gradient is its own slice
             self.grad = torch.zeros_like(self.flat)
             self._attach_grads(self.own)
@@ -57,24 +68,55 @@ class ShardedStageWeights(StageWeights):
             for p in self.own:
                 p.grad = None
             self.shard.grad = torch.zeros_like(self.shard)
+        self.reshard()
         self.optimizer = make_optimizer(optimizer, lr, [self.shard])
 
     @property
     def held_grad(self) -> torch.Tensor:
-        """What the stage keeps of its gradients between ops: the whole buffer (ZeRO-1) or its shard (ZeRO-2)."""
+        """What the stage keeps of its gradients between ops: the whole buffer (ZeRO-1) or its shard (ZeRO-2, 3)."""
         return self.grad if self.zero == 1 else self.shard.grad
 
-    def open_grads(self) -> torch.Tensor | None:
-        """ZeRO-2, before a backward op: a whole zeroed gradient buffer, every parameter's gradient a view of it."""
-        if self.zero != 2:
+    @property
+    def held_weights(self) -> list[torch.Tensor]:
+        """What the stage keeps of its weights between ops: the whole buffer's views, or under ZeRO-3 its shard."""
+        return [self.shard] if self.zero == 3 else self.own
+
+    def unshard(self) -> torch.Tensor | None:
+        """ZeRO-3: the whole weights gathered from every replica's shard into the buffer the parameters are views of
+        (None: already gathered, or not ZeRO-3). As FSDP does, the buffer's storage is grown back in place and its
+        version counter kept, so what autograd saved of the weights in a forward reads them again in the backward."""
+        storage = self.flat.untyped_storage()
+        if self.zero != 3 or storage.nbytes():
             return None
-        self.grad = torch.zeros_like(self.flat)
+        storage.resize_(self.flat.numel() * self.flat.element_size())
+        with torch.autograd._unsafe_preserve_version_counter(self.flat):
+            ALL_GATHER(self.flat, self.shard.detach(), group=self.group)
+        return self.flat
+
+    def reshard(self) -> None:
+        """ZeRO-3: the whole weights freed (their storage shrunk to nothing) until the next ``unshard``."""
+        if self.zero == 3:
+            self.flat.untyped_storage().resize_(0)
+
+    def open_grads(self) -> torch.Tensor | None:
+        """ZeRO-2 and 3, before a backward op: a whole zeroed gradient buffer, every parameter's gradient a view of
+        it (None: ZeRO-1, or still open from an earlier op until REDUCE_GRAD)."""
+        if self.zero == 1 or self.grad is not None:
+            return None
+        self.grad = torch.zeros(self.size * self.world, dtype=self.shard.dtype, device=self.shard.device)
         self._attach_grads(self.own)
         return self.grad
 
     def close_grads(self) -> None:
-        """ZeRO-2, after a backward op: its whole gradients reduce-scattered (summed) into the shard, then freed."""
-        if self.zero != 2:
+        """After a backward op, where the whole gradients are reduced per op: reduce-scattered (summed) into the
+        shard, then freed."""
+        if self.per_op:
+            self.reduce_grad()
+
+    def reduce_grad(self) -> None:
+        """ZeRO-2 and 3: the whole gradients reduce-scattered (summed) into the shard, then freed (at torch's
+        REDUCE_GRAD without per-op reduction)."""
+        if self.zero == 1 or self.grad is None:
             return
         part = torch.empty_like(self.shard.grad)
         REDUCE_SCATTER(part, self.grad, group=self.group)
@@ -85,7 +127,7 @@ class ShardedStageWeights(StageWeights):
 
     def start_reduce(self) -> tuple[object, torch.Tensor] | None:
         """ZeRO-1, after the stage's last backward: the reduce-scatter of the whole buffer, started (the work and
-        where it lands); ZeRO-2 has reduced after every op."""
+        where it lands); ZeRO-2 and 3 have reduced after every op, or at REDUCE_GRAD."""
         if self.zero != 1:
             return None
         part = torch.empty_like(self.shard.grad)
@@ -105,12 +147,22 @@ class ShardedStageWeights(StageWeights):
 
     def full_grads(self) -> list[torch.Tensor]:
         """The averaged gradient of every parameter, gathered from the shards (every replica calls it)."""
-        whole = torch.empty_like(self.flat)
-        ALL_GATHER(whole, self.shard.grad.contiguous(), group=self.group)
+        return self._split(self._gathered(self.shard.grad))
+
+    def whole_weights(self) -> list[torch.Tensor]:
+        """Every parameter's newest value, gathered from the shards under ZeRO-3 (every replica calls it)."""
+        return self._split(self._gathered(self.shard.detach())) if self.zero == 3 else self.own
+
+    def _gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        whole = torch.empty(self.size * self.world, dtype=shard.dtype, device=shard.device)
+        ALL_GATHER(whole, shard.contiguous(), group=self.group)
+        return whole
+
+    def _split(self, whole: torch.Tensor) -> list[torch.Tensor]:
         out, offset = [], 0
-        for p in self.own:
-            out.append(whole[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for shape in self.shapes:
+            out.append(whole[offset:offset + shape.numel()].view(shape))
+            offset += shape.numel()
         return out
 
     def step(self, coefficient: float, lagged: bool) -> list[torch.Tensor]:
@@ -121,7 +173,8 @@ class ShardedStageWeights(StageWeights):
                 self.shard.grad.mul_(coefficient)
             self.optimizer.step()
             (self.grad if self.zero == 1 else self.shard.grad).zero_()
-            ALL_GATHER(self.flat, self.shard.detach().clone(), group=self.group)
+            if self.zero < 3:  # ZeRO-3 gathers at its next use
+                ALL_GATHER(self.flat, self.shard.detach().clone(), group=self.group)
         self.latest += 1
         self.versions[self.latest] = self.versions.pop(self.latest - 1)
         return []

@@ -355,9 +355,6 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
     if isinstance(config.costs, UniformCostsConfig) and config.parallel.zero_stage:
         raise ConfigError(f"{_zero_key(config)} under costs.kind {kind}, expected none (uniform costs have no "
                           f"model states to shard)")
-    if not analytic and config.parallel.zero_stage > 2:  # a profile times a stage's ops, not its units' gathers
-        raise ConfigError(f"{_zero_key(config)} under costs.kind {kind}, expected 0, 1 or 2 (only analytic costs "
-                          f"gather ZeRO-3's weights unit by unit)")
     if not analytic and config.schedule.recompute == "selective":
         raise ConfigError(f"schedule.recompute: got selective under costs.kind {kind}, expected none or full (only "
                           f"analytic costs separate the attention core)")

@@ -107,16 +107,17 @@ class Sharding:
         return -(-nbytes // self.shards) if self.zero >= SHARDED_FROM[state] else nbytes
 
     def gathered(self, nbytes: int, state: str) -> int:
-        """The bytes of ``state`` a GPU holds beyond its shard while the whole is gathered (0 when unsharded)."""
-        return nbytes - self.part(nbytes, state)
+        """The bytes of ``state`` a GPU holds beside its shard while the whole is gathered (0 when unsharded): all
+        of them, as a whole buffer is made beside the shard, which stays (FSDP's unsharded parameters and
+        gradients, DeepSpeed's reduction buckets beside its gradient partition; the executor's ZeRO measures it:
+        docs/validation.md, "ZeRO in the pipeline")."""
+        return nbytes if self.zero >= SHARDED_FROM[state] and self.shards > 1 else 0
 
     def in_flight(self, nbytes: int, state: str, per_param: int) -> int:
         """What an op holds whole of ``nbytes`` of ``state`` (``per_param`` bytes a parameter) beside its shard: the
-        units in flight (``prefetch + 1`` of weights, 2 of gradients), or all of it when the stage is smaller or there
-        are no units. A whole buffer is made beside the shard, which stays (FSDP's unsharded parameters and
-        gradients, DeepSpeed's reduction buckets beside the gradient partition; the executor's ZeRO-2 measures it:
-        docs/validation.md, "ZeRO in the pipeline"), so all of it counts, not the bytes beyond the shard."""
-        whole = nbytes if self.gathered(nbytes, state) else 0
+        units in flight (``prefetch + 1`` of weights, 2 of gradients), or all of it (``gathered``) when the stage is
+        smaller or there are no units."""
+        whole = self.gathered(nbytes, state)
         units = self.prefetch + 1 if state == "weights" else 2
         return min(whole, units * self.unit_params * per_param) if self.unit_params else whole
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
@@ -64,9 +63,10 @@ def test_every_stage_end_to_end_saves_what_it_shards_and_runs_its_collectives() 
     peaks = [r.devices[0].peak_memory_bytes for r in results]
     kept = small("parallel.zero=3", "memory.runtime=torch", "model.vocab=4096", "parallel.reshard_after_forward=false")
     # stage 3 without resharding runs torch's FSDP actions: it gathers back the weights it saves between steps and
-    # accumulates its gradients unsharded until REDUCE_GRAD, so at its peak it holds what stage 1 holds at its own
+    # accumulates its gradients unsharded until REDUCE_GRAD, so at its peak it holds what stage 1 holds at its own,
+    # and its shards of both beside them (bf16: 2 bytes a parameter each)
     assert peaks[0] > peaks[1] > peaks[2]
-    assert kept.devices[0].peak_memory_bytes == peaks[1]
+    assert kept.devices[0].peak_memory_bytes == peaks[1] + 2 * -(-2 * psi // 4)
     # resharding after each op, only two units are whole at once
     assert results[3].devices[0].static_memory_bytes < peaks[3] < peaks[2]
 
@@ -181,9 +181,6 @@ def test_zero_is_refused_where_it_has_no_meaning() -> None:
         small("parallel.zero=3", "schedule.name=2bw")
     with pytest.raises(ConfigError, match="parallel.zero: got 2 under costs.kind uniform, expected none"):
         small("parallel.zero=2", "costs.kind=uniform")
-    profile = str(Path(__file__).resolve().parent.parent / "calibration" / "profiles" / "h200" / "tiny")
-    with pytest.raises(ConfigError, match="parallel.zero: got 3 under costs.kind profile, expected 0, 1 or 2"):
-        small("parallel.zero=3", "costs.kind=profile", f"costs.profile={profile}")
 
 
 def test_the_headline_names_the_zero_stage_and_the_old_key_is_stage_1() -> None:
@@ -415,23 +412,24 @@ PIPELINE_SHAPE = dict(layers=4, hidden=32, heads=2, seq=16, vocab=64)
 
 
 def test_zero_inside_the_pipeline_trains_as_one_process_and_peaks_where_the_ledger_says(tmp_path, cli) -> None:
-    """A 2-stage pipeline, 2 replicas (4 gloo ranks), two AdamW steps with clipping under ZeRO 1 and 2: every loss,
-    the last gradients and the final weights are one process's over all the microbatches, the replicas end equal,
-    the stage's reduction is one reduce-scatter, and each rank's measured peak is the ledger's on a profile of the
-    same model (the ledger counts one 4-byte step counter per parameter tensor, the executor's flat shard has one)."""
+    """A 2-stage pipeline, 2 replicas (4 gloo ranks), two AdamW steps with clipping under ZeRO 1, 2 and 3 (its
+    weights gathered per op, or at torch's FSDP actions): every loss, the last gradients and the final weights are
+    one process's over all the microbatches, the replicas end equal, ZeRO-1 reduce-scatters once after the stage's
+    last backward, and each rank's measured peak is the ledger's on a profile of the same model (the ledger counts
+    one 4-byte step counter per parameter tensor, the executor's flat shard has one)."""
     torch = pytest.importorskip("torch")
     from pipescope.calibration.presets import Shape
     from pipescope.executor.run import RunSpec, execute_all, reference_step
 
     shape = Shape("test", **PIPELINE_SHAPE)
-    cases = [("1f1b", 1), ("1f1b", 2), ("zb-h1", 1)]
-    specs = [RunSpec(build(name, 2, 4), shape, microbatch_size=2, seed=3, data_parallel=2, zero=zero, iterations=2,
-                     clip_norm=0.5) for name, zero in cases]
+    cases = [("1f1b", 1, True), ("1f1b", 2, True), ("zb-h1", 1, True), ("1f1b", 3, True), ("gpipe", 3, False)]
+    specs = [RunSpec(build(name, 2, 4), shape, microbatch_size=2, seed=3, data_parallel=2, zero=zero,
+                     reshard_after_forward=reshard, iterations=2, clip_norm=0.5) for name, zero, reshard in cases]
     profile = tmp_path / "profile"
     code, _, err = cli(["calibrate", *[f"--{k}={v}" for k, v in PIPELINE_SHAPE.items()], "--microbatch-sizes", "2",
                         "--precision", "fp32", "--device", "cpu", "--budget-s", "0.05", "--out", str(profile)])
     assert code == 0, err
-    for (name, zero), spec, result in zip(cases, specs, execute_all(specs)):
+    for (name, zero, reshard), spec, result in zip(cases, specs, execute_all(specs)):
         reference = reference_step(spec)
         assert result.losses == pytest.approx(reference.losses, rel=1e-6)
         for key, weight in reference.weights.items():
@@ -439,23 +437,23 @@ def test_zero_inside_the_pipeline_trains_as_one_process_and_peaks_where_the_ledg
             assert torch.equal(result.weights[1][key], result.weights[0][key])
         for key, grad in reference.grads.items():
             torch.testing.assert_close(result.grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)
-        assert [r[0] for r in result.rows[-1][0] if r[1] in ("ALL_REDUCE", "REDUCE_SCATTER")] == \
-            ["0REDUCE_SCATTER3", "-1ALL_REDUCE3"]  # the stage's reduction, then clipping's norm
+        collectives = [r[0] for r in result.rows[-1][0] if r[1] in ("ALL_REDUCE", "REDUCE_SCATTER")]
+        assert collectives == ["0REDUCE_SCATTER3"] * (zero == 1) + ["-1ALL_REDUCE3"]  # then clipping's norm
         ledger = run(load_config(raw={
             "schedule": {"name": name, "stages": 2, "microbatches": 4},
             "model": {"microbatch_size": 2, "precision": "fp32"}, "memory": {"runtime": "torch"},
             "costs": {"kind": "profile", "profile": str(profile)}, "cluster": {"data_parallel": 2},
-            "parallel": {"zero": zero}}))
+            "parallel": {"zero": zero, "reshard_after_forward": reshard}}))
         measured = [m.peak_bytes for m in result.memory]
         predicted = [d.peak_memory_bytes for d in ledger.devices]
-        tolerance = 0.001 if name == "1f1b" else 0.01  # zb-h1's last device: a few KiB, as without ZeRO
+        tolerance = 0.001 if name != "zb-h1" else 0.01  # zb-h1's last device: a few KiB, as without ZeRO
         assert all(abs(p / m - 1) < tolerance for p, m in zip(predicted, measured)), (name, zero, predicted, measured)
 
 
 @pytest.mark.parametrize("options, expected", [
-    ({"zero": 3}, "0, 1 or 2"), ({"zero": 1}, "data_parallel >= 2"),
+    ({"zero": 4}, "0, 1, 2 or 3"), ({"zero": 1}, "data_parallel >= 2"),
     ({"zero": 1, "data_parallel": 2, "name": "2bw"}, "a flush schedule"),
-    ({"zero": 2, "data_parallel": 2, "name": "zb-h1"}, "whose backward is split into I and W")])
+    ({"zero": 3, "data_parallel": 2, "name": "zb-h1"}, "whose backward is split into I and W")])
 def test_the_executor_refuses_a_zero_it_cannot_run_in_one_line(options: dict, expected: str) -> None:
     pytest.importorskip("torch")
     from pipescope.calibration.presets import Shape
