@@ -22,7 +22,8 @@ from pipescope.simulator.readers.units import parse_size, short_repr
 CORPUS = Path(__file__).resolve().parent / "published" / "runs.yaml"
 GIB = 1 << 30
 
-MEASURES = ("iteration_time_s", "tflops_per_gpu", "samples_per_gpu_per_s", "peak_memory_gib")
+MEASURES = ("iteration_time_s", "tflops_per_gpu", "samples_per_gpu_per_s", "peak_memory_gib", "peak_memory_gb")
+MEMORY_UNITS = {"peak_memory_gib": GIB, "peak_memory_gb": 10**9}  # bytes per unit: as the source counts them
 FLOPS_CONVENTIONS = ("megatron-eq3",)
 MEMORY_MEASURES = ("allocated", "nvidia-smi")
 GRAD_SYNC = ("overlapped", "after-backward")
@@ -83,7 +84,7 @@ class PublishedRun:
     @property
     def quantity(self) -> str:
         """``time`` or ``memory``: what the run is scored on."""
-        return "memory" if self.measure == "peak_memory_gib" else "time"
+        return "memory" if self.measure in MEMORY_UNITS else "time"
 
 
 def load_corpus(path: str | Path | None = None) -> list[PublishedRun]:
@@ -301,7 +302,7 @@ def measured_value(run: PublishedRun) -> float:
         return megatron_eq3_flops(run) / (run.gpus * run.value * 1e12)
     if run.measure == "samples_per_gpu_per_s":
         return run.global_batch / (run.gpus * run.value)
-    return run.value * GIB
+    return run.value * MEMORY_UNITS[run.measure]
 
 
 # The configs a run may have run ------------------------------------------------------------------------------------

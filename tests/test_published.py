@@ -43,12 +43,14 @@ def test_the_corpus_holds_every_source_the_issue_names_and_every_configuration_r
 
 def test_measurements_become_iteration_times_by_their_sources_conventions() -> None:
     """Narayanan et al.'s TFLOP/s per GPU by their equation 3 (the issue's 3.53 s for 1.7B on 32 GPUs, 24.8 s for
-    145.6B on 1536), the zero-bubble paper's samples per GPU per second, BLOOM's seconds and GiB as given."""
+    145.6B on 1536), the zero-bubble paper's samples per GPU per second and GB (10^9 bytes, as its code prints
+    them), BLOOM's seconds and GiB as given."""
     assert measured_value(by_name("narayanan2021-1.7b")) == pytest.approx(3.528, abs=0.001)
     assert measured_value(by_name("narayanan2021-145.6b")) == pytest.approx(24.82, abs=0.01)
     assert measured_value(by_name("qi2024-1.5b-1f1b-m24")) == pytest.approx(144 / (8 * 11.8))
     assert measured_value(by_name("bloom2022-176b")) == 104.70
     assert measured_value(by_name("bloom2022-176b-memory")) == 59 * (1 << 30)
+    assert measured_value(by_name("qi2024-1.5b-1f1b-memory")) == 30 * 10**9
 
 
 def test_names_select_runs_and_sources() -> None:
@@ -98,7 +100,7 @@ def by_entry(raw: dict, name: str) -> dict:
     (lambda raw: raw["sources"]["bloom2022"]["software"].update(cuda_context="lots"), r"software: cuda_context: got "
      r"'lots', expected a size"),
     (lambda raw: raw["sources"]["qi2024"].pop("memory_measure"), r"\(qi2024-1\.5b-1f1b-memory\): measured: got "
-     r"'peak_memory_gib', expected a source with 'memory_measure'"),
+     r"'peak_memory_gb', expected a source with 'memory_measure'"),
     (lambda raw: by_entry(raw, "qi2024-1.5b-1f1b-memory")["measured"].update(device=8), r"measured\.device: got 8, "
      r"expected a pipeline device from 0 to 7"),
     (lambda raw: raw["runs"].extend({**copy.deepcopy(first(raw)), "name": f"r{i}", "interleave": None,
@@ -141,7 +143,7 @@ def test_the_fast_subset_holds_its_errors(fast_rows: list[dict]) -> None:
     change that makes predictions worse fails; the issue's targets (TARGETS) are what these bounds move toward."""
     errors = {row["name"]: row["error_rel"] for row in fast_rows}
     assert all(row["status"] == "ok" for row in fast_rows)
-    bounds = {"qi2024-1.5b-1f1b-m24": 0.05, "qi2024-6.2b-zb1p-m32": 0.11, "qi2024-6.2b-1f1b-memory": 0.09,
+    bounds = {"qi2024-1.5b-1f1b-m24": 0.05, "qi2024-6.2b-zb1p-m32": 0.11, "qi2024-6.2b-1f1b-memory": 0.01,
               "korthikanti2022-22b-full": 0.05, "korthikanti2022-22b-selective": 0.05, "bloom2022-176b-memory": 0.19}
     for name, bound in bounds.items():
         assert abs(errors[name]) <= bound, (name, errors[name])
@@ -182,10 +184,10 @@ def test_bad_published_flags_are_one_line_exit_2(cli, args: list[str], expected:
 @pytest.mark.benchmark
 def test_the_whole_corpus_against_the_targets() -> None:
     """Every run of the corpus (7 minutes on two cores with two workers: the largest are 3,072 GPUs). Holds the
-    errors near where they are today (time 9.4% mean, 25.8% worst, BLOOM's tensor-8 benchmark; memory 11.1%,
+    errors near where they are today (time 9.4% mean, 25.8% worst, BLOOM's tensor-8 benchmark; memory 6.7%,
     22.8%); docs/costs.md, "Against published runs", records them against the issue's targets."""
     rows = run_published(RUNS, progress=True)
     summary = summarize(rows)
     assert not summary["failed"]
     assert summary["time"]["mean_abs_error"] <= 0.10 and summary["time"]["worst_abs_error"] <= 0.27
-    assert summary["memory"]["mean_abs_error"] <= 0.12 and summary["memory"]["worst_abs_error"] <= 0.24
+    assert summary["memory"]["mean_abs_error"] <= 0.08 and summary["memory"]["worst_abs_error"] <= 0.24
