@@ -59,7 +59,6 @@ class RunSpec:
             if wrong:
                 raise ValueError(f"RunSpec.{name}: got {value!r}, expected {expected}")
 
-
     def _zero_checks(self) -> list[tuple[str, object, str, bool]]:
         """ZeRO's: a stage of 0-3, sharded over replicas, one step an iteration, and ZeRO-2's and 3's gradients
         made whole by whole backward ops (an I/W split would keep them whole from I to W)."""

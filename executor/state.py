@@ -101,6 +101,7 @@ class Rank:
             self._hold_static(stage.held_weights, stage)
             self.tracker.hold(stage.held_grad, "gradients", ("gradients", id(stage)))
         self.grads: dict[str, torch.Tensor] = {}
+        self.gathered: dict[int, torch.Tensor] = {}  # ZeRO-3: stage -> its weights while gathered whole
 
     def _weights(self, stage: int, modules: dict[int, nn.Module]) -> StageWeights:
         """A stage's weights, gradients and optimizer: whole, or sharded over its replicas (``RunSpec.zero``)."""
@@ -260,13 +261,14 @@ class Rank:
         whole = self.stages[a.stage].unshard()
         if whole is not None:
             self.tracker.hold_gathered(whole, ("whole weights", a.stage))
+            self.gathered[a.stage] = whole
         return whole is not None
 
     def _reshard(self, a: Action) -> None:
-        stage = self.stages[a.stage]
-        if isinstance(stage, ShardedStageWeights) and stage.zero == 3:
-            self.tracker.release_gathered(stage.flat, ("whole weights", a.stage))
-        stage.reshard()
+        whole = self.gathered.pop(a.stage, None)
+        if whole is not None:  # released before its storage is freed: its address is the tracker's key
+            self.tracker.release_gathered(whole, ("whole weights", a.stage))
+        self.stages[a.stage].reshard()
 
     def _reduce_grad(self, a: Action) -> None:
         self.stages[a.stage].reduce_grad()
@@ -363,9 +365,7 @@ class Rank:
         weights = self.stages[stage]
         weights.updates += 1
         if self.last_run and weights.updates == self.rule.steps_per_run:
-            sharded = isinstance(weights, ShardedStageWeights)
-            self.grads.update(weights.named(weights.full_grads() if sharded else
-                                            [p.grad for p in weights.versions[weights.latest]]))
+            self.grads.update(weights.named(weights.full_grads()))
         start = self.clock.stamp()
         created = weights.step(coefficient, lagged=self.rule.lagged)
         end = self.clock.stamp()

@@ -142,6 +142,10 @@ class StageWeights:
         """Every parameter's newest value."""
         return self.versions[self.latest]
 
+    def full_grads(self) -> list[torch.Tensor]:
+        """Every parameter's gradient (averaged over the replicas once reduced)."""
+        return [p.grad for p in self.versions[self.latest]]
+
     # What ZeRO does at these points (``executor.zero``); nothing here, where every state is whole
     def open_grads(self) -> torch.Tensor | None:
         """Before a backward op: a buffer made for it (None: the gradients accumulate into ``grad``)."""

@@ -26,13 +26,11 @@ from torch import nn
 
 from pipescope.executor.run import launch
 from pipescope.executor.state import batch, build_modules
+from pipescope.executor.zero import ALL_GATHER, REDUCE_SCATTER
 from pipescope.calibration.presets import Shape
 
 STAGES = (1, 2, 3)  # torch's ZeroRedundancyOptimizer (1) and fully_shard (3); the executor's own Zero2
 LEARNING_RATE = 1e-3
-# torch 2.13 names them *_single and deprecates the older names; a GPU machine's older torch has only those
-_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 class _Whole(nn.Module):
@@ -106,12 +104,12 @@ class Zero2:
             offset += p.numel()
             p.grad = None
         self.shard.grad = torch.empty_like(self.shard)
-        _REDUCE_SCATTER(self.shard.grad, whole, op=dist.ReduceOp.AVG)
+        REDUCE_SCATTER(self.shard.grad, whole, op=dist.ReduceOp.AVG)
 
     def full_grads(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The averaged whole gradients, gathered from every rank's shard (for the check; every rank calls it)."""
         whole = torch.empty_like(self.flat)
-        _ALL_GATHER(whole, self.shard.grad)
+        ALL_GATHER(whole, self.shard.grad)
         out, offset = {}, 0
         for name, p in zip(names, self.params):
             out[name] = whole[offset:offset + p.numel()].view_as(p).clone()
@@ -120,7 +118,7 @@ class Zero2:
 
     def step(self) -> None:
         self.optim.step()
-        _ALL_GATHER(self.flat, self.shard.detach().clone())
+        ALL_GATHER(self.flat, self.shard.detach().clone())
 
     def held_bytes(self) -> int:
         """The gradient shard: the ledger's sharded gradients."""
