@@ -63,8 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "gradients, 3 and weights sharded over the data-parallel replicas; with replicas and a flush "
                    "schedule only). Default: not searched, the config's parallel.zero applies")
     p.add_argument("--offload", help="comma-separated parallel.offload settings to try: none, optimizer (the "
-                   "optimizer state and step on the host: ZeRO-Offload; flush schedules and analytic costs only). "
-                   "Default: not searched, the config's applies")
+                   "optimizer state and step on the host: ZeRO-Offload; flush schedules and analytic costs only), "
+                   "parameters (ZeRO-3's weight shards too: ZeRO-Infinity; tried with --zero 3 only). Default: not "
+                   "searched, the config's applies")
     p.add_argument("--context", help="comma-separated context-parallel degrees cp to try (parallel.context: each "
                    "pipeline device is tensor x cp GPUs, of one node or of whole nodes; flash attention and analytic "
                    "costs only). Default: not searched, the config's parallel.context applies")
@@ -256,9 +257,13 @@ def _nothing_fits(report: PlanReport) -> list[str]:
     return lines
 
 
+OFFLOAD_COLUMN = {"optimizer": "host", "parameters": "host+w"}  # the ranked table's offload column
+
+
 def _sharding_words(row: dict) -> str:
     """``optimizer on the host, HSDP groups of 2, `` for the best line: the searched offload and shard group."""
-    words = "optimizer on the host, " if row.get("offload") == "optimizer" else ""
+    words = {"optimizer": "optimizer on the host, ", "parameters": "optimizer and weights on the host, "}.get(
+        row.get("offload"), "")
     group = row.get("shard_group")
     return words + (f"HSDP groups of {group}, " if group is not None and group < row["width"] else "")
 
@@ -279,7 +284,7 @@ def _ranked_table(rows: list[dict]) -> str:
     body = [f"{i:>3} {r['schedule']:<12}{r['tensor']:>3}{'yes' if r['sequence'] else '-':>4}"
             + (f"{r['context']:>4}" if cp else "") + f"{r['width']:>4}{r['depth']:>4}"
             + (f"{r['zero']:>5}" if zero else "")
-            + (f"{'host' if r['offload'] == 'optimizer' else '-':>8}" if offload else "")
+            + (f"{OFFLOAD_COLUMN.get(r['offload'], '-'):>8}" if offload else "")
             + (f"{r['shard_group'] if r['shard_group'] < r['width'] else '-':>5}" if hsdp else "")
             + f"{r['microbatch_size']:>4}{r['microbatches']:>5} {r['recompute']:<10}"
             f"{r['vocab']:<13}{r['throughput_samples_per_s']:>10.1f}{_or_dash(r['tokens_per_s'], format_count):>10}"

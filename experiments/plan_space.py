@@ -205,7 +205,7 @@ def _points(request: PlanRequest, gpus: int) -> list[Candidate]:
                             for r in request.recompute for q in (request.sequence if tensor > 1 else (False,))
                             for v in _vocab_methods(name, depth, tensor, request.vocab)
                             for z in _zero_stages(name, width, request.zero)
-                            for o in _offloads(name, request.offload)
+                            for o in _offloads(name, request.offload) if o != "parameters" or z == 3
                             for g in _shard_groups(width, z, request.shard_groups)]
     return out
 

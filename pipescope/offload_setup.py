@@ -19,11 +19,16 @@ def check_offload(config: Config, analytic: bool, weight_update: WeightUpdate) -
     if not config.parallel.offloads_optimizer:
         return
     if not analytic:
-        raise ConfigError(f"parallel.offload: got optimizer under costs.kind {config.costs.kind}, expected none (only "
-                          f"analytic costs time the host's step)")
+        raise ConfigError(f"parallel.offload: got {config.parallel.offload} under costs.kind {config.costs.kind}, "
+                          f"expected none (only analytic costs time the host's step)")
     if weight_update is not WeightUpdate.FLUSH:
-        raise ConfigError(f"parallel.offload: got optimizer with schedule.name {config.schedule.name}, expected a "
-                          f"flush schedule (one step an iteration, which the host takes)")
+        raise ConfigError(f"parallel.offload: got {config.parallel.offload} with schedule.name {config.schedule.name}, "
+                          f"expected a flush schedule (one step an iteration, which the host takes)")
+    if config.parallel.offloads_parameters and (config.parallel.zero_stage < 3 or config.cluster.data_parallel < 2):
+        raise ConfigError(f"parallel.offload: got parameters with parallel.zero {config.parallel.zero_stage} and "
+                          f"cluster.data_parallel {config.cluster.data_parallel}, expected parallel.zero 3 and "
+                          f"cluster.data_parallel >= 2 (the host holds ZeRO-3's weight shards, which its gathers "
+                          f"fetch)")
 
 
 def host_offload(config: Config, cluster: Cluster) -> HostOffload | None:
@@ -36,24 +41,25 @@ def host_offload(config: Config, cluster: Cluster) -> HostOffload | None:
         return None
     share = pcie_share(cluster.graph)
     if share is None:
-        raise ConfigError(f"parallel.offload: got optimizer on cluster.topology {config.cluster.topology}, expected a "
-                          f"machine whose GPUs reach a CPU over PCIe links (kind pcie to a node of kind cpu)")
+        raise ConfigError(f"parallel.offload: got {config.parallel.offload} on cluster.topology "
+                          f"{config.cluster.topology}, expected a machine whose GPUs reach a CPU over PCIe links (kind "
+                          f"pcie to a node of kind cpu)")
     rate = config.cluster.host_memory_bandwidth or _host_fact(config, cluster, "memory_rate", "host_memory_bandwidth")
-    return HostOffload(share, rate / cluster.graph.graph["gpus_per_node"])
+    return HostOffload(share, rate / cluster.graph.graph["gpus_per_node"], config.parallel.offloads_parameters)
 
 
 def check_host_memory(config: Config, cluster: Cluster, device_params: list[int]) -> None:
     """ConfigError unless a node's host memory holds what its GPUs offload, counting every GPU of the node as one
     holding the shard of the device with the most parameters (a bound: a node's GPUs may hold fewer)."""
     shards = config.parallel.optimizer_shards(config.cluster.data_parallel)
-    per_gpu = host_bytes(-(-max(device_params) // shards), config.model.precision)
+    per_gpu = host_bytes(-(-max(device_params) // shards), config.model.precision, config.parallel.offloads_parameters)
     gpus = min(cluster.graph.graph["gpus_per_node"], len(cluster.rank_of) * cluster.tensor)
     capacity = config.cluster.host_memory or _host_fact(config, cluster, "memory_bytes", "host_memory")
     if per_gpu * gpus > capacity:
-        raise ConfigError(f"parallel.offload: got optimizer, which needs up to {format_bytes(per_gpu * gpus)} of host "
-                          f"memory a node ({format_bytes(per_gpu)} for each of its {gpus} GPUs), expected at most "
-                          f"cluster.host_memory = {format_bytes(capacity)}; shard it over more replicas "
-                          f"(parallel.zero, cluster.data_parallel) or give the host more memory")
+        raise ConfigError(f"parallel.offload: got {config.parallel.offload}, which needs up to "
+                          f"{format_bytes(per_gpu * gpus)} of host memory a node ({format_bytes(per_gpu)} for each of "
+                          f"its {gpus} GPUs), expected at most cluster.host_memory = {format_bytes(capacity)}; shard "
+                          f"it over more replicas (parallel.zero, cluster.data_parallel) or give the host more memory")
 
 
 def _host_fact(config: Config, cluster: Cluster, fact: str, key: str) -> float:

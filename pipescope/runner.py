@@ -175,8 +175,10 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
     except ValueError as err:
         raise ConfigError(str(err)) from None
     p = config.parallel
+    host = costs.offload if isinstance(costs, AnalyticCosts) else None  # offloaded weights come up its PCIe share
     sharding = dataclasses.replace(p.sharding(config.cluster.data_parallel),
-                                   unit_params=fsdp_unit_params(model, p.tensor))
+                                   unit_params=fsdp_unit_params(model, p.tensor),
+                                   host_rate=host.pcie_rate if host is not None else 0.0)
     sync = config.cluster.grad_sync(sharding)
     try:
         result = simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,

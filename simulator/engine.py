@@ -80,8 +80,11 @@ class Engine:
     def run(self) -> RunTimes:
         """Replay to the end; ScheduleError naming the stuck actions if it cannot finish."""
         self.network.bind(self.p.flow_src, self.p.flow_dst, self.p.flow_bytes)
-        for flow in self.p.start_joins:
-            self.join(flow)
+        for flow, offset in self.p.start_joins:
+            if offset:
+                self.call_at(offset, lambda f=flow: self.join(f))
+            else:
+                self.join(flow)
         for d, steps in enumerate(self.p.device_steps):
             if steps:
                 self.env.process(self._stream(d, steps))

@@ -41,9 +41,10 @@ def static_memory(params: int, versions: int, precision: str, runtime: str = "me
     """Weights times the versions held, one gradient buffer (in the runtime's precision: ``memory_runtime``), Adam
     state; under ZeRO each GPU's shard of the states its stage shards (``mesh.Sharding``): what it holds between
     steps. ZeRO-1 keeps the gradients whole, as Megatron's reduce-scatter fills a full-size buffer. An offloaded
-    optimizer state is on the host, not here (``offload.host_bytes``)."""
+    optimizer state, or ZeRO-3 weight shard, is on the host, not here (``offload.host_bytes``)."""
     bytes_per = PRECISIONS[precision]  # simulator/models.py: the one precision table
-    return StaticMemory(sharding.part(params * bytes_per.weight_bytes * versions, "weights"),
+    weights = 0 if sharding.offload_params else sharding.part(params * bytes_per.weight_bytes * versions, "weights")
+    return StaticMemory(weights,
                         sharding.part(params * held_grad_bytes(runtime, precision), "gradients"),
                         0 if sharding.offload else sharding.part(params * bytes_per.optimizer_bytes, "optimizer"))
 

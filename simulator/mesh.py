@@ -100,6 +100,8 @@ class Sharding:
     unit_params: int = 0  # one GPU's parameters of the largest unit stages 2 and 3 work in (0: a stage's op)
     prefetch: int = 1  # stage 3: units gathered ahead of the one in use
     offload: bool = False  # the optimizer state lives on the host (ZeRO-Offload: simulator/offload.py)
+    offload_params: bool = False  # ZeRO-3's weight shards live on the host too (ZeRO-Infinity)
+    host_rate: float = 0.0  # bytes/s of a GPU's copies from its host (its PCIe share), for offloaded weights
 
     def part(self, nbytes: int, state: str) -> int:
         """What one GPU holds of ``nbytes`` of ``state`` (a key of ``SHARDED_FROM``): its shard, rounded up, once

@@ -1,5 +1,6 @@
 """ZeRO-Offload: each GPU's optimizer state and its step on the host (Ren et al. 2021, "ZeRO-Offload: Democratizing
-Billion-Scale Model Training", arXiv:2101.06840; docs/parallelism.md, "Offload").
+Billion-Scale Model Training", arXiv:2101.06840; docs/parallelism.md, "Offload"), and ZeRO-Infinity's parameters
+there too (Rajbhandari et al. 2021, arXiv:2104.07857: under ZeRO-3, each gather first copies the GPU's shard up).
 
 The GPU keeps its weights and gradients (as its ZeRO stage shards them); the host keeps, for the GPU's shard, the
 fp32 master weights, Adam's moments and an fp32 gradient buffer, and steps them. An iteration's step then is: the
@@ -10,6 +11,7 @@ the PCIe links on its path to the CPU and of the host's memory rate.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -19,7 +21,7 @@ from pipescope.simulator.gpu_rates import Roofline
 from pipescope.simulator.kernels import Kernel, optimizer_kernels
 from pipescope.simulator.models import PRECISIONS
 
-OFFLOADS = ("none", "optimizer")  # ``parallel.offload``
+OFFLOADS = ("none", "optimizer", "parameters")  # ``parallel.offload``; parameters: the optimizer's too
 HOST_GRAD_BYTES = 4  # the host steps fp32 gradients: ZeRO-Offload keeps its partition's gradients in fp32 on the CPU
 
 
@@ -30,21 +32,31 @@ class HostOffload:
 
     pcie_rate: float
     memory_rate: float
+    parameters: bool = False  # ZeRO-Infinity: the weight shards on the host too
 
     def step_parts(self, params: int, precision: str, grad_bytes: int) -> list[tuple[str, list[Kernel], Roofline]]:
         """(component, kernels, the rate that times them) of one offloaded step over ``params`` parameters whose
-        gradients the GPU holds in ``grad_bytes`` each."""
+        gradients the GPU holds in ``grad_bytes`` each. With the ``parameters`` on the host too (ZeRO-Infinity) the
+        updated weights stay there, and each gather copies them up (``copy_ns``)."""
         pcie = Roofline(1.0, 1.0, self.pcie_rate)
         weights = PRECISIONS[precision].weight_bytes
-        return [("offload", [Kernel("gradients to host", "optimizer", 0, params * grad_bytes)], pcie),
-                ("optimizer (host)", optimizer_kernels(params, precision, HOST_GRAD_BYTES),
-                 Roofline(1.0, 1.0, self.memory_rate)),
-                ("offload", [Kernel("weights to GPU", "optimizer", 0, params * weights)], pcie)]
+        parts = [("offload", [Kernel("gradients to host", "optimizer", 0, params * grad_bytes)], pcie),
+                 ("optimizer (host)", optimizer_kernels(params, precision, HOST_GRAD_BYTES),
+                  Roofline(1.0, 1.0, self.memory_rate))]
+        return parts if self.parameters else parts + [("offload", [Kernel("weights to GPU", "optimizer", 0,
+                                                                     params * weights)], pcie)]
 
 
-def host_bytes(params: int, precision: str) -> int:
-    """What the host holds for ``params`` parameters of one GPU: the optimizer state and the fp32 gradients."""
-    return params * (PRECISIONS[precision].optimizer_bytes + HOST_GRAD_BYTES)
+def host_bytes(params: int, precision: str, parameters: bool = False) -> int:
+    """What the host holds for ``params`` parameters of one GPU: the optimizer state and the fp32 gradients, and
+    with the ``parameters`` offloaded their weights in the compute precision."""
+    per_param = PRECISIONS[precision].optimizer_bytes + HOST_GRAD_BYTES
+    return params * (per_param + (PRECISIONS[precision].weight_bytes if parameters else 0))
+
+
+def copy_ns(nbytes: int, rate: float) -> int:
+    """ns to copy ``nbytes`` between the host and a GPU at ``rate`` bytes/s (its PCIe share, ``pcie_share``)."""
+    return math.ceil(nbytes * 1e9 / rate) if nbytes > 0 else 0
 
 
 def pcie_share(graph: nx.DiGraph) -> float | None:

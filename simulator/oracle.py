@@ -84,8 +84,11 @@ class Oracle:
             busy[d] = True
             push(heap, (now + duration[i], i))
 
-        for f in p.start_joins:
-            join(f, 0)
+        for f, offset in p.start_joins:
+            if offset:
+                self.call_at(offset, lambda f=f, t=offset: join(f, t))
+            else:
+                join(f, 0)
         for d in range(len(steps)):
             advance(d, 0)
         while heap:

@@ -60,8 +60,8 @@ class ParallelConfig:
     weights: ``mesh.Sharding``), ``reshard_after_forward`` and ``zero_prefetch`` its stage 3's choices;
     ``shard_group``: HSDP's shard group, in replicas; ``context`` and ``context_comm``: context parallelism
     (``simulator/context.py``); ``offload``: ``optimizer`` keeps the optimizer state on the host and steps it
-    there (``simulator/offload.py``); ``distributed_optimizer``: the older spelling of ``zero: 1``
-    (Megatron's distributed optimizer), kept working.
+    there, ``parameters`` the ZeRO-3 weight shards too (``simulator/offload.py``); ``distributed_optimizer``: the
+    older spelling of ``zero: 1`` (Megatron's distributed optimizer), kept working.
     docs/parallelism.md, docs/cli.md."""
 
     tensor: int = 1
@@ -74,7 +74,7 @@ class ParallelConfig:
     shard_group: int | None = None  # HSDP: replicas one set of ZeRO shards spans; None: all of them
     context: int = 1  # context parallelism: GPUs of a tensor rank that split the sequence (simulator/context.py)
     context_comm: str = "p2p"  # how they exchange keys and values: p2p (ring) or all_gather
-    offload: str = "none"  # optimizer: its state and step on the host (ZeRO-Offload; simulator/offload.py)
+    offload: str = "none"  # optimizer: its state and step on the host (ZeRO-Offload); parameters: and the weights
 
     @property
     def gpus_per_device(self) -> int:
@@ -83,7 +83,11 @@ class ParallelConfig:
 
     @property
     def offloads_optimizer(self) -> bool:
-        return self.offload == "optimizer"
+        return self.offload in ("optimizer", "parameters")
+
+    @property
+    def offloads_parameters(self) -> bool:
+        return self.offload == "parameters"
 
     @property
     def zero_stage(self) -> int:
@@ -102,7 +106,8 @@ class ParallelConfig:
     def sharding(self, data_parallel: int) -> Sharding:
         """ZeRO's states and shards over ``data_parallel`` replicas (the memory ledger and the planner read it)."""
         return Sharding(self.zero_stage, self.optimizer_shards(data_parallel), self.reshard_after_forward,
-                        prefetch=self.zero_prefetch, offload=self.offloads_optimizer)
+                        prefetch=self.zero_prefetch, offload=self.offloads_optimizer,
+                        offload_params=self.offloads_parameters)
 
 
 # Inclusive (low, high) of each integer key of the parallel section (docs/cli.md, "Limits"): the config's RANGES

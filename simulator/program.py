@@ -67,8 +67,9 @@ class Program:
     # Collectives that do not hold the stream (simulator.replicas' gradient all-reduces): per compute entry, the
     # (flow, ns after the entry's start) at which each of its device's members joins one.
     joins: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
-    # Members that join at the run's start (ZeRO-3's first weight gather of a device: no op before it), one per member
-    start_joins: list[int] = field(default_factory=list)
+    # Members that join from the run's start (ZeRO-3's first weight gather of a device: no op before it), one per
+    # member: (flow, ns after the start: its shard's copy from the host under parameter offload, else 0)
+    start_joins: list[tuple[int, int]] = field(default_factory=list)
     # Members that join when another flow ends (HSDP's all-reduce of a shard after its group's reduce-scatter): per
     # flow, the flows it makes one member join
     flow_joins: dict[int, list[int]] = field(default_factory=dict)

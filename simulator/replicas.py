@@ -30,6 +30,7 @@ import numpy as np
 from pipescope.simulator.ir import ActionKind, Collective, Role, Schedule, WeightUpdate
 from pipescope.simulator.lowering import LAG_WITHOUT_FLUSH, has_fsdp_actions, step_group, step_microbatch
 from pipescope.simulator.mesh import NO_SHARDING, DeviceMesh, Sharding
+from pipescope.simulator.offload import copy_ns
 from pipescope.simulator.program import KIND_CODE, Columns, Program
 
 K = ActionKind
@@ -100,13 +101,13 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
         if not has_fsdp_actions(schedule):
             raise ValueError("ZeRO-3 without resharding runs torch's FSDP actions: expected a schedule that holds "
                              "them (lowering.add_fsdp_actions)")
-        syncs = _fsdp_syncs(base, mesh, grad_bytes, weights, sync.bucket_bytes)
+        syncs = _fsdp_syncs(base, mesh, grad_bytes, weights, sync.bucket_bytes, _fetch_ns(weights, sync.sharding))
     else:
         syncs = _syncs(base, schedule, mesh, grad_bytes, sync)
         if sync.sharded and sync.zero < 3 and not sync.overlap and width > 1:
             syncs += _weight_gathers(base, schedule, mesh, weights, sync)
         if sync.zero >= 3 and width > 1:
-            syncs += _param_gathers(base, mesh, weights, sync.sharding.prefetch)
+            syncs += _param_gathers(base, mesh, weights, sync.sharding.prefetch, _fetch_ns(weights, sync.sharding))
     return _replicate(base, mesh, _hybrid(syncs, mesh, base) if mesh.hybrid else syncs)
 
 
@@ -156,9 +157,21 @@ def _weight_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_
 GATHERED_KINDS = (K.F, K.I, K.B)  # the ops that read a stage's weights (W reads activations and output gradients)
 
 
-def _param_gathers(base: Program, mesh: DeviceMesh, weight_bytes: list[int], prefetch: int = 1) -> list[_Sync]:
+def _fetch_ns(weight_bytes: list[int], sharding: Sharding) -> list[int]:
+    """Per stage, ns before a member of its weight gather joins: with the weight shards on the host (ZeRO-Infinity,
+    ``parallel.offload: parameters``), the copy of its shard up at its PCIe share; else 0."""
+    if not sharding.offload_params:
+        return [0] * len(weight_bytes)
+    if sharding.host_rate <= 0:
+        raise ValueError(f"Sharding.host_rate: got {sharding.host_rate}, expected the positive bytes/s of a GPU's "
+                         f"copies from its host (the weight shards are there)")
+    return [copy_ns(sharding.part(nbytes, "weights"), sharding.host_rate) for nbytes in weight_bytes]
+
+
+def _param_gathers(base: Program, mesh: DeviceMesh, weight_bytes: list[int], prefetch: int,
+                   fetch_ns: list[int]) -> list[_Sync]:
     """ZeRO-3's all-gathers of a stage's weights before each op that reads them (``reshard_after_forward``, the
-    module doc), in each device's op order."""
+    module doc), in each device's op order; each member joins ``fetch_ns`` of the stage after its trigger."""
     cols = base.columns
     codes = [KIND_CODE[kind] for kind in GATHERED_KINDS]
     found = []
@@ -170,17 +183,17 @@ def _param_gathers(base: Program, mesh: DeviceMesh, weight_bytes: list[int], pre
             if cols.kind[i] not in codes or weight_bytes[stage] <= 0:
                 continue
             collective = Collective(stage, K.ALL_GATHER, microbatch, group, weight_bytes[stage], 0)
-            found.append(_Sync(ops[k - prefetch] if k >= prefetch else START, 0, collective, [i], d))
+            found.append(_Sync(ops[k - prefetch] if k >= prefetch else START, fetch_ns[stage], collective, [i], d))
     return found
 
 
-def _fsdp_syncs(base: Program, mesh: DeviceMesh, grad_bytes: list[int], weight_bytes: list[int], bucket: int
-                ) -> list[_Sync]:
+def _fsdp_syncs(base: Program, mesh: DeviceMesh, grad_bytes: list[int], weight_bytes: list[int], bucket: int,
+                fetch_ns: list[int]) -> list[_Sync]:
     """torch's FSDP actions run (docs/parallelism.md, "torch's FSDP actions"): each UNSHARD all-gathers its stage's
     weights, each REDUCE_GRAD reduce-scatters its stage's gradients (in buckets), issued as the device reaches it, so
     when the compute op before it ends (with the run when none is). A gather holds back the stage's next op that reads
     the weights; a reduce-scatter holds back the stage's optimizer step. RESHARD moves nothing (the ledger frees the
-    weights there)."""
+    weights there). A gather's members join ``fetch_ns`` of its stage later (``_fetch_ns``)."""
     cols, found = base.columns, []
     reading = np.isin(cols.kind, [KIND_CODE[kind] for kind in GATHERED_KINDS])
     for d in range(mesh.pipeline):
@@ -194,7 +207,7 @@ def _fsdp_syncs(base: Program, mesh: DeviceMesh, grad_bytes: list[int], weight_b
             offset, microbatch = (base.duration[before], int(cols.microbatch[before])) if before >= 0 else (0, 0)
             if kind is K.UNSHARD and weight_bytes[stage] > 0:
                 collective = Collective(stage, K.ALL_GATHER, microbatch, group, weight_bytes[stage], 0)
-                found.append(_Sync(before, offset, collective, waiting, d))
+                found.append(_Sync(before, offset + fetch_ns[stage], collective, waiting, d))
             elif kind is K.REDUCE_GRAD and grad_bytes[stage] > 0:
                 for j, size in enumerate(_split(grad_bytes[stage], bucket)):
                     collective = Collective(stage, K.REDUCE_SCATTER, microbatch, group, size, j)
@@ -331,7 +344,7 @@ def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync]) -> Program:
     for c, r in members:
         s, flow = syncs[c], first_sync_flow + c
         if s.trigger == START:
-            out.start_joins.append(flow)
+            out.start_joins.append((flow, s.offset))
         elif s.trigger >= 0:
             out.joins.setdefault(s.trigger + r * n, []).append((flow, s.offset))
     for c, s in enumerate(syncs):

@@ -1,9 +1,11 @@
 """ZeRO-Offload (``parallel.offload: optimizer``, docs/parallelism.md "Offload"): the optimizer state leaves the GPU
 to the byte, the step is the gradients' copy down, the host's passes and the weights' copy up at the machine's
-PCIe share and host memory rate, and what cannot run says so in one line."""
+PCIe share and host memory rate, and what cannot run says so in one line. ZeRO-Infinity (``parameters``): ZeRO-3's
+weight shards leave the GPU too, and each gather waits for its shard's copy up."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -82,4 +84,71 @@ def test_the_cli_refuses_an_unknown_offload_in_one_line() -> None:
                            "parallel.offload=cpu"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "pipescope: error: parallel.offload: got 'cpu', expected one of none, optimizer"]
+        "pipescope: error: parallel.offload: got 'cpu', expected one of none, optimizer, parameters"]
+
+
+# ZeRO-Infinity: the weight shards on the host too -----------------------------------------------------------------
+
+INFINITY = [*BASE, "parallel.zero=3", "memory.runtime=torch", "cluster.bucket_size=1PiB"]
+
+
+def test_offloaded_parameters_leave_the_gpu_and_the_step_keeps_its_weights_on_the_host() -> None:
+    """Each device's state between steps loses its shard of the weights (bf16: 2 bytes a parameter) beyond the
+    optimizer's offload; the step drops the weights' copy up, which each gather makes instead."""
+    optimizer, parameters = (run(load_config(None, [*INFINITY, f"parallel.offload={o}"]))
+                             for o in ("optimizer", "parameters"))
+    params_of = [cost.params for cost in prepare(load_config(None, INFINITY)).stage_costs()]
+    for device, params in enumerate(params_of):
+        lost = optimizer.devices[device].static_memory_bytes - parameters.devices[device].static_memory_bytes
+        assert lost == 2 * -(-params // 4)
+    steps = [prepare(load_config(None, [*INFINITY, f"parallel.offload={o}"])).stage_costs() for o in
+             ("optimizer", "parameters")]
+    for kept, dropped, params in zip(*steps, params_of):
+        assert kept.optimizer_ns - dropped.optimizer_ns == pytest.approx(-(-params // 4) * 2 / 16e9 * 1e9, abs=2)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_each_gather_waits_for_its_shards_copy_from_the_host(reshard: bool) -> None:
+    """The program's weight gathers are the same, each member joining later by its shard's copy at the GPU's PCIe
+    share (16 GB/s on a DGX A100); with the run's first gathers too, which start with it."""
+    sets = [*INFINITY, f"parallel.reshard_after_forward={str(reshard).lower()}"]
+    built = {o: prepare(load_config(None, [*sets, f"parallel.offload={o}"])) for o in ("optimizer", "parameters")}
+    result = {o: run(load_config(None, [*sets, f"parallel.offload={o}"])) for o in built}
+    gathers = {o: r.timeline.query("kind == 'ALL_GATHER' and device == 0").sort_values("start_ns")
+               for o, r in result.items()}
+    assert len(gathers["optimizer"]) == len(gathers["parameters"]) > 0
+    copy_ns = math.ceil(2 * -(-built["parameters"].stage_costs()[0].params // 4) * 1e9 / 16e9)  # device 0's shard
+    first = gathers["parameters"].start_ns.iloc[0] - gathers["optimizer"].start_ns.iloc[0]
+    assert first == pytest.approx(copy_ns, abs=2)
+    assert (gathers["parameters"].start_ns.to_numpy() >= gathers["optimizer"].start_ns.to_numpy()).all()
+    # gathering before every op copies every time, where the step copied once; torch's FSDP actions gather once,
+    # and that copy moves from the step's end to the run's start, where the later stages' wait for their input hides it
+    more = result["parameters"].iteration_time_s > result["optimizer"].iteration_time_s
+    assert more is reshard
+
+
+@pytest.mark.parametrize("sets, expected", [
+    (["parallel.zero=2"], "parallel.offload: got parameters with parallel.zero 2 and cluster.data_parallel 4, "
+                          "expected parallel.zero 3 and cluster.data_parallel >= 2"),
+    (["parallel.zero=3", "cluster.data_parallel=1"], "with parallel.zero 3 and cluster.data_parallel 1"),
+    (["parallel.zero=3", "cluster.host_memory=1GiB"], "parallel.offload: got parameters, which needs up to"),
+])
+def test_what_cannot_offload_its_parameters_is_named(sets: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
+        run(load_config(None, [*BASE, "parallel.offload=parameters", *sets]))
+
+
+def test_the_planner_offloads_parameters_only_under_zero_3_and_says_so(cli) -> None:
+    from pipescope.experiments.plan_space import PlanRequest, base_config, candidates
+
+    request = PlanRequest(base_config("gpt-355m", "dgx-a100", 1, None, {"model": {"layers": 8}}), 16,
+                          schedules=("1f1b",), microbatch_sizes=(2,), tensor=(1,), recompute=("none",),
+                          vocab=("naive",), zero=(0, 3), offload=("none", "parameters"))
+    points = candidates(request, 8)
+    assert {(c.zero, c.offload) for c in points if c.width > 1} == {(0, "none"), (3, "none"), (3, "parameters")}
+    code, out, err = cli(["plan", "--model", "gpt-355m", "--topology", "dgx-a100", "--global-batch", "16",
+                          "--schedules", "1f1b", "--tensor", "1", "--recompute", "none", "--microbatch-sizes", "2",
+                          "--vocab", "naive", "--depths", "1", "--workers", "1", "--no-progress", "--memory-cap",
+                          "8GiB", "--zero", "3", "--offload", "parameters"])
+    assert code == 0, err
+    assert "host+w" in out and "optimizer and weights on the host" in out
