@@ -145,22 +145,26 @@ def test_torchs_fsdp_actions_and_resharding_after_the_forward_are_refused_togeth
         add_fsdp_actions(reduced_only)
 
 
-def _zero3_program(reshard: bool, prefetch: int = 1):
+def _zero3_program(reshard: bool, prefetch: int = 1, offload: bool = False):
     schedule = build("1f1b", 2, 4)
     schedule = schedule if reshard else add_fsdp_actions(schedule)
     program, stage_costs = prepare(schedule, StepCosts())
     grads = [c.params * 2 for c in stage_costs]
-    sync = GradSync(bucket_bytes=512 << 20, sharding=Sharding(3, 2, reshard, prefetch=prefetch))
+    sharding = Sharding(3, 2, reshard, prefetch=prefetch, offload=offload, offload_params=offload,
+                        host_rate=16 * GB if offload else 0.0)
+    sync = GradSync(bucket_bytes=512 << 20, sharding=sharding)
     return schedule, data_parallel(program, schedule, 2, grads, sync, grads)
 
 
-@pytest.mark.parametrize("reshard, prefetch", [(True, 1), (False, 1), (True, 3)])
-def test_stage_3_gathers_are_prefetched_waited_for_and_replayed_alike_by_engine_and_oracle(reshard: bool,
-                                                                                           prefetch: int) -> None:
+@pytest.mark.parametrize("reshard, prefetch, offload", [(True, 1, False), (False, 1, False), (True, 3, False),
+                                                       (True, 1, True), (False, 1, True)])
+def test_stage_3_gathers_are_prefetched_waited_for_and_replayed_alike_by_engine_and_oracle(
+        reshard: bool, prefetch: int, offload: bool) -> None:
     """Each gather starts when the device's op ``prefetch`` before the one it feeds starts (the first ones with the
     run), and that op starts after it ends; the engine equals the test oracle; without resharding, one gather a
-    stage."""
-    schedule, program = _zero3_program(reshard, prefetch)
+    stage. With the weight shards on the host (``offload``), every member joins after its shard's copy up, the first
+    gathers too."""
+    schedule, program = _zero3_program(reshard, prefetch, offload)
     engine = Engine(program, servers(2, 2, 450 * GB, 2 * GB)).run()
     assert engine == Oracle(program, servers(2, 2, 450 * GB, 2 * GB)).run()
     gathers = [f for f, c in enumerate(program.flow_collective) if c is not None and c.kind is ActionKind.ALL_GATHER]
@@ -168,6 +172,7 @@ def test_stage_3_gathers_are_prefetched_waited_for_and_replayed_alike_by_engine_
     assert len(gathers) == (16 if reshard else 2)
     # each device's first gathers (a stage's one without resharding), joined by both replicas
     assert len(program.start_joins) == 2 * 2 * (prefetch if reshard else 1)
+    assert {offset > 0 for _, offset in program.start_joins} == {offload}
     for entry, waits in enumerate(program.waits):
         for flow in (s - program.num_entries for s in waits if s >= program.num_entries):
             if flow in gathers:
