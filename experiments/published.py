@@ -255,10 +255,15 @@ def _machine(value: Any, where: str, folder: Path) -> str:
     return str(folder / value) if value.endswith((".yaml", ".yml", ".graphml")) else value
 
 
-def _model(raw: Any, where: str) -> dict[str, int]:
-    if not isinstance(raw, dict) or set(raw) != set(MODEL_KEYS):
-        raise _fail(where, "model", raw, f"a mapping of {', '.join(MODEL_KEYS)}")
-    return {key: _int(raw, key, f"{where}: model") for key in MODEL_KEYS}
+def _model(raw: Any, where: str) -> dict[str, int | bool]:
+    if not isinstance(raw, dict) or not set(MODEL_KEYS) <= set(raw) or set(raw) - set(MODEL_KEYS) - {"embedding_norm"}:
+        raise _fail(where, "model", raw, f"a mapping of {', '.join(MODEL_KEYS)} (and embedding_norm, optionally)")
+    model: dict[str, int | bool] = {key: _int(raw, key, f"{where}: model") for key in MODEL_KEYS}
+    if "embedding_norm" in raw:  # BLOOM's layer norm after the embedding (ModelSpec.embedding_norm)
+        if not isinstance(raw["embedding_norm"], bool):
+            raise _fail(where, "model.embedding_norm", raw["embedding_norm"], "true or false")
+        model["embedding_norm"] = raw["embedding_norm"]
+    return model
 
 
 def _choice(entry: dict, key: str, choices: tuple[str, ...], where: str) -> str:

@@ -22,7 +22,7 @@ from pipescope.simulator.kernels import (
     optimizer_kernels,
     output_kernels,
 )
-from pipescope.simulator.models import ModelSpec, allocated_vocab, check_attention, stage_layers
+from pipescope.simulator.models import PRECISIONS, ModelSpec, allocated_vocab, check_attention, stage_layers
 from pipescope.simulator.offload import HostOffload
 from pipescope.simulator.context import exposed_ns
 from pipescope.simulator.parallel import TensorSplit
@@ -189,6 +189,7 @@ class AnalyticCostsConfig:
 
 
 TOKEN_ID_BYTES = 8  # the first stage's input: int64 token ids, not an activation
+NORM_STATS_BYTES = 8  # a layer norm keeps each token's mean and reciprocal deviation in fp32 for its backward
 
 
 @dataclass(frozen=True)
@@ -333,6 +334,9 @@ class AnalyticCosts(PerStageCache):
         block_input = self.split.stage_input_bytes(self.model, self.microbatch_size, self.precision)
         kept = (n * block_input + output) if self.checkpoint_layers else block_input if stage \
             else self.microbatch_size * self.model.seq * TOKEN_ID_BYTES // self.split.context  # its token ids
+        if stage == 0 and self.model.embedding_norm:  # no block: kept for its backward whatever is recomputed
+            norm = self._embedding_norm_bytes(block_input)
+            stash, kept = stash + norm, kept + norm
         gemm_ns = self._layer_gemm_ns()
         comm_f, comm_i = self.split.comm_ns(stage, n, stage == 0, stage == num_stages - 1, gemm_ns)
         context_f, context_i = self._context_ns(stage, n)
@@ -354,6 +358,11 @@ class AnalyticCosts(PerStageCache):
             optimizer_ns=seconds_to_ns(seconds["optimizer"]) + self._context_grad_ns(stage),
             **vocab,
         )
+
+    def _embedding_norm_bytes(self, norm_input: int) -> int:
+        """What the embedding's layer norm keeps for its backward: its input and two fp32 numbers a token."""
+        tokens = norm_input // (self.model.hidden * PRECISIONS[self.precision].activation_bytes)
+        return norm_input + NORM_STATS_BYTES * tokens
 
     def _context_ns(self, stage: int, layers: int) -> tuple[int, int]:
         """(ns added to F, to I) for the stage's context-parallel key/value exchange (``context.exposed_ns``)."""
@@ -407,6 +416,10 @@ class AnalyticCosts(PerStageCache):
         cp, b = self.split.context, self.microbatch_size
         gpu = self.roofline
         parts = [("layer", n, layer_kernels(self.model, b, self.precision, self.attention, t, sp, cp), gpu)]
+        if stage == 0 and self.model.embedding_norm:  # reads and writes the embedding's output; its backward reads two
+            x = self.split.stage_input_bytes(self.model, b, self.precision)
+            parts.append(("embedding", 1, [Kernel("embedding layer norm", "F", 0, 2 * x),
+                                           Kernel("embedding layer norm", "I", 0, 3 * x)], gpu))
         if self.split.selective:  # the backward re-runs the attention core's forward first
             core = attention_core_kernels(self.model, b, self.precision, self.attention, t, cp)
             parts.append(("recompute", n, [replace(k, op="I") for k in core], gpu))

@@ -49,9 +49,10 @@ class ModelSpec:
     """A decoder: ``layers`` transformer blocks plus input embedding and output layer.
 
     ``family`` ``gpt``: GPT-2/Megatron's block (layer norms, biases, a GeLU MLP of ``ffn_hidden`` = 4h, learned
-    positions, the output layer tied to the embedding). ``llama``: RMSNorm, no biases, a SwiGLU MLP of its own
-    ``ffn_hidden`` (gate, up and down), rotary positions, an untied output layer. Either may use grouped-query
-    attention: ``kv_heads`` key/value heads (None: as many as ``heads``).
+    positions, the output layer tied to the embedding); ``embedding_norm`` adds BLOOM's layer norm after the
+    embedding (its input kept for the backward on the first stage). ``llama``: RMSNorm, no biases, a SwiGLU MLP of
+    its own ``ffn_hidden`` (gate, up and down), rotary positions, an untied output layer. Either may use
+    grouped-query attention: ``kv_heads`` key/value heads (None: as many as ``heads``).
     """
 
     name: str
@@ -63,6 +64,7 @@ class ModelSpec:
     family: str = "gpt"
     kv_heads: int | None = None
     ffn_hidden: int | None = None
+    embedding_norm: bool = False  # a layer norm on the embedding's output (BLOOM's ``--embed-layernorm``)
 
     @property
     def gated(self) -> bool:
@@ -98,8 +100,13 @@ class ModelSpec:
         """GPT's learned position embedding (Llama's rotary positions have none)."""
         return self.seq * self.hidden if self.family == "gpt" else 0
 
+    def embedding_whole_params(self) -> int:
+        """The embedding's parameters besides its token table, which tensor parallelism keeps whole on every GPU:
+        GPT's positions and an embedding layer norm's weight and bias."""
+        return self.position_params() + (2 * self.hidden if self.embedding_norm else 0)
+
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden + self.position_params()
+        return self.vocab * self.hidden + self.embedding_whole_params()
 
     def output_params(self) -> int:
         """The output projection (tied in GPT-2, counted here since pipelines hold a copy; Llama's is its own),
@@ -287,7 +294,7 @@ def allocated_vocab(runtime: str, vocab: int, tensor: int = 1) -> int:
 
 
 SHAPE_KEYS = ("layers", "hidden", "heads", "seq", "vocab")
-ARCH_KEYS = ("family", "kv_heads", "ffn_hidden")  # what sets a Llama apart from a GPT of the same shape
+ARCH_KEYS = ("family", "kv_heads", "ffn_hidden", "embedding_norm")  # what sets a Llama or a BLOOM apart
 SPEC_KEYS = SHAPE_KEYS + ARCH_KEYS
 # Inclusive (low, high) of each integer model dimension (docs/cli.md, "Limits"); the config's RANGES and
 # ``model.from_hf``'s values both answer to them
@@ -321,6 +328,7 @@ class ModelConfig:
     family: str | None = None  # one of FAMILIES; None: the preset's or the file's
     kv_heads: int | None = None
     ffn_hidden: int | None = None
+    embedding_norm: bool | None = None  # None: the preset's or the file's (none has one)
     from_hf: str | None = None  # a Hugging Face config.json (simulator/hf_config.py)
 
     def spec(self) -> ModelSpec:

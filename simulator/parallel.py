@@ -222,7 +222,7 @@ class TensorSplit:
     def params(self, model: ModelSpec, layers: int, first: bool, last: bool) -> int:
         """Parameters on one GPU: the split matmuls' weights and the column-parallel ones' biases over t; the row-
         parallel biases and the norms whole; the token embedding and output projection by vocabulary slice, the
-        position embedding (GPT's) and Llama's final norm whole."""
+        position embedding (GPT's), an embedding layer norm and Llama's final norm whole."""
         t, h = self.tensor, model.hidden
         if t == 1:
             params = layers * model.layer_params()
@@ -233,7 +233,7 @@ class TensorSplit:
         if last:
             params += self.vocab_slice(model) * h + model.output_params() - model.vocab * h
         if first:
-            params += self.vocab_slice(model) * h + model.position_params()
+            params += self.vocab_slice(model) * h + model.embedding_whole_params()
         return params
 
     def comm_ns(self, stage: int, layers: int, first: bool, last: bool,

@@ -118,7 +118,7 @@ class VocabShards:
         if not self.owns(stage):
             return 0
         shard = 2 * self.shard_vocab * self.model.hidden
-        return shard + (self.model.position_params() if stage == 0 else 0)
+        return shard + (self.model.embedding_whole_params() if stage == 0 else 0)
 
     def stash_bytes(self) -> int:
         """What S keeps until T: the shard's logits and fp32 softmax, and its copy of the broadcast input X (T's

@@ -139,3 +139,23 @@ def test_validate_simulates_with_torch_accounting() -> None:
                               recompute=False)
     assert "memory.runtime=torch" in _sets(args, "profile") and "schedule.recompute=true" not in _sets(args, "p")
     assert "schedule.recompute=true" in _sets(argparse.Namespace(**{**vars(args), "recompute": True}), "p")
+
+
+def test_an_embedding_layer_norm_keeps_its_input_on_the_first_stage_only() -> None:
+    """BLOOM's layer norm after the embedding (``ModelSpec.embedding_norm``) sits outside the checkpointed blocks: the
+    first stage keeps its input (the embedding's output) and two fp32 numbers a token for each microbatch in flight,
+    with or without recompute; its weight and bias are two more vectors; its passes stream that tensor."""
+    model = preset("gpt-1.3b")
+    normed = dataclasses.replace(model, embedding_norm=True)
+    tokens, h = 2 * model.seq, model.hidden
+    for checkpoint in (False, True):
+        costs = [AnalyticCosts(m, 312e12, microbatch_size=2, precision="bf16", memory_bandwidth=2e12,
+                               checkpoint_layers=checkpoint) for m in (model, normed)]
+        plain, with_norm = ([c.stage_cost(s, 4, 1) for s in range(4)] for c in costs)
+        kept = tokens * h * 2 + tokens * 8
+        assert with_norm[0].activation_bytes - plain[0].activation_bytes == kept
+        assert with_norm[0].input_bytes - plain[0].input_bytes == kept
+        assert with_norm[0].params - plain[0].params == 2 * h
+        assert with_norm[0].forward_ns > plain[0].forward_ns and with_norm[0].input_grad_ns > plain[0].input_grad_ns
+        assert with_norm[1:] == plain[1:]
+    assert normed.total_params() - model.total_params() == 2 * h

@@ -103,6 +103,10 @@ def by_entry(raw: dict, name: str) -> dict:
      r"'peak_memory_gb', expected a source with 'memory_measure'"),
     (lambda raw: by_entry(raw, "qi2024-1.5b-1f1b-memory")["measured"].update(device=8), r"measured\.device: got 8, "
      r"expected a pipeline device from 0 to 7"),
+    (lambda raw: by_entry(raw, "bloom2022-176b")["model"].update(embedding_norm="yes"), r"\(bloom2022-176b\): "
+     r"model\.embedding_norm: got 'yes', expected true or false"),
+    (lambda raw: by_entry(raw, "bloom2022-176b")["model"].update(norm=True), r"\(bloom2022-176b\): model: got .*"
+     r"expected a mapping of layers, hidden, heads, seq, vocab \(and embedding_norm, optionally\)"),
     (lambda raw: raw["runs"].extend({**copy.deepcopy(first(raw)), "name": f"r{i}", "interleave": None,
                                      "unstated": {"interleave": list(range(1, 17))}} for i in range(300)),
      r"runs: 4,\d{3} simulations with their unstated choices, expected at most 4,096"),
@@ -144,7 +148,7 @@ def test_the_fast_subset_holds_its_errors(fast_rows: list[dict]) -> None:
     errors = {row["name"]: row["error_rel"] for row in fast_rows}
     assert all(row["status"] == "ok" for row in fast_rows)
     bounds = {"qi2024-1.5b-1f1b-m24": 0.05, "qi2024-6.2b-zb1p-m32": 0.11, "qi2024-6.2b-1f1b-memory": 0.01,
-              "korthikanti2022-22b-full": 0.05, "korthikanti2022-22b-selective": 0.05, "bloom2022-176b-memory": 0.19}
+              "korthikanti2022-22b-full": 0.05, "korthikanti2022-22b-selective": 0.05, "bloom2022-176b-memory": 0.16}
     for name, bound in bounds.items():
         assert abs(errors[name]) <= bound, (name, errors[name])
     summary = summarize(fast_rows)
@@ -184,10 +188,10 @@ def test_bad_published_flags_are_one_line_exit_2(cli, args: list[str], expected:
 @pytest.mark.benchmark
 def test_the_whole_corpus_against_the_targets() -> None:
     """Every run of the corpus (7 minutes on two cores with two workers: the largest are 3,072 GPUs). Holds the
-    errors near where they are today (time 9.4% mean, 25.8% worst, BLOOM's tensor-8 benchmark; memory 6.7%,
-    22.8%); docs/costs.md, "Against published runs", records them against the issue's targets."""
+    errors near where they are today (time 9.4% mean, 25.8% worst, BLOOM's tensor-8 benchmark; memory 5.9%,
+    19.2%); docs/costs.md, "Against published runs", records them against the issue's targets."""
     rows = run_published(RUNS, progress=True)
     summary = summarize(rows)
     assert not summary["failed"]
     assert summary["time"]["mean_abs_error"] <= 0.10 and summary["time"]["worst_abs_error"] <= 0.27
-    assert summary["memory"]["mean_abs_error"] <= 0.08 and summary["memory"]["worst_abs_error"] <= 0.24
+    assert summary["memory"]["mean_abs_error"] <= 0.07 and summary["memory"]["worst_abs_error"] <= 0.21
