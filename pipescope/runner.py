@@ -258,6 +258,9 @@ def _with_profile_model(config: Config, costs: ProfiledCosts) -> Config:
     if family != "gpt":  # calibration times GPT blocks (calibration/model.py)
         raise ConfigError(f"model.family: got {family} under costs.kind profile, expected gpt (the profile timed GPT "
                           f"blocks; use analytic costs for a {family} model)")
+    if m.embedding_norm:  # calibration's embedding has none, so its bytes and passes would be left out silently
+        raise ConfigError("model.embedding_norm: got true under costs.kind profile, expected false (the profile "
+                          "timed an embedding without a layer norm; use analytic costs)")
     unknown = [key for key in ("layers", *FIXED_BY_PROFILE) if key not in measured and getattr(m, key) is None]
     if unknown:  # else the default preset's shape would stand in for the measured model's, silently
         raise ConfigError(f"costs.profile: {config.costs.profile!r} has no model.{unknown[0]} in its profile.json; "

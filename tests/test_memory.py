@@ -159,3 +159,14 @@ def test_an_embedding_layer_norm_keeps_its_input_on_the_first_stage_only() -> No
         assert with_norm[0].forward_ns > plain[0].forward_ns and with_norm[0].input_grad_ns > plain[0].input_grad_ns
         assert with_norm[1:] == plain[1:]
     assert normed.total_params() - model.total_params() == 2 * h
+
+
+def test_a_profile_refuses_an_embedding_layer_norm_it_did_not_time() -> None:
+    from pathlib import Path
+
+    from pipescope import ConfigError, load_config, run
+
+    profile = str(Path(__file__).resolve().parent.parent / "calibration" / "profiles" / "h200" / "tiny")
+    with pytest.raises(ConfigError, match=r"^model\.embedding_norm: got true under costs\.kind profile, expected "
+                                          r"false"):
+        run(load_config(None, ["costs.kind=profile", f"costs.profile={profile}", "model.embedding_norm=true"]))
