@@ -117,16 +117,21 @@ class StageWeights:
         self.modules = modules
         self.names = [(i, name) for i, module in modules.items() for name, _ in module.named_parameters()]
         own = [p for module in modules.values() for p in module.parameters()]
-        self.grad = torch.zeros(sum(p.numel() for p in own), dtype=own[0].dtype, device=own[0].device)
         self.own = own  # the modules' parameters: the buffer the modules run with as they are
         self.versions: dict[int, list[torch.Tensor]] = {0: own}
-        self._attach_grads(own)
         self.latest = 0
         self.users: Counter[int] = Counter()  # version -> microbatches whose forward used it, backward not yet
         self.used: dict[int, int] = {}  # microbatch -> its version
-        self.optimizer = make_optimizer(optimizer, lr, own)
         self.base = 0  # the newest version when the current run of the program started
         self.updates = 0  # steps in the current run
+        self._make_state(optimizer, lr)
+
+    def _make_state(self, optimizer: str, lr: float) -> None:
+        """The flat gradient buffer (every parameter's gradient a view of it) and the optimizer over the
+        parameters; ZeRO makes its own (``executor.zero``)."""
+        self.grad = torch.zeros(sum(p.numel() for p in self.own), dtype=self.own[0].dtype, device=self.own[0].device)
+        self._attach_grads(self.own)
+        self.optimizer = make_optimizer(optimizer, lr, self.own)
 
     @property
     def held_grad(self) -> torch.Tensor:

@@ -35,38 +35,52 @@ ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+def flat_views(params: list[torch.Tensor], world: int) -> torch.Tensor:
+    """One buffer holding ``params`` in order, padded to a multiple of ``world`` shards, each parameter made a view
+    of it (its values copied in)."""
+    total = sum(p.numel() for p in params)
+    flat = torch.zeros(-(-total // world) * world, dtype=params[0].dtype, device=params[0].device)
+    for p, view in zip(params, views_of(flat, [p.shape for p in params])):
+        view.copy_(p.detach())
+        p.data = view
+    return flat
+
+
+def views_of(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Consecutive views of ``flat`` in ``shapes``, from its start (its padding left out)."""
+    out, offset = [], 0
+    for shape in shapes:
+        out.append(flat[offset:offset + shape.numel()].view(shape))
+        offset += shape.numel()
+    return out
+
+
 class ShardedStageWeights(StageWeights):
     """A stage's weights, gradients and optimizer under ZeRO ``zero`` (1 to 3) over ``world`` replicas, this one
     ``replica`` of them, in the process ``group`` of the stage's replicas. Flush schedules only: one version."""
 
     def __init__(self, modules: dict[int, nn.Module], optimizer: str, lr: float, zero: int, group: object,
                  replica: int, world: int, reshard_after_forward: bool = True) -> None:
-        super().__init__(modules, optimizer, lr)
-        self.zero, self.group, self.world = zero, group, world
+        self.zero, self.group, self.replica, self.world = zero, group, replica, world
         # the whole gradients of one backward op, reduce-scattered when it ends (else: at REDUCE_GRAD, or ZeRO-1's end)
         self.per_op = zero == 2 or (zero == 3 and reshard_after_forward)
-        total = sum(p.numel() for p in self.own)
-        self.size = -(-total // world)  # one shard, in elements
-        like = self.own[0]
-        self.flat = torch.zeros(self.size * world, dtype=like.dtype, device=like.device)
-        offset = 0
-        for p in self.own:
-            view = self.flat[offset:offset + p.numel()]
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view_as(p)
-            offset += p.numel()
-        self.shard = nn.Parameter(self.flat.narrow(0, replica * self.size, self.size))
+        super().__init__(modules, optimizer, lr)
+
+    def _make_state(self, optimizer: str, lr: float) -> None:
+        """The flat weights, this replica's shard, the gradients it keeps and the optimizer over the shard (never the
+        whole stage's state, even for a moment)."""
+        self.flat = flat_views(self.own, self.world)
+        self.size = len(self.flat) // self.world  # one shard, in elements
         self.shapes = [p.shape for p in self.own]
-        if zero == 3:  # the shard alone, a tensor of its own; the whole weights only while gathered
+        self.shard = nn.Parameter(self.flat.narrow(0, self.replica * self.size, self.size))
+        if self.zero == 3:  # the shard alone, a tensor of its own; the whole weights only while gathered
             self.shard = nn.Parameter(self.shard.detach().clone())
-        if zero == 1:  # whole and padded, as the reduce-scatter reads it; the shard's gradient is its own slice
+        if self.zero == 1:  # whole and padded, as the reduce-scatter reads it; the shard's gradient is its own slice
             self.grad = torch.zeros_like(self.flat)
             self._attach_grads(self.own)
-            self.shard.grad = self.grad.narrow(0, replica * self.size, self.size)
+            self.shard.grad = self.grad.narrow(0, self.replica * self.size, self.size)
         else:  # the shard the reductions accumulate into; the whole gradients exist only during a backward op
             self.grad = None
-            for p in self.own:
-                p.grad = None
             self.shard.grad = torch.zeros_like(self.shard)
         self.reshard()
         self.optimizer = make_optimizer(optimizer, lr, [self.shard])
@@ -147,23 +161,16 @@ class ShardedStageWeights(StageWeights):
 
     def full_grads(self) -> list[torch.Tensor]:
         """The averaged gradient of every parameter, gathered from the shards (every replica calls it)."""
-        return self._split(self._gathered(self.shard.grad))
+        return views_of(self._gathered(self.shard.grad), self.shapes)
 
     def whole_weights(self) -> list[torch.Tensor]:
         """Every parameter's newest value, gathered from the shards under ZeRO-3 (every replica calls it)."""
-        return self._split(self._gathered(self.shard.detach())) if self.zero == 3 else self.own
+        return views_of(self._gathered(self.shard.detach()), self.shapes) if self.zero == 3 else self.own
 
     def _gathered(self, shard: torch.Tensor) -> torch.Tensor:
         whole = torch.empty(self.size * self.world, dtype=shard.dtype, device=shard.device)
         ALL_GATHER(whole, shard.contiguous(), group=self.group)
         return whole
-
-    def _split(self, whole: torch.Tensor) -> list[torch.Tensor]:
-        out, offset = [], 0
-        for shape in self.shapes:
-            out.append(whole[offset:offset + shape.numel()].view(shape))
-            offset += shape.numel()
-        return out
 
     def step(self, coefficient: float, lagged: bool) -> list[torch.Tensor]:
         """The optimizer's step on this replica's shard (scaled by ``coefficient``), the gradients zeroed, and every

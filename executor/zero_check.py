@@ -26,7 +26,7 @@ from torch import nn
 
 from pipescope.executor.run import launch
 from pipescope.executor.state import batch, build_modules
-from pipescope.executor.zero import ALL_GATHER, REDUCE_SCATTER
+from pipescope.executor.zero import ALL_GATHER, REDUCE_SCATTER, flat_views, views_of
 from pipescope.calibration.presets import Shape
 
 STAGES = (1, 2, 3)  # torch's ZeroRedundancyOptimizer (1) and fully_shard (3); the executor's own Zero2
@@ -84,13 +84,7 @@ class Zero2:
     def __init__(self, model: nn.Module, lr: float) -> None:
         self.params = list(model.parameters())
         world, rank = dist.get_world_size(), dist.get_rank()
-        total = sum(p.numel() for p in self.params)
-        self.flat = torch.zeros(-(-total // world) * world)
-        offset = 0
-        for p in self.params:
-            self.flat[offset:offset + p.numel()] = p.detach().reshape(-1)
-            p.data = self.flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        self.flat = flat_views(self.params, world)
         size = len(self.flat) // world
         self.shard = nn.Parameter(self.flat.narrow(0, rank * size, size))
         self.optim = torch.optim.AdamW([self.shard], lr=lr)
@@ -110,11 +104,7 @@ class Zero2:
         """The averaged whole gradients, gathered from every rank's shard (for the check; every rank calls it)."""
         whole = torch.empty_like(self.flat)
         ALL_GATHER(whole, self.shard.grad)
-        out, offset = {}, 0
-        for name, p in zip(names, self.params):
-            out[name] = whole[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        return out
+        return {name: g.clone() for name, g in zip(names, views_of(whole, [p.shape for p in self.params]))}
 
     def step(self) -> None:
         self.optim.step()
