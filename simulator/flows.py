@@ -37,6 +37,7 @@ HOP_WEIGHT = 1 << 20  # more hops than any real path has: latency decides first,
 PART_KEYS = 1_000_003  # a flow's parts (a collective's transfers, a sliced transfer's lanes) hash as part_key
 WIDE = 64  # edges from which a flow's checks run in numpy: a collective's phase, not a p2p path of a few hops
 MIN_RATE = 1e-12  # bytes/ns: a guard against a rate rounding to 0 when shares are subtracted
+DENSE_EDGES_PER_PAIR = 8  # a solve counts over every edge of the graph while it has at most this many per pair
 
 
 class NetworkError(ValueError):
@@ -59,29 +60,60 @@ def max_min_rates(paths: Sequence[Sequence[int]], capacity: Sequence[float]) -> 
         Per flow its rate: the smallest fair share over its edges once the flows bottlenecked elsewhere keep
         theirs. A flow with no edges gets ``inf``.
 
-    Each round freezes every flow through the edges with the lowest share, in numpy over all (flow, edge) pairs,
-    so a solve costs O(levels x pairs) in C: the distinct bottleneck levels are few (a collective's links share
-    one, replicas are alike), where a heap of edges cost a Python step per pair.
+    Most solves of a run end in one round: every flow crosses an edge of the lowest share (a collective's links
+    share one level, and so do the p2p transfers that join it). ``_one_level`` finds that with one count over the
+    graph's edges; the other solves run every round (``_progressive_filling``), to the same floats.
     """
     lengths = np.fromiter(map(len, paths), dtype=np.int64, count=len(paths))
-    rate = np.where(lengths == 0, np.inf, -1.0)
+    if len(paths) and lengths.all():
+        pairs = np.concatenate(paths, dtype=np.int64, casting="unsafe")
+        capacity = np.asarray(capacity, dtype=np.float64)
+        if len(capacity) <= DENSE_EDGES_PER_PAIR * len(pairs):
+            level = _one_level(pairs, lengths, capacity)
+            if level is not None:
+                return [level] * len(paths)
+        return _progressive_filling(pairs, lengths, capacity)
     if not lengths.any():
-        return rate.tolist()
-    flow = np.repeat(np.arange(len(paths)), lengths)
-    edges, local = _distinct(np.concatenate(paths, dtype=np.int64, casting="unsafe"), len(capacity))
+        return [math.inf] * len(paths)
+    return _progressive_filling(np.concatenate(paths, dtype=np.int64, casting="unsafe"), lengths, capacity)
+
+
+def _one_level(pairs: np.ndarray, lengths: np.ndarray, capacity: np.ndarray) -> float | None:
+    """The first round of progressive filling, counted over every edge of the graph: its level if it freezes
+    every flow, else None. Per edge, the count and the share are those of ``_progressive_filling``'s first
+    round, so the level is the same float."""
+    weight = np.bincount(pairs, minlength=len(capacity))
+    share = np.divide(capacity, weight, out=np.full(len(capacity), np.inf), where=weight > 0)
+    level = max(float(share.min()), MIN_RATE)
+    hit = (share <= level * (1 + 1e-12))[pairs]  # each (flow, edge) pair: on a bottleneck edge
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return level if np.logical_or.reduceat(hit, starts).all() else None
+
+
+def _progressive_filling(pairs: np.ndarray, lengths: np.ndarray, capacity: Sequence[float]) -> list[float]:
+    """``max_min_rates`` round by round: each round freezes every flow through the edges with the lowest share, in
+    numpy over all (flow, edge) pairs (``pairs``: every path's edges in turn; ``lengths``: per flow, how many), so
+    a solve costs O(levels x pairs) in C: the distinct bottleneck levels are few (a collective's links share one,
+    replicas are alike), where a heap of edges cost a Python step per pair."""
+    rate = np.where(lengths == 0, np.inf, -1.0)
+    flow = np.repeat(np.arange(len(lengths)), lengths)
+    edges, local = _distinct(pairs, len(capacity))
     residual = np.asarray(capacity, dtype=np.float64)[edges]
     weight = np.bincount(local, minlength=len(edges)).astype(np.float64)
     while len(flow):  # the (flow, edge) pairs of flows not frozen yet
         share = np.divide(residual, weight, out=np.full(len(edges), np.inf), where=weight > 0)
         level = max(float(share.min()), MIN_RATE)
         bottleneck = share <= level * (1 + 1e-12)  # equal levels up to rounding freeze together
-        frozen = np.zeros(len(paths), dtype=bool)
+        frozen = np.zeros(len(lengths), dtype=bool)
         frozen[flow[bottleneck[local]]] = True
         rate[frozen] = level
-        pairs = frozen[flow]
-        np.subtract.at(residual, local[pairs], level)
-        np.subtract.at(weight, local[pairs], 1.0)
-        flow, local = flow[~pairs], local[~pairs]
+        done = frozen[flow]
+        if done.all():  # what is left of the edges is never read
+            break
+        np.subtract.at(residual, local[done], level)
+        np.subtract.at(weight, local[done], 1.0)
+        flow, local = flow[~done], local[~done]
     return rate.tolist()
 
 

@@ -16,7 +16,7 @@ from pipescope.config import ConfigError
 from pipescope.simulator.collectives import NCCL_STEP_NS
 from pipescope.simulator.costs import AnalyticCosts
 from pipescope.simulator.engine import Engine
-from pipescope.simulator.flows import HOP_WEIGHT, MAX_ECMP_PATHS, max_min_rates, routing_weight
+from pipescope.simulator.flows import HOP_WEIGHT, MAX_ECMP_PATHS, _one_level, max_min_rates, routing_weight
 from pipescope.simulator.ir import ActionKind, Role
 from pipescope.simulator.models import PRESETS
 from pipescope.simulator.oracle import Oracle
@@ -159,6 +159,26 @@ def test_max_min_rates_are_progressive_filling_to_the_bit(seed):
     paths = [[rng.randrange(12) for _ in range(rng.randrange(0, 6))] for _ in range(rng.randrange(1, 9))]
     assert max_min_rates(paths, capacity) == progressive_filling(paths, capacity)
     assert max_min_rates(paths, np.asarray(capacity)) == progressive_filling(paths, capacity)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_max_min_rates_without_empty_paths_are_progressive_filling_to_the_bit(seed):
+    """Every flow has edges, so a solve that one level settles takes the count over the graph's edges
+    (``_one_level``); one with more levels, or on a graph of many more edges than pairs, runs every round. Both
+    give the textbook's floats."""
+    rng = random.Random(seed)
+    edges = rng.choice([6, 12, 400])  # 400: more than DENSE_EDGES_PER_PAIR per pair, counted sparsely
+    capacity = [rng.choice([1.0, 2.5, 3.0, 10.0]) for _ in range(edges)]
+    paths = [[rng.randrange(min(edges, 12)) for _ in range(rng.randrange(1, 6))] for _ in range(rng.randrange(1, 9))]
+    assert max_min_rates(paths, capacity) == progressive_filling(paths, capacity)
+
+
+def test_one_level_is_taken_only_when_it_freezes_every_flow():
+    """Two flows on one edge of 1.0 settle at 0.5 in one round; a third on a private edge of 3.0 needs a second."""
+    lengths = np.array([1, 1])
+    assert _one_level(np.array([0, 0]), lengths, np.array([1.0, 3.0])) == 0.5
+    assert _one_level(np.array([0, 0, 1]), np.array([1, 1, 1]), np.array([1.0, 3.0])) is None
+    assert max_min_rates([(0,), (0,), (1,)], [1.0, 3.0]) == [0.5, 0.5, 3.0]
 
 
 def test_equal_cost_paths_are_spread_by_the_seed():
