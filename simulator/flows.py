@@ -197,7 +197,7 @@ class FlowFabric:
         self._dirty: set[Flow] = set()
         self._solve_due = False
         self._seq = count()
-        self._drains: list[tuple[int, int, Flow, int]] = []  # (time, order, flow, its version then): see the doc
+        self._drains: list[list] = []  # a heap of one solve's planned drains each: see ``_plan_drains``
         self._order = count()
         self._wake_at = math.inf  # the one wake-up the clock holds for the earliest drain (inf: none)
         self.rate_updates = 0
@@ -273,6 +273,7 @@ class FlowFabric:
         flows = self._component(self._dirty)
         self._dirty = set()
         rates = max_min_rates([f.edges if f.wide is None else f.wide for f in flows], self._capacity)
+        planned = []
         for flow, rate in zip(flows, rates):
             if rate == flow.rate:
                 continue
@@ -281,15 +282,37 @@ class FlowFabric:
             flow.version += 1
             self.rate_updates += 1
             drained = now + max(0, math.ceil(flow.remaining / rate - 1e-9))
-            heapq.heappush(self._drains, (drained, next(self._order), flow, flow.version))
+            planned.append((drained, next(self._order), flow, flow.version))
+        self._plan_drains(planned)
         self._wake(clock)
+
+    def _plan_drains(self, planned: list[tuple[int, int, Flow, int]]) -> None:
+        """Queue one solve's planned drains, each (time, order, flow, its version then), as one entry of the heap:
+        [time, order, the plans sorted, the next one's index], keyed by its next plan. A solve re-plans a whole
+        component and the next solve usually supersedes most of it, so one heap entry per solve (and one step per
+        superseded plan) replaces a push and a pop per plan. Taking the least key each time gives the plans in
+        (time, order) order, as one heap of plans did: drains due together run in the order they were planned."""
+        if planned:
+            planned.sort()  # (time, order) is unique: the flows are never compared
+            heapq.heappush(self._drains, [planned[0][0], planned[0][1], planned, 0])
+
+    def _next_plan(self) -> tuple[int, int, Flow, int]:
+        """The earliest plan (the top entry's next), moved past: the entry is re-keyed by its next, or leaves."""
+        top = self._drains[0]
+        plans, index = top[2], top[3]
+        if index + 1 == len(plans):
+            heapq.heappop(self._drains)
+        else:
+            top[0], top[1], top[3] = plans[index + 1][0], plans[index + 1][1], index + 1
+            heapq.heapreplace(self._drains, top)  # its key grew: sift it down
+        return plans[index]
 
     def _wake(self, clock: Clock) -> None:
         """Ask the clock to call ``_drain_due`` at the earliest planned drain that still stands, unless it will
         already by then."""
         drains = self._drains
-        while drains and drains[0][2].version != drains[0][3]:
-            heapq.heappop(drains)  # superseded: waking for it would find nothing to drain
+        while drains and _stale(drains[0]):
+            self._next_plan()  # superseded: waking for it would find nothing to drain
         if drains and drains[0][0] < self._wake_at:
             due = self._wake_at = drains[0][0]
             clock.call_at(due, lambda: self._drain_due(clock, due))
@@ -301,7 +324,7 @@ class FlowFabric:
         self._wake_at = math.inf
         drains = self._drains
         while drains and drains[0][0] <= now:
-            _, _, flow, version = heapq.heappop(drains)
+            _, _, flow, version = self._next_plan()
             if flow.version == version:
                 self._drained(clock, flow, now)
         self._wake(clock)
@@ -344,6 +367,12 @@ class FlowFabric:
         # the flows left on its edges are what its leaving re-plans (an empty set still takes its turn)
         self._replan(clock, now, set().union(*(self.on_edge[e] for e in self._shared(flow, others=0))))
         flow.arrived(now + flow.latency_ns)
+
+
+def _stale(entry: list) -> bool:
+    """Whether a drains entry's next plan was superseded by a later re-plan of its flow."""
+    _, _, flow, version = entry[2][entry[3]]
+    return flow.version != version
 
 
 def routing_weight(latency_ns: float) -> int:

@@ -181,6 +181,24 @@ def test_one_level_is_taken_only_when_it_freezes_every_flow():
     assert max_min_rates([(0,), (0,), (1,)], [1.0, 3.0]) == [0.5, 0.5, 3.0]
 
 
+def test_drains_due_together_leave_in_the_order_they_were_planned_across_solves():
+    """Two links, each a component of its own: flow 1 is planned at 0 to drain at 1 ms, flow 0 at 0.5 ms to drain at
+    1 ms too, flow 2 is planned at 0 to drain at 2 ms and re-planned when flow 3 joins its link. The fabric keeps one
+    heap entry per solve (``FlowFabric._plan_drains``); the drains still leave in (time, order planned) order, and
+    a superseded plan drains nothing."""
+    graph = nx.DiGraph()
+    link(graph, "a", "b", 1 * GB, 0)
+    link(graph, "c", "d", 1 * GB, 0)
+    link(graph, "e", "f", 1 * GB, 0)
+    network = RoutedNetwork(graph, ["a", "b", "c", "d", "e", "f"])
+    ends = time_alone(network, [(2, 3, 500_000, 500_000), (0, 1, 10**6, 0), (4, 5, 2 * 10**6, 0),
+                                (4, 5, 250_000, 1_500_000)])
+    # flow 2: 1.5 MB by 1.5 ms, then halves with flow 3 (0.25 MB, done at 2 ms) and ends its last 0.25 MB alone
+    assert ends == {1: 1_000_000, 0: 1_000_000, 3: 2_000_000, 2: 2_250_000}
+    assert list(ends) == [1, 0, 3, 2]  # the order they arrived in
+    assert not network.fabric._drains and network.fabric._flying == 0
+
+
 def test_equal_cost_paths_are_spread_by_the_seed():
     graph = leaf_spine(4)
     network = RoutedNetwork(graph, ["a", "b"], seed=7)
