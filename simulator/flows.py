@@ -296,8 +296,8 @@ class FlowFabric:
             planned.sort()  # (time, order) is unique: the flows are never compared
             heapq.heappush(self._drains, [planned[0][0], planned[0][1], planned, 0])
 
-    def _next_plan(self) -> tuple[int, int, Flow, int]:
-        """The earliest plan (the top entry's next), moved past: the entry is re-keyed by its next, or leaves."""
+    def _take(self) -> tuple[int, int, Flow, int]:
+        """The top entry's next plan, taken: the entry is re-keyed by the plan after it, or leaves the heap."""
         top = self._drains[0]
         plans, index = top[2], top[3]
         if index + 1 == len(plans):
@@ -307,12 +307,28 @@ class FlowFabric:
             heapq.heapreplace(self._drains, top)  # its key grew: sift it down
         return plans[index]
 
+    def _settle(self) -> None:
+        """Step the top entries past their superseded plans, re-keying each once (or dropping it), until the top's
+        next plan stands."""
+        drains = self._drains
+        while drains:
+            top = drains[0]
+            plans, index = top[2], top[3]
+            while index < len(plans) and plans[index][2].version != plans[index][3]:
+                index += 1
+            if index == top[3]:
+                return
+            if index == len(plans):
+                heapq.heappop(drains)
+            else:
+                top[0], top[1], top[3] = plans[index][0], plans[index][1], index
+                heapq.heapreplace(drains, top)
+
     def _wake(self, clock: Clock) -> None:
         """Ask the clock to call ``_drain_due`` at the earliest planned drain that still stands, unless it will
         already by then."""
+        self._settle()  # a superseded plan: waking for it would find nothing to drain
         drains = self._drains
-        while drains and _stale(drains[0]):
-            self._next_plan()  # superseded: waking for it would find nothing to drain
         if drains and drains[0][0] < self._wake_at:
             due = self._wake_at = drains[0][0]
             clock.call_at(due, lambda: self._drain_due(clock, due))
@@ -324,7 +340,7 @@ class FlowFabric:
         self._wake_at = math.inf
         drains = self._drains
         while drains and drains[0][0] <= now:
-            _, _, flow, version = self._next_plan()
+            _, _, flow, version = self._take()
             if flow.version == version:
                 self._drained(clock, flow, now)
         self._wake(clock)
@@ -367,12 +383,6 @@ class FlowFabric:
         # the flows left on its edges are what its leaving re-plans (an empty set still takes its turn)
         self._replan(clock, now, set().union(*(self.on_edge[e] for e in self._shared(flow, others=0))))
         flow.arrived(now + flow.latency_ns)
-
-
-def _stale(entry: list) -> bool:
-    """Whether a drains entry's next plan was superseded by a later re-plan of its flow."""
-    _, _, flow, version = entry[2][entry[3]]
-    return flow.version != version
 
 
 def routing_weight(latency_ns: float) -> int:
