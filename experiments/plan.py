@@ -30,6 +30,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,7 +136,7 @@ _RATES: dict[tuple, float] = {}  # per worker process: (cluster, GPU ranks) -> t
 
 def _allreduce_floor(built, costs: list) -> int:
     """``bounds.allreduce_floor_ns`` over the run's routed network (analytic costs; otherwise 0, which leaves the
-    compute bound alone), and for a flush schedule ``_server_floor``: the larger. With tensor parallelism each of a
+    compute bound alone), and ``_server_floor``: the larger. With tensor parallelism each of a
     device's GPUs all-reduces its own shard (the network's lanes), so the rate is measured with them all. Each
     group's rate is measured once per process."""
     from pipescope.simulator.bounds import allreduce_floor_ns
@@ -154,11 +155,12 @@ def _allreduce_floor(built, costs: list) -> int:
     width = config.cluster.data_parallel
     reduced_over = config.parallel.reduce_group(width)
     groups = allreduce_floor_ns(built.schedule, costs, _grad_bytes(config), reduced_over, ns_per_byte)
-    # A flush schedule's iteration holds all its all-reduces; a run of several (2BW, PipeDream) may end before a
-    # shared NIC's backlog binds (docs/planner.md, "Steady state"), so the server floor bounds flush schedules only
-    flush = built.schedule.iterations == 1 and isinstance(network(), RoutedNetwork)
-    # (not under HSDP, whose groups' bytes into a server the full group's collective does not bound from below)
-    return max(groups, _server_floor(built, costs, network()) if flush and reduced_over == width else 0)
+    # A flush schedule's iteration holds all its all-reduces; a run of several (2BW, PipeDream) takes at least its
+    # busiest link's bytes over its rate per iteration (``result.iteration_times``), which is at least the bytes
+    # into a server over all the links into it: the server floor bounds every schedule on a routed network (not
+    # under HSDP, whose groups' bytes into a server the full group's collective does not bound from below)
+    routed = isinstance(network(), RoutedNetwork)
+    return max(groups, _server_floor(built, costs, network()) if routed and reduced_over == width else 0)
 
 
 def _ns_per_byte(built, network, kind, group: list[int]) -> float:
@@ -318,6 +320,8 @@ def plan(request: PlanRequest, executor: Executor | None = None, workers: int | 
     try:
         screened = _screen_all(pool, request, points, workers, progress)
         ranked, rejected, simulated = _simulate_in_bound_order(pool, request, screened, workers, progress)
+        if not ranked and not any("needs_bytes" in row for row in rejected):
+            raise ConfigError(_refused_for(rejected))
         would_fit = None if ranked else _what_would_fit(pool, request, workers, progress)
     finally:
         if executor is None:
@@ -384,6 +388,14 @@ def _fits_sharded(pool: Executor, request: PlanRequest, workers: int) -> dict[st
     screened = _screen_all(pool, sharded, points, workers, False)
     ranked, _, _ = _simulate_in_bound_order(pool, sharded, _least_memory(screened), workers, False)
     return {**ranked[0], "gpus": gpus} if ranked else None
+
+
+def _refused_for(rejected: list[dict]) -> str:
+    """Why a search where nothing ran, none for memory, found nothing: its most common reason (each names its key),
+    not where more memory or nodes would help."""
+    reasons = Counter(str(row["reason"]) for row in rejected)
+    reason, count = reasons.most_common(1)[0] if reasons else ("no candidate", 0)
+    return f"{reason} (the reason of {count} of the {len(rejected)} candidates, none refused for memory)"
 
 
 def _least_memory(screened: list[Screened]) -> list[Screened]:

@@ -163,6 +163,11 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
     if request.depths is not None and not set(request.depths) & set(depths):
         raise ConfigError(f"depths: got {list(request.depths)}, expected some of {depths} (the depths that use all "
                           f"{gpus} GPUs at tensor width {','.join(map(str, tensors))})")
+    for key in ("offload", "zero"):  # sharding and offload run with flush schedules and replicas only
+        asked = getattr(request, key)
+        if asked is not None and any(c.depth > 1 for c in _points(replace(request, **{key: None}), gpus)):
+            raise ConfigError(f"{key}: got {list(asked)}, expected a setting these schedules and widths run (ZeRO and "
+                              f"offload need a schedule with a flush and replicas; offload parameters needs zero 3)")
     raise ConfigError(f"vocab: got {list(request.vocab)}, expected a method these schedules and widths run "
                       f"({_why_no_vocab(request)})")
 

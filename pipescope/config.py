@@ -215,8 +215,8 @@ def _build(cls: type, raw: Any, prefix: str, typed: bool = False) -> Any:
             raise ConfigError(f"{key}: a key of experiment files (a grid of runs), not of one config; run this file "
                               f"with pipescope sweep (docs/sweeps.md)")
         if name not in fields:
-            raise ConfigError(f"{key}: unknown key, expected one of {', '.join(prefix + f for f in fields)}"
-                              f"{did_you_mean(key, [prefix + f for f in fields])}")
+            known = [prefix + f for f in fields] + [k for k in PARALLEL_SPELLINGS if k.startswith(prefix) and prefix]
+            raise ConfigError(f"{key}: unknown key, expected one of {', '.join(known)}{did_you_mean(key, known)}")
         kind, optional = _field_type(hints[name])
         if name == "costs" and cls is Config:
             values[name] = _build_costs(value, f"{key}.", typed)

@@ -197,6 +197,9 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
         raise ConfigError(str(err)) from None
     except NetworkError as err:
         raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
+    if p.zero_stage and config.cluster.data_parallel < 2:
+        result.warnings.append(f"parallel.zero {p.zero_stage} with cluster.data_parallel 1: no replicas to shard "
+                               f"over, so every state is whole, as under parallel.zero 0")
     result.kernels = costs.kernel_report(schedule.pipeline_stages)
     result.cluster_name = cluster.name
     result.gpus_per_device = config.parallel.gpus_per_device
@@ -378,8 +381,15 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
 
 
 def _check_shard_group(config: Config) -> None:
-    """``parallel.shard_group`` (HSDP) needs ZeRO and must divide the replicas, naming the key otherwise."""
-    group, width = config.parallel.shard_group, config.cluster.data_parallel
+    """``parallel.shard_group`` (HSDP) needs ZeRO and must divide the replicas, and ZeRO-3's own choices need ZeRO-3,
+    naming the key otherwise."""
+    p = config.parallel
+    for key, value, default in (("zero_prefetch", p.zero_prefetch, 1),
+                                ("reshard_after_forward", p.reshard_after_forward, True)):
+        if value != default and p.zero_stage < 3:
+            raise ConfigError(f"parallel.{key}: got {str(value).lower()} with parallel.zero {p.zero_stage}, expected "
+                              f"parallel.zero 3 (only ZeRO-3 gathers the weights it sets)")
+    group, width = p.shard_group, config.cluster.data_parallel
     if group is None:
         return
     if not config.parallel.zero_stage:

@@ -24,10 +24,11 @@ FIELDS: dict[str, tuple[str, dict[str, str]]] = {
     "llama": ("llama", {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
                         "kv_heads": "num_key_value_heads", "ffn_hidden": "intermediate_size",
                         "seq": "max_position_embeddings", "vocab": "vocab_size"}),
-    "gpt2": ("gpt", {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "seq": "n_positions",
-                     "vocab": "vocab_size"}),
+    "gpt2": ("gpt", {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn_hidden": "n_inner",
+                     "seq": "n_positions", "vocab": "vocab_size"}),
 }
-OPTIONAL = {"num_key_value_heads"}  # a Llama config without it has as many key/value heads as heads (Llama 2 7B)
+# Absent or null, these take the family's default: as many key/value heads as heads (Llama 2 7B); GPT-2's MLP 4h wide
+OPTIONAL = {"num_key_value_heads", "n_inner"}
 
 
 def read_hf_config(path: str) -> dict[str, int | str]:
@@ -51,7 +52,7 @@ def _read(path: str, version: tuple[int, int] | None) -> tuple[tuple[str, int | 
     where = f"{KEY}: {short_repr(path)}"
     text = read_small_text(path, MAX_BYTES, where, "a Hugging Face config.json", "JSON")
     try:
-        tree = json.loads(text)
+        tree = json.loads(text, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as err:
         raise ValueError(f"{where}: not JSON ({str(err).splitlines()[0][:120]}), expected a Hugging Face "
                          f"config.json") from None
@@ -63,9 +64,11 @@ def _read(path: str, version: tuple[int, int] | None) -> tuple[tuple[str, int | 
     family, fields = FIELDS[model_type]
     shape: dict[str, int | str] = {"family": family}
     for key, field in fields.items():
-        if field not in tree and field in OPTIONAL:
+        if tree.get(field) is None and field in OPTIONAL:
             continue
-        value = tree.get(field)
+        if field not in tree:
+            raise ValueError(f"{where}: {field} is missing, expected a positive integer")
+        value = tree[field]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{where}: {field} is {short_repr(value)}, expected a positive integer")
         shape[key] = value
@@ -73,11 +76,30 @@ def _read(path: str, version: tuple[int, int] | None) -> tuple[tuple[str, int | 
     return tuple(shape.items())
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object, refused when it names a key twice (json keeps the last silently; YAML files are refused too)."""
+    tree: dict = {}
+    for key, value in pairs:
+        if key in tree:
+            raise ValueError(f"the key {short_repr(key)} twice")
+        tree[key] = value
+    return tree
+
+
 def _check_architecture(tree: dict, family: str, where: str) -> None:
-    """What the family's cost model assumes, where the file says otherwise: a Llama's SiLU-gated MLP and untied
-    output layer."""
+    """What the family's cost model assumes, where the file says otherwise: a Llama's SiLU-gated MLP, untied output
+    layer, heads of hidden / heads each and no biases."""
     if family != "llama":
         return
+    heads, hidden = tree["num_attention_heads"], tree["hidden_size"]
+    head_dim = tree.get("head_dim")
+    if head_dim is not None and head_dim * heads != hidden:
+        raise ValueError(f"{where}: head_dim {short_repr(head_dim)}, expected hidden_size / num_attention_heads = "
+                         f"{hidden / heads:g} (the llama family's heads split the hidden size)")
+    for bias in ("attention_bias", "mlp_bias"):
+        if tree.get(bias, False) is not False:
+            raise ValueError(f"{where}: {bias} {short_repr(tree[bias])}, expected false (the llama family's "
+                             f"matmuls have no biases)")
     act = tree.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{where}: hidden_act {short_repr(act)}, expected silu (the SwiGLU MLP the llama family "

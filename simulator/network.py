@@ -75,6 +75,12 @@ class Network(Protocol):
         and counters); a network that keeps none writes nothing."""
         ...
 
+    def busiest_link_ns(self) -> int:
+        """After a replay: the ns its busiest shared link needs to carry the bytes it carried, at its rate (0: a
+        network without shared links). A run of several iterations takes at least this over the iterations per
+        iteration (``result.iteration_times``)."""
+        ...
+
 
 TransferTiming = Callable[[int, int, int], tuple[int, int]]
 """(src, dst, nbytes) -> (ns from start to arrival, ns the link stays busy)."""
@@ -160,3 +166,7 @@ class FifoLinks:
 
     def report(self, result: SimResult) -> None:
         """FIFO links keep no statistics: the result's link fields stay empty."""
+
+    def busiest_link_ns(self) -> int:
+        """0: each device pair has a link of its own, which no other pair's transfers share."""
+        return 0

@@ -226,14 +226,16 @@ def _layer_split(config: Any) -> list[int] | None:
 
 def iteration_times(schedule: Schedule, microbatch: np.ndarray, start: np.ndarray, end: np.ndarray,
                     step: np.ndarray, allreduce: np.ndarray | None = None, device: np.ndarray | None = None,
-                    ) -> tuple[int, int, int]:
+                    busiest_link_ns: int = 0) -> tuple[int, int, int]:
     """(iteration, fill/drain, makespan) in ns from the timed rows of a run, simulated or measured; ``step`` marks
     the optimizer steps. One iteration: iteration = makespan. Several: the median gap between iteration ends, where
     an iteration ends with its backwards (the steps after them delay what follows, so the gaps include them), and at
     least the time a device's gradient all-reduces keep it busy per iteration (rows marked by ``allreduce``, on
-    ``device``). Without that floor, a run whose all-reduces fall behind its compute would look as fast as its
-    compute for the few iterations simulated, while the backlog builds slowly (docs/network.md, "Data
-    parallelism")."""
+    ``device``) and the time the busiest shared link needs per iteration for what the run sent over it
+    (``busiest_link_ns``, ``Network.busiest_link_ns``: every iteration sends the same bytes). Without those floors,
+    a run whose all-reduces fall behind its compute, or whose groups share a link that cannot carry an iteration's
+    bytes in an iteration, would look as fast as its compute for the few iterations simulated, while the backlog
+    builds slowly (docs/network.md, "Data parallelism")."""
     makespan = int(end.max() - start.min())
     if schedule.iterations <= 1:
         return makespan, 0, makespan
@@ -243,7 +245,8 @@ def iteration_times(schedule: Schedule, microbatch: np.ndarray, start: np.ndarra
     if allreduce is not None and device is not None and allreduce.any():
         steady = max(steady, _busiest_union_ns(device[allreduce], start[allreduce], end[allreduce])
                      // schedule.iterations)
-    return steady, makespan - schedule.iterations * steady, makespan
+    steady = max(steady, -(-busiest_link_ns // schedule.iterations))
+    return steady, max(0, makespan - schedule.iterations * steady), makespan
 
 
 def _busiest_union_ns(device: np.ndarray, start: np.ndarray, end: np.ndarray) -> int:
@@ -262,8 +265,8 @@ def _busiest_union_ns(device: np.ndarray, start: np.ndarray, end: np.ndarray) ->
 
 def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], precision: str,
                  samples_per_iteration: int, memory_runtime: str = "megatron", gradient_buffers: int = 1,
-                 sharding: Sharding = NO_SHARDING, memory_overheads: Overheads = NO_OVERHEADS, **extra: Any
-                 ) -> SimResult:
+                 sharding: Sharding = NO_SHARDING, memory_overheads: Overheads = NO_OVERHEADS,
+                 busiest_link_ns: int = 0, **extra: Any) -> SimResult:
     """Derive every statistic from the timeline's compute and collective rows and the memory ledger.
 
     Args:
@@ -276,6 +279,8 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
         gradient_buffers: gradient buffers per stage (2 where 2BW defers its steps).
         sharding: ZeRO's stage and shards (``mesh.Sharding``; none by default).
         memory_overheads: what every GPU holds besides tensors (CUDA context, NCCL, workspace).
+        busiest_link_ns: what the run's busiest shared link needed for its bytes (``Network.busiest_link_ns``), a
+            floor of a several-iteration run's steady state (``iteration_times``).
         samples_per_iteration: for throughput.
         **extra: further ``SimResult`` fields (memory capacity, MFU inputs, warnings, config, wall time).
     """
@@ -302,7 +307,8 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
     kind = records.kind[timed]
     iteration, fill_drain, makespan = iteration_times(schedule, records.microbatch[timed], records.start[timed],
                                                       records.end[timed], kind == KIND_CODE[ActionKind.OPT],
-                                                      kind == KIND_CODE[ActionKind.ALL_REDUCE], records.device[timed])
+                                                      kind == KIND_CODE[ActionKind.ALL_REDUCE], records.device[timed],
+                                                      busiest_link_ns)
     bubble = 1.0 - int(busy.sum()) / (p * max_span)
     return SimResult(schedule, records, devices, memory, iteration, fill_drain, makespan, bubble,
                      samples_per_iteration, stage_costs=stage_costs, precision=precision,

@@ -4,6 +4,7 @@ fair-shared flows (``simulator.flows``, ``simulator.collectives``; docs/network.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Hashable, Sequence
 from itertools import count
 from typing import TYPE_CHECKING
@@ -93,6 +94,12 @@ class RoutedNetwork:
         """The links' statistics, the busiest links' busy spans and the flow counters, into ``result``."""
         result.links, result.network = self.link_stats(result.makespan_ns), self.counters()
         result.link_spans = self.busy_spans()
+
+    def busiest_link_ns(self) -> int:
+        """The most ns any directed edge needed for the bytes that crossed it, at its rate (what NCCL reaches)."""
+        fabric = self.fabric
+        return max((math.ceil(nbytes / fabric.capacity[e]) for e, nbytes in enumerate(fabric.stats.nbytes) if nbytes),
+                   default=0)
 
     def counters(self) -> dict:
         """Flows started, rate updates and the collective algorithms the run used."""

@@ -14,7 +14,7 @@ from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
 from pipescope.simulator.lowering import defers_steps, gradient_buffers
 from pipescope.simulator.memory_runtime import grad_bytes
-from pipescope.simulator.mesh import NO_SHARDING
+from pipescope.simulator.mesh import Sharding
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.network import FifoLinks, Network
 from pipescope.simulator.passes import ONE_REPLICA, Lowering, run_passes
@@ -78,7 +78,8 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         result = build_result(schedule, records, stage_costs, costs.precision, samples,
                               warnings=costs.notes() + _run_notes(schedule),
                               gradient_buffers=gradient_buffers(deferred),
-                              sharding=sync.sharding if width > 1 else NO_SHARDING, **extra)
+                              sharding=sync.sharding if width > 1 else _unsharded(sync.sharding),
+                              busiest_link_ns=network.busiest_link_ns(), **extra)
     network.report(result)
     result.sim_wall_s = time.perf_counter() - wall
     return result
@@ -90,6 +91,12 @@ def prepare(schedule: Schedule, costs: CostModel, deferred_steps: bool = False) 
     stage_costs = costs_of(costs, schedule)
     check_stage_costs(stage_costs)
     return run_passes(Lowering(schedule, stage_costs, deferred_steps), ONE_REPLICA).program, stage_costs
+
+
+def _unsharded(sharding: Sharding) -> Sharding:
+    """What one replica's ledger holds with nothing to shard over: no ZeRO, but an optimizer offloaded to the host
+    is still not on the GPU (ZeRO-Offload without replicas steps the whole state there)."""
+    return Sharding(offload=sharding.offload)
 
 
 def _run_notes(schedule: Schedule) -> list[str]:

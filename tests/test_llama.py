@@ -100,6 +100,12 @@ def test_from_hf_predicts_exactly_what_the_preset_predicts(tmp_path) -> None:
     (json.dumps({**LLAMA3_8B_HF, "num_hidden_layers": 10**9}), "model.layers: got 1000000000"),
     (json.dumps({**LLAMA3_8B_HF, "hidden_act": "gelu"}), "hidden_act 'gelu', expected silu"),
     (json.dumps({**LLAMA3_8B_HF, "tie_word_embeddings": True}), "tie_word_embeddings True, expected false"),
+    (json.dumps({**LLAMA3_8B_HF, "head_dim": 64}), "head_dim 64, expected hidden_size / num_attention_heads = 128"),
+    (json.dumps({**LLAMA3_8B_HF, "attention_bias": True}), "attention_bias True, expected false"),
+    (json.dumps({**LLAMA3_8B_HF, "mlp_bias": True}), "mlp_bias True, expected false"),
+    (json.dumps({k: v for k, v in LLAMA3_8B_HF.items() if k != "num_attention_heads"}),
+     "num_attention_heads is missing, expected a positive integer"),
+    ('{"model_type": "gpt2", "n_layer": 2, "n_layer": 3}', "the key 'n_layer' twice"),
     ("[" * 100_000 + "]" * 100_000, "not JSON"),
     (" " * (2 << 20), "larger than 1,048,576 bytes"),
 ])
@@ -109,6 +115,19 @@ def test_a_hostile_hf_config_gets_one_line_naming_the_key(tmp_path, text: str, m
     with pytest.raises(ConfigError) as err:
         run(load_config(None, [f"model.from_hf={path}", *SMALL]))
     assert str(err.value).startswith("model.") and message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_gpt2s_mlp_width_is_read_from_n_inner(tmp_path) -> None:
+    """GPT-2's ``n_inner`` is its MLP width (null: 4 x hidden), as ``model.ffn_hidden`` sets it."""
+    gpt2 = {"model_type": "gpt2", "n_layer": 24, "n_embd": 1024, "n_head": 16, "n_positions": 1024,
+            "vocab_size": 50257}
+    params = {}
+    for name, extra in (("narrow", {"n_inner": 2048}), ("default", {"n_inner": None})):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({**gpt2, **extra}))
+        params[name] = run(load_config(None, [f"model.from_hf={path}", *SMALL])).summary()["model_params"]
+    narrow = run(load_config(None, ["model.preset=gpt-355m", "model.ffn_hidden=2048", *SMALL]))
+    assert params["narrow"] == narrow.summary()["model_params"] < params["default"]
 
 
 def test_the_harness_refuses_a_model_it_cannot_build() -> None:

@@ -50,6 +50,13 @@ def test_an_error_names_the_spelling_written() -> None:
         load_config(None, ["parallel.pipeline=x"])
 
 
+def test_a_mistyped_parallel_key_is_matched_against_every_spelling() -> None:
+    """The unknown-key list of the parallel section names its spellings too, so the suggestion can be one."""
+    with pytest.raises(ConfigError, match=r"parallel.dat: unknown key, expected one of .*parallel.data, "
+                                          r".*\(did you mean parallel.data\?\)"):
+        load_config(None, ["parallel.dat=2"])
+
+
 def test_a_sweep_over_the_parallel_spelling_sweeps_the_degree_and_names_its_column() -> None:
     grid = {"costs": {"kind": "uniform"}, "cluster": {"data_parallel": 2}, "sweep": {"parallel.data": [1, 2]}}
     plan = expand(grid)

@@ -327,6 +327,19 @@ def test_hsdp_is_refused_where_it_has_no_meaning() -> None:
         small("parallel.zero=1", "parallel.shard_group=3")
 
 
+def test_zero_3s_own_choices_are_refused_without_it() -> None:
+    """The prefetch depth and resharding set how ZeRO-3 gathers weights; under stages 0-2 they were ignored."""
+    with pytest.raises(ConfigError, match=r"^parallel.zero_prefetch: got 2 with parallel.zero 2, expected "
+                                          r"parallel.zero 3"):
+        small("parallel.zero=2", "parallel.zero_prefetch=2")
+    with pytest.raises(ConfigError, match=r"^parallel.reshard_after_forward: got false with parallel.zero 0"):
+        small("parallel.reshard_after_forward=false")
+    assert small("parallel.zero=3", "parallel.zero_prefetch=2").iteration_time_s > 0
+    alone = small("parallel.zero=3", "cluster.data_parallel=1")  # nothing to shard over: said, not silent
+    assert any(w.startswith("parallel.zero 3 with cluster.data_parallel 1: no replicas") for w in alone.warnings)
+    assert not any(w.startswith("parallel.zero") for w in small("parallel.zero=3").warnings)
+
+
 @pytest.mark.parametrize("sets", [["parallel.zero=1"], ["parallel.zero=2"], ["parallel.zero=3"],
                                   ["parallel.zero=3", "parallel.reshard_after_forward=false"],
                                   ["parallel.zero=3", "parallel.shard_group=2"], ["parallel.offload=optimizer"],
