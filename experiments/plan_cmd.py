@@ -265,7 +265,7 @@ def _sharding_words(row: dict) -> str:
     words = {"optimizer": "optimizer on the host, ", "parameters": "optimizer and weights on the host, "}.get(
         row.get("offload"), "")
     group = row.get("shard_group")
-    return words + (f"HSDP groups of {group}, " if group is not None and group < row["width"] else "")
+    return words + (f"HSDP groups of {group}, " if group is not None else "")
 
 
 def _ranked_table(rows: list[dict]) -> str:
@@ -285,7 +285,7 @@ def _ranked_table(rows: list[dict]) -> str:
             + (f"{r['context']:>4}" if cp else "") + f"{r['width']:>4}{r['depth']:>4}"
             + (f"{r['zero']:>5}" if zero else "")
             + (f"{OFFLOAD_COLUMN.get(r['offload'], '-'):>8}" if offload else "")
-            + (f"{r['shard_group'] if r['shard_group'] < r['width'] else '-':>5}" if hsdp else "")
+            + (f"{r['shard_group'] or '-':>5}" if hsdp else "")
             + f"{r['microbatch_size']:>4}{r['microbatches']:>5} {r['recompute']:<10}"
             f"{r['vocab']:<13}{r['throughput_samples_per_s']:>10.1f}{_or_dash(r['tokens_per_s'], format_count):>10}"
             f"{_or_dash(r['tflops_per_gpu'], '{:.1f}'.format):>8}{_or_dash(r['mfu'], '{:.1%}'.format):>7}"

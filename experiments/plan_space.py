@@ -80,7 +80,12 @@ class Candidate:
         return keys
 
     def as_dict(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in PLAN_KEYS}
+        """The plan's keys as the config reads them: no HSDP group (None) where one group holds every replica or
+        nothing is sharded."""
+        row = {key: getattr(self, key) for key in PLAN_KEYS}
+        if self.shard_group is not None and (not self.zero or self.shard_group == self.width):
+            row["shard_group"] = None
+        return row
 
     @property
     def run_id(self) -> str:  # the sweep's drain names what a dead worker lost by it

@@ -28,8 +28,8 @@ from pipescope.simulator.parallel import PARALLEL_RANGES, ParallelConfig, parse_
 from pipescope.simulator.profiled import ProfiledCostsConfig
 from pipescope.simulator.readers.safe_yaml import MAX_INT_DIGITS, YamlError, parse_yaml, read_yaml_file
 from pipescope.simulator.schedules import SCHEDULE_RANGES, ScheduleConfig, check_iterations
-from pipescope.simulator.readers.units import (did_you_mean, format_bytes, parse_bandwidth, parse_flops, parse_size,
-                                               parse_time, short_repr)
+from pipescope.simulator.readers.units import (did_you_mean, format_bytes, format_rate, parse_bandwidth, parse_flops,
+                                               parse_size, parse_time, short_repr)
 from pipescope.simulator.vocab import VocabMethod, vocab_method
 from pipescope.simulator.faults import FaultsConfig
 from pipescope.simulator.memory_runtime import MEMORY_RANGES, RUNTIMES, MemoryConfig
@@ -277,6 +277,10 @@ def _build_costs(raw: Any, prefix: str, typed: bool = False) -> CostsConfig:
     return built[kind]
 
 
+RATE_UNITS = {"bandwidth": ("bandwidth", "B/s"), "flops": ("compute rate", "FLOP/s")}  # unit -> (what, its suffix)
+EXAMPLES = {"bandwidth": "'25GB/s' or '100Gbit/s'", "flops": "'989TFLOP/s'"}
+
+
 def _check_value(key: str, value: Any, unit: str | None = None) -> None:
     if key in RANGES and not RANGES[key][0] <= value <= RANGES[key][1]:
         low, high = RANGES[key]
@@ -290,6 +294,10 @@ def _check_value(key: str, value: Any, unit: str | None = None) -> None:
                           f"{did_you_mean(value, CHOICES[key])}")
     if key in FLOAT_RANGES and not FLOAT_RANGES[key][0] <= value <= FLOAT_RANGES[key][1]:
         low, high = FLOAT_RANGES[key]
+        if unit in RATE_UNITS:  # in the unit a user writes it in: '0.0' of a bandwidth reads as bytes/s
+            name, suffix = RATE_UNITS[unit]
+            raise ConfigError(f"{key}: got {format_rate(value, suffix)}, expected a {name} from "
+                              f"{format_rate(low, suffix)} to {format_rate(high, suffix)} (e.g. {EXAMPLES[unit]})")
         raise ConfigError(f"{key}: got {short_repr(value)}, expected a number from {low:g} to {high:g}")
     if key in FRACTION_KEYS and not 0 < value <= 1:
         raise ConfigError(f"{key}: got {short_repr(value)}, expected a number in (0, 1]")

@@ -361,8 +361,9 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
         raise ConfigError(f"parallel.context: got {config.parallel.context} under costs.kind {kind}, expected 1 (only "
                           f"analytic costs split the tokens over context-parallel GPUs)")
     if isinstance(config.costs, UniformCostsConfig) and config.parallel.zero_stage:
-        raise ConfigError(f"{_zero_key(config)} under costs.kind {kind}, expected none (uniform costs have no "
-                          f"model states to shard)")
+        off = 0 if config.parallel.zero else "false"
+        raise ConfigError(f"{_zero_key(config)} under costs.kind {kind}, expected {off} (uniform costs have no model "
+                          f"states to shard)")
     if not analytic and config.schedule.recompute == "selective":
         raise ConfigError(f"schedule.recompute: got selective under costs.kind {kind}, expected none or full (only "
                           f"analytic costs separate the attention core)")

@@ -48,7 +48,7 @@ def test_the_distributed_optimizer_shards_the_state_and_reduce_scatters() -> Non
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["costs.kind=uniform"], "parallel.distributed_optimizer: got true under costs.kind uniform, expected none"),
+    (["costs.kind=uniform"], "parallel.distributed_optimizer: got true under costs.kind uniform, expected false"),
     (["schedule.name=2bw"], "parallel.distributed_optimizer: got true with schedule.name 2bw, expected a flush "
                             "schedule"),
 ])

@@ -248,6 +248,7 @@ def test_a_gpu_without_a_datasheet_is_its_peak_and_bandwidth_on_a_known_machine(
     with pytest.raises(ConfigError, match="V100 GPUs have no bf16 tensor cores"):
         run(load_config(None, v100_bf16))
     assert run(load_config(None, [*v100_bf16, "cluster.peak_flops=100TFLOP/s"])).iteration_time_s > 0  # as told
-    for value, expected in (("5", "expected a number from 1e+09 to 1e+18"), ("9EFLOP/s", "unknown unit 'EFLOP/s'")):
+    for value, expected in (("5", "5 FLOP/s, expected a compute rate from 1 GFLOP/s to 1000 PFLOP/s"),
+                            ("9EFLOP/s", "unknown unit 'EFLOP/s'")):
         with pytest.raises(ConfigError, match=f"cluster.peak_flops: got .*{re.escape(expected)}"):
             load_config(None, [f"cluster.peak_flops={value}"])

@@ -184,7 +184,7 @@ def test_zero_is_refused_where_it_has_no_meaning() -> None:
         small("parallel.zero=4")
     with pytest.raises(ConfigError, match="parallel.zero: got 3 with schedule.name 2bw, expected a flush schedule"):
         small("parallel.zero=3", "schedule.name=2bw")
-    with pytest.raises(ConfigError, match="parallel.zero: got 2 under costs.kind uniform, expected none"):
+    with pytest.raises(ConfigError, match="parallel.zero: got 2 under costs.kind uniform, expected 0"):
         small("parallel.zero=2", "costs.kind=uniform")
 
 

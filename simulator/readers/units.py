@@ -126,6 +126,14 @@ def parse_count(value: object) -> float:
     return _parse(value, COUNT_UNITS, "count", "'1T', '300B' or 2e12")
 
 
+def format_rate(n: float, suffix: str) -> str:
+    """``1 MB/s``, ``1 PB/s``, ``989 TFLOP/s``: a rate with its SI prefix (decimal, as datasheets write rates)."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:g} {prefix}{suffix}"
+    return f"{n:g} {suffix}"
+
+
 def format_count(n: float) -> str:
     """``1.23 T``, ``456.7 B``, ``89.0 M``, ``12.3 k``: a count in the unit that reads best (B for billion)."""
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
