@@ -153,6 +153,8 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, int | None]:
         key = item.split("=", 1)[0].strip()
         if key in searched:
             raise ValueError(f"--set: {key} is what the planner searches, expected {searched[key]} instead")
+        if key in ("model.from_hf", "model.preset") and args.model is not None:  # both typed: which one is meant?
+            raise ValueError(f"--model: got {args.model!r} beside --set {key}, expected one of the two")
     nodes = None if args.nodes is None else integer_flag("--nodes", args.nodes, 1, 4096)
     base = base_config(args.model, args.topology, nodes, cap, config_tree(args.config, args.sets))
     request = PlanRequest(

@@ -319,6 +319,8 @@ def test_every_key_the_planner_sets_is_refused_with_set() -> None:
     # sharding and offload need a flush and replicas: the flag that left no pipeline is named, not --vocab
     (["--schedules", "pipedream", "--zero", "1"], "--zero: got [1], expected a setting these schedules and widths"),
     (["--schedules", "1f1b", "--offload", "parameters"], "--offload: got ['parameters'], expected a setting these"),
+    # two flags naming the model: neither is dropped silently
+    (["--model", "gpt-355m", "--set", "model.from_hf=x.json"], "--model: got 'gpt-355m' beside --set model.from_hf"),
     # every candidate refused by the config, none for memory: that reason, not where more memory would help
     (["--schedules", "1f1b", "--context", "2", "--set", "model.attention=eager", "--vocab", "naive"],
      "parallel.context: got 2 with model.attention eager, expected flash"),
