@@ -75,14 +75,28 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
             raise NetworkError(f"{err} for {program.actions[program.flow_of.index(err.flow)]}", err.flow) from None
         samples = schedule.num_microbatches * samples_per_microbatch * data_parallel
         records = replay_timeline(program, times, schedule.num_devices * width, schedule.num_devices)
+        busiest = network.busiest_link_ns()
         result = build_result(schedule, records, stage_costs, costs.precision, samples,
                               warnings=costs.notes() + _run_notes(schedule),
                               gradient_buffers=gradient_buffers(deferred),
                               sharding=sync.sharding if width > 1 else _unsharded(sync.sharding),
-                              busiest_link_ns=network.busiest_link_ns(), **extra)
+                              busiest_link_ns=busiest, **extra)
     network.report(result)
+    result.warnings += _link_floor_note(result, busiest)
     result.sim_wall_s = time.perf_counter() - wall
     return result
+
+
+def _link_floor_note(result: SimResult, busiest_link_ns: int) -> list[str]:
+    """Where the busiest link's floor set a run's iteration (``result.iteration_times``): which link and why."""
+    iterations = result.schedule.iterations
+    if iterations <= 1 or not result.links or result.iteration_ns != -(-busiest_link_ns // iterations):
+        return []
+    link = result.links[0]  # the busiest: bytes over bandwidth, as the floor
+    per_iteration = link["bytes"] / iterations
+    return [f"the iteration is held by its busiest link: {link['src']} > {link['dst']} carries "
+            f"{per_iteration / 1e9:.3g} GB an iteration at {link['bandwidth_Bps'] / 1e9:.4g} GB/s, which each "
+            f"iteration must in steady state (docs/network.md, \"Data parallelism\")"]
 
 
 def prepare(schedule: Schedule, costs: CostModel, deferred_steps: bool = False) -> tuple[Program, list[StageCost]]:
