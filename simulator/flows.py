@@ -65,17 +65,14 @@ def max_min_rates(paths: Sequence[Sequence[int]], capacity: Sequence[float]) -> 
     graph's edges; the other solves run every round (``_progressive_filling``), to the same floats.
     """
     lengths = np.fromiter(map(len, paths), dtype=np.int64, count=len(paths))
-    if len(paths) and lengths.all():
-        pairs = np.concatenate(paths, dtype=np.int64, casting="unsafe")
-        capacity = np.asarray(capacity, dtype=np.float64)
-        if len(capacity) <= DENSE_EDGES_PER_PAIR * len(pairs):
-            level = _one_level(pairs, lengths, capacity)
-            if level is not None:
-                return [level] * len(paths)
-        return _progressive_filling(pairs, lengths, capacity)
     if not lengths.any():
         return [math.inf] * len(paths)
-    return _progressive_filling(np.concatenate(paths, dtype=np.int64, casting="unsafe"), lengths, capacity)
+    pairs = np.concatenate(paths, dtype=np.int64, casting="unsafe")
+    if lengths.all() and len(capacity) <= DENSE_EDGES_PER_PAIR * len(pairs):
+        level = _one_level(pairs, lengths, np.asarray(capacity, dtype=np.float64))
+        if level is not None:
+            return [level] * len(paths)
+    return _progressive_filling(pairs, lengths, capacity)
 
 
 def _one_level(pairs: np.ndarray, lengths: np.ndarray, capacity: np.ndarray) -> float | None:
@@ -297,15 +294,11 @@ class FlowFabric:
             heapq.heappush(self._drains, [planned[0][0], planned[0][1], planned, 0])
 
     def _take(self) -> tuple[int, int, Flow, int]:
-        """The top entry's next plan, taken: the entry is re-keyed by the plan after it, or leaves the heap."""
+        """The top entry's next plan, taken."""
         top = self._drains[0]
-        plans, index = top[2], top[3]
-        if index + 1 == len(plans):
-            heapq.heappop(self._drains)
-        else:
-            top[0], top[1], top[3] = plans[index + 1][0], plans[index + 1][1], index + 1
-            heapq.heapreplace(self._drains, top)  # its key grew: sift it down
-        return plans[index]
+        plan = top[2][top[3]]
+        self._move_top(top[3] + 1)
+        return plan
 
     def _settle(self) -> None:
         """Step the top entries past their superseded plans, re-keying each once (or dropping it), until the top's
@@ -318,11 +311,18 @@ class FlowFabric:
                 index += 1
             if index == top[3]:
                 return
-            if index == len(plans):
-                heapq.heappop(drains)
-            else:
-                top[0], top[1], top[3] = plans[index][0], plans[index][1], index
-                heapq.heapreplace(drains, top)
+            self._move_top(index)
+
+    def _move_top(self, index: int) -> None:
+        """The top entry's next plan becomes its ``index``-th: the entry is re-keyed by it, or leaves the heap when
+        it has no more."""
+        top = self._drains[0]
+        plans = top[2]
+        if index == len(plans):
+            heapq.heappop(self._drains)
+        else:
+            top[0], top[1], top[3] = plans[index][0], plans[index][1], index
+            heapq.heapreplace(self._drains, top)  # its key grew: sift it down
 
     def _wake(self, clock: Clock) -> None:
         """Ask the clock to call ``_drain_due`` at the earliest planned drain that still stands, unless it will

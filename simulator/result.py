@@ -245,8 +245,13 @@ def iteration_times(schedule: Schedule, microbatch: np.ndarray, start: np.ndarra
     if allreduce is not None and device is not None and allreduce.any():
         steady = max(steady, _busiest_union_ns(device[allreduce], start[allreduce], end[allreduce])
                      // schedule.iterations)
-    steady = max(steady, -(-busiest_link_ns // schedule.iterations))
+    steady = max(steady, link_floor_ns(busiest_link_ns, schedule.iterations))
     return steady, max(0, makespan - schedule.iterations * steady), makespan
+
+
+def link_floor_ns(busiest_link_ns: int, iterations: int) -> int:
+    """The least a run's iteration takes while its busiest link carries an iteration's share of its bytes."""
+    return -(-busiest_link_ns // iterations)
 
 
 def _busiest_union_ns(device: np.ndarray, start: np.ndarray, end: np.ndarray) -> int:

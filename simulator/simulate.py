@@ -20,7 +20,7 @@ from pipescope.simulator.network import FifoLinks, Network
 from pipescope.simulator.passes import ONE_REPLICA, Lowering, run_passes
 from pipescope.simulator.program import Program
 from pipescope.simulator.replicas import GradSync
-from pipescope.simulator.result import SimResult, build_result
+from pipescope.simulator.result import SimResult, build_result, link_floor_ns
 from pipescope.simulator.timeline import replay_timeline
 
 
@@ -90,7 +90,7 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
 def _link_floor_note(result: SimResult, busiest_link_ns: int) -> list[str]:
     """Where the busiest link's floor set a run's iteration (``result.iteration_times``): which link and why."""
     iterations = result.schedule.iterations
-    if iterations <= 1 or not result.links or result.iteration_ns != -(-busiest_link_ns // iterations):
+    if iterations <= 1 or not result.links or result.iteration_ns != link_floor_ns(busiest_link_ns, iterations):
         return []
     link = result.links[0]  # the busiest: bytes over bandwidth, as the floor
     per_iteration = link["bytes"] / iterations
