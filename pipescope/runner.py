@@ -51,6 +51,7 @@ from pipescope.simulator.simulate import simulate
 from pipescope.simulator.readers.units import short_repr
 
 from pipescope.topologies.cluster import Cluster
+from pipescope.topologies.devices import DeviceSpec
 from pipescope.topologies.graphs import topology_names
 from pipescope.offload_setup import check_host_memory, check_offload, host_offload
 from pipescope.vocab_setup import apply_vocab
@@ -474,6 +475,13 @@ def _stage_grad_bytes(config: Config, model: ModelSpec, split: TensorSplit, sche
     return [split.params(model, layers[s], s == 0, s == last) * per_param for s in model_stages]
 
 
+def _power_headroom(gpu: DeviceSpec, peak: float, precision: str) -> float | None:
+    """The GPU's power headroom in FLOP/s, scaled with a ``cluster.peak_flops`` given for another part."""
+    if gpu.power_headroom is None or precision not in gpu.peak_flops:
+        return None
+    return gpu.power_headroom * peak / gpu.peak_flops[precision]
+
+
 def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: Schedule) -> CostModel:
     c, m = config.costs, config.model
     if isinstance(c, UniformCostsConfig):
@@ -488,6 +496,7 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
                              split=_tensor_split(config, cluster, model, schedule), tiling=Tiling(gpu.sms),
                              flash=gpu.flash, gemms=gemms, warnings=_gemms_note(gemms, cluster),
                              misaligned_gemm=gpu.misaligned_gemm, sustained=c.sustained or gpu.sustained,
+                             power_headroom=None if c.sustained else _power_headroom(gpu, peak, m.precision),
                              vocab_runtime=config.memory.runtime,
                              grad_bytes=grad_bytes(config.memory.runtime, m.precision),
                              checkpoint_layers=config.memory.runtime in MEGATRON_MODEL,

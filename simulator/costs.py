@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
-from pipescope.simulator.gpu_rates import FlashRates, Roofline, Tiling
+from pipescope.simulator.gpu_rates import FlashRates, Roofline, Tiling, power_limited_clock
 from pipescope.simulator.measured_gemms import MeasuredGemms
 from pipescope.simulator.kernels import (
     PASSES,
@@ -300,6 +300,7 @@ class AnalyticCosts(PerStageCache):
     gemms: MeasuredGemms | None = None  # measured matmul rates in place of ``efficiency`` (calibrate-gemms)
     misaligned_gemm: tuple[tuple[str, float], ...] = ()  # per pass, a misaligned matmul's fraction of the rate
     sustained: float = 1.0  # the compute rates' fraction held under continuous load (gpu_rates.Roofline)
+    power_headroom: float | None = None  # FLOP/s at which the GPU reaches its power limit; sets ``sustained`` per stage
     vocab_runtime: str = "torch"  # whose vocabulary padding the logits run with (models.allocated_vocab)
     warnings: tuple[str, ...] = ()  # about the inputs (a GEMM table from another device), for the result
     grad_bytes: int | None = None  # per gradient, as the runtime keeps them (None: the precision's)
@@ -313,15 +314,37 @@ class AnalyticCosts(PerStageCache):
 
     @property
     def roofline(self) -> Roofline:
+        """The rates at the fixed ``sustained`` fraction (at the boost clock where a power headroom is given)."""
         memory = self.memory_bandwidth * self.memory_efficiency if self.memory_bandwidth else None
+        sustained = 1.0 if self.power_headroom else self.sustained
         return Roofline(self.peak_flops, self.efficiency, memory, self.tiling, self.flash, self.gemms,
-                        self.misaligned_gemm, self.sustained)
+                        self.misaligned_gemm, sustained)
+
+    def rates(self, stage: int, num_stages: int) -> Roofline:
+        """The rates the stage's GPU runs at: with a power headroom, the compute rates at the clock its F, I and W
+        mix holds at the GPU's power limit (``gpu_rates.power_limited_clock``); else ``roofline``."""
+        boost = self.roofline
+        if not self.power_headroom:
+            return boost
+        key = ("clock", stage, num_stages)
+        if key not in self._cache:
+            flops = compute = memory = 0.0
+            for _, count, kernels, rates in self._parts(stage, num_stages, boost):
+                for kernel in (k for k in kernels if k.op != "optimizer" and rates is boost):
+                    seconds = count * rates.seconds(kernel)
+                    flops += count * rates.work(kernel)
+                    compute, memory = (compute + seconds, memory) if rates.bound(kernel) == "compute" \
+                        else (compute, memory + seconds)
+            self._cache[key] = replace(boost, sustained=power_limited_clock(flops, compute, memory,
+                                                                            self.power_headroom))
+        return self._cache[key]
 
     def _compute(self, stage: int, num_stages: int) -> StageCost:
         n = self._layers_of(stage, num_stages, self.model.layers)
         work = self.split.layer_work(self.model, self.microbatch_size, self.precision, self.attention)
         seconds, layers_forward = dict.fromkeys(PASSES, 0.0), 0.0
-        for component, count, kernels, roofline in self._parts(stage, num_stages):
+        gpu = self.rates(stage, num_stages)
+        for component, count, kernels, roofline in self._parts(stage, num_stages, gpu):
             passes = roofline.pass_seconds(kernels)
             for op, value in passes.items():
                 seconds[op] += count * value
@@ -337,10 +360,10 @@ class AnalyticCosts(PerStageCache):
         if stage == 0 and self.model.embedding_norm:  # no block: kept for its backward whatever is recomputed
             norm = self._embedding_norm_bytes(block_input)
             stash, kept = stash + norm, kept + norm
-        gemm_ns = self._layer_gemm_ns()
+        gemm_ns = self._layer_gemm_ns(gpu)
         comm_f, comm_i = self.split.comm_ns(stage, n, stage == 0, stage == num_stages - 1, gemm_ns)
-        context_f, context_i = self._context_ns(stage, n)
-        vocab = self._vocab_passes(stage)
+        context_f, context_i = self._context_ns(stage, n, gpu)
+        vocab = self._vocab_passes(stage, gpu)
         return StageCost(
             forward_ns=seconds_to_ns(seconds["F"]) + comm_f + context_f,
             input_grad_ns=seconds_to_ns(seconds["I"]) + comm_i + context_i,
@@ -364,14 +387,14 @@ class AnalyticCosts(PerStageCache):
         tokens = norm_input // (self.model.hidden * PRECISIONS[self.precision].activation_bytes)
         return norm_input + NORM_STATS_BYTES * tokens
 
-    def _context_ns(self, stage: int, layers: int) -> tuple[int, int]:
+    def _context_ns(self, stage: int, layers: int, gpu: Roofline) -> tuple[int, int]:
         """(ns added to F, to I) for the stage's context-parallel key/value exchange (``context.exposed_ns``)."""
         s = self.split
         if s.context < 2 or not s.context_times:
             return 0, 0
         kernels = layer_kernels(self.model, self.microbatch_size, self.precision, self.attention, s.tensor,
                                 s.sequence, s.context)
-        attention = {k.op: seconds_to_ns(self.roofline.seconds(k)) for k in kernels if k.flash is not None}
+        attention = {k.op: seconds_to_ns(gpu.seconds(k)) for k in kernels if k.flash is not None}
         return exposed_ns(s.context_times[stage], s.context, s.context_comm, layers,
                           (attention.get("F", 0), attention.get("I", 0)))
 
@@ -380,7 +403,7 @@ class AnalyticCosts(PerStageCache):
         s = self.split
         return s.context_times[stage].grad_all_reduce if s.context > 1 and s.context_times else 0
 
-    def _layer_gemm_ns(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _layer_gemm_ns(self, gpu: Roofline) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One block's matmul times in F and I, in the order its tensor-parallel collectives pair with them
         (``TensorSplit.comm_ns``): QKV, out projection, MLP up, MLP down in F; MLP down, MLP up, out projection, QKV
         in I (the backward runs the block in reverse)."""
@@ -388,15 +411,15 @@ class AnalyticCosts(PerStageCache):
             return (), ()
         kernels = layer_kernels(self.model, self.microbatch_size, self.precision, self.attention, self.split.tensor,
                                 self.split.sequence, self.split.context)
-        ns = {(k.op, k.name): seconds_to_ns(self.roofline.seconds(k)) for k in kernels if k.gemm is not None}
+        ns = {(k.op, k.name): seconds_to_ns(gpu.seconds(k)) for k in kernels if k.gemm is not None}
         forward = ("QKV", "out projection", "MLP up", "MLP down")
         return tuple(ns["F", name] for name in forward), tuple(ns["I", name] for name in reversed(forward))
 
-    def _vocab_passes(self, stage: int) -> dict[str, int]:
+    def _vocab_passes(self, stage: int, gpu: Roofline) -> dict[str, int]:
         """The S and T pass times and stash of the stage's vocabulary shard (empty under the naive placement)."""
         if self.vocab is None or not self.vocab.owns(stage):
             return {}
-        passes = {op: sum(map(self.roofline.seconds, kernels)) for op, kernels in self.vocab.pass_kernels().items()}
+        passes = {op: sum(map(gpu.seconds, kernels)) for op, kernels in self.vocab.pass_kernels().items()}
         return {"vocab_s_ns": seconds_to_ns(passes["S"]), "vocab_t_ns": seconds_to_ns(passes["T"]),
                 "vocab_bytes": self.vocab.stash_bytes()}
 
@@ -408,13 +431,12 @@ class AnalyticCosts(PerStageCache):
             return layers * self.model.layer_params() + self.vocab.params(stage)
         return self.split.params(self.model, layers, stage == 0, stage == num_stages - 1)
 
-    def _parts(self, stage: int, num_stages: int) -> list[tuple[str, int, list[Kernel], Roofline]]:
+    def _parts(self, stage: int, num_stages: int, gpu: Roofline) -> list[tuple[str, int, list[Kernel], Roofline]]:
         """(component, instances, kernels of one instance, the rates that time them) of the stage: its blocks, the
         output layer on the last stage, and one optimizer step over its parameters (without a memory bandwidth:
-        none), on the host when offloaded."""
+        none), on the host when offloaded; ``gpu`` times what runs on the GPU."""
         n, t, sp = self._layers_of(stage, num_stages, self.model.layers), self.split.tensor, self.split.sequence
         cp, b = self.split.context, self.microbatch_size
-        gpu = self.roofline
         parts = [("layer", n, layer_kernels(self.model, b, self.precision, self.attention, t, sp, cp), gpu)]
         if stage == 0 and self.model.embedding_norm:  # reads and writes the embedding's output; its backward reads two
             x = self.split.stage_input_bytes(self.model, b, self.precision)
@@ -438,11 +460,11 @@ class AnalyticCosts(PerStageCache):
     def stage_kernels(self, stage: int, num_stages: int) -> list[dict]:
         """The stage's kernels for one microbatch (the optimizer's per iteration): component, kernel, pass,
         instances, and FLOPs, bytes and seconds over all instances, with the roofline term that set the time."""
-        rows = []
+        rows, gpu = [], self.rates(stage, num_stages)
         parts = [(component, count, kernels, None, rates)
-                 for component, count, kernels, rates in self._parts(stage, num_stages)]
+                 for component, count, kernels, rates in self._parts(stage, num_stages, gpu)]
         if self.vocab is not None and self.vocab.owns(stage):  # the device's S and T passes, under their own names
-            parts += [("vocab shard", 1, kernels, op, self.roofline)
+            parts += [("vocab shard", 1, kernels, op, gpu)
                       for op, kernels in self.vocab.pass_kernels().items()]
         for component, count, kernels, op, rates in parts:
             rows += [_kernel_row(component, count, k, op, rates) for k in kernels]
@@ -461,7 +483,8 @@ class AnalyticCosts(PerStageCache):
                 totals = dict.fromkeys(PASSES, 0.0)
                 for row in rows:
                     totals[row["pass"]] = totals.get(row["pass"], 0.0) + row["time_s"]
-                groups[key] = {"stages": [], "layers": n, "pass_time_s": totals, "kernels": rows}
+                groups[key] = {"stages": [], "layers": n, "pass_time_s": totals,
+                               "sustained": self.rates(stage, num_stages).sustained, "kernels": rows}
             groups[key]["stages"].append(stage)
         return list(groups.values())
 

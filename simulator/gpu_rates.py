@@ -76,6 +76,30 @@ class FlashRates:
         return curve[-1][1]
 
 
+# Bisection steps of the power-limited clock: 2^-50 of the boost clock, below a float's use here.
+_POWER_STEPS = 50
+
+
+def power_limited_clock(flops: float, compute_s: float, memory_s: float, headroom: float) -> float:
+    """The fraction of its boost clock a GPU holds running a mix of kernels back to back, at its power limit
+    (docs/costs.md, "Under continuous load"): ``flops`` take ``compute_s`` in compute-bound kernels and ``memory_s``
+    in memory-bound ones at the boost clock; ``headroom`` is the FLOP rate at which the GPU, at its boost clock,
+    draws its power limit.
+
+    Power above the idle draw grows with the FLOP rate, and each FLOP's energy with the square of the voltage, which
+    scales with the clock: at clock fraction c the compute-bound kernels take ``compute_s / c`` (the HBM keeps its
+    own clock) and the power is in proportion to ``rate(c) * c**2``. The GPU holds the largest c at which that is at
+    most ``headroom``: 1 when the mix at boost is under it, else the root of
+    ``flops * c**3 = headroom * (compute_s + memory_s * c)``, which rises with c."""
+    if flops <= headroom * (compute_s + memory_s):
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(_POWER_STEPS):
+        mid = (low + high) / 2
+        low, high = (low, mid) if flops * mid**3 > headroom * (compute_s + memory_s * mid) else (mid, high)
+    return low
+
+
 @dataclass(frozen=True)
 class Roofline:
     """A kernel's time is max(compute time, memory time): whichever of the two it waits for.

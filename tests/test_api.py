@@ -86,7 +86,7 @@ def test_the_results_config_says_what_ran_where_the_config_left_it_unset() -> No
 def test_a_result_prints_as_one_line_and_equals_only_itself() -> None:
     """A notebook cell ending in a result shows one line, not the schedule and timeline (100 KB)."""
     result = pipescope.run(pipescope.Config())
-    assert repr(result) == ("<SimResult 1f1b p=4 m=8 v=1: iteration 74.165 ms, bubble rate 37.31%, peak memory "
+    assert repr(result) == ("<SimResult 1f1b p=4 m=8 v=1: iteration 69.346 ms, bubble rate 37.43%, peak memory "
                             "10.21 GiB, 168 actions>")
     assert result == result and result != pipescope.run(pipescope.Config())  # no array comparison raising
     assert type(result.devices[0].busy_s) is float and type(result.devices[0].peak_memory_bytes) is int

@@ -65,7 +65,7 @@ def test_overlapped_tensor_collectives_cost_only_what_outlasts_their_matmul() ->
     sets = ["cluster.nodes=1", "parallel.tensor=4", "parallel.sequence=true", "schedule.name=zb-h1"]
     config = load_config(None, [*SMALL, *sets, "parallel.tp_comm_overlap=true"])
     costs = prepare(config).costs
-    split, gemms = costs.split, costs._layer_gemm_ns()
+    split, gemms = costs.split, costs._layer_gemm_ns(costs.rates(1, 2))
     c = split.times[1]
     layers = 4
     exposed = layers * sum(max(0, comm - gemm) for comm, gemm in

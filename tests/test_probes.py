@@ -94,23 +94,80 @@ def test_under_continuous_load_the_h200_held_less_than_its_short_measurements() 
     assert round(block * (layer["F"] + layer["B"]) / 1e9, 3) == 0.921
 
 
-def test_the_sustained_compute_fraction_is_the_blocks_measurement_less_its_memory_bound_kernels() -> None:
-    """topologies/devices.py's SUSTAINED_H200: the block held 0.921 of its short time; the memory-bound kernels
-    (on the HBM clock) keep their rate, so the compute-bound ones, the model's share c of the block at short rates,
-    held c / (1 / 0.921 - (1 - c))."""
-    import pipescope
-    from pipescope.topologies.devices import SUSTAINED_H200
+def _block_mix(samples: int) -> tuple[float, float, float]:
+    """(FLOPs, compute-bound s, memory-bound s) of the probes' gpt-1.3b block (no dropout) at ``samples`` x 1,024
+    tokens, as the model counts and times it on an H200 at its boost clock."""
+    from pipescope.simulator.gpu_rates import Roofline, Tiling
+    from pipescope.simulator.kernels import layer_kernels
+    from pipescope.simulator.models import ModelSpec
 
-    config = {"schedule": {"name": "1f1b", "stages": 1, "microbatches": 1},
-              "model": {"preset": "gpt-1.3b", "microbatch_size": 8, "precision": "bf16"},
-              "cluster": {"topology": "hgx-h200", "nodes": 1}, "costs": {"kind": "analytic", "sustained": 1}}
-    group = pipescope.run(pipescope.load_config(raw=config)).kernels
-    layer = [k for g in group for k in g["kernels"] if k["component"] == "layer"]
-    compute = sum(k["time_s"] for k in layer if k["bound"] == "compute") / sum(k["time_s"] for k in layer)
-    assert round(compute, 3) == 0.905
-    assert round(compute / (1 / 0.921 - (1 - compute)), 3) == SUSTAINED_H200
-    assert DEVICES["h100"].sustained == DEVICES["h200"].sustained == SUSTAINED_H200
-    assert DEVICES["v100"].sustained == 1.0  # its benchmark ran 3 s back to back
+    d = DEVICES["h200"]
+    rates = Roofline(d.peak_flops["bf16"], d.gemm_efficiency, d.memory_bandwidth * d.memory_efficiency,
+                     Tiling(d.sms), d.flash)
+    kernels = [k for k in layer_kernels(ModelSpec("probe", 1, 2048, 16, 1024, 50304), samples, "bf16")
+               if "dropout" not in k.name]
+    compute = sum(rates.seconds(k) for k in kernels if rates.bound(k) == "compute")
+    memory = sum(rates.seconds(k) for k in kernels if rates.bound(k) == "memory")
+    return sum(map(rates.work, kernels)), compute, memory
+
+
+def test_the_h200s_power_headroom_is_its_power_readings_and_predicts_the_rates_it_held() -> None:
+    """topologies/devices.py's H200_POWER_HEADROOM: the block at its boost clock drew power in a line of its FLOP
+    rate (1 and 2 samples), reaching the power the limiter held at the headroom. The power-limited clock
+    (``gpu_rates.power_limited_clock``) then predicts what the GEMM and the block at 4 and 8 samples held under load,
+    none of which set it (docs/costs.md, "Under continuous load")."""
+    import pandas as pd
+
+    from pipescope.simulator.gpu_rates import power_limited_clock
+    from pipescope.topologies.devices import H200_POWER_HEADROOM
+
+    sustained = json.loads((H200_PROBES / "probes-4.json").read_text())["sustained"]
+    items = {1: "block-1", 2: "block-2", 4: "block-4", 8: "block"}
+    power = {b: statistics.median(_settled(sustained[k], "power_w")) for b, k in items.items()}
+    rate = {b: statistics.median(_settled(sustained[k], "rate")) * _block_mix(b)[0] for b, k in items.items()}
+    per_flop = (power[2] - power[1]) / (rate[2] - rate[1])  # W per FLOP/s
+    held = statistics.median([power[4], power[8], statistics.median(_settled(sustained["gemm"], "power_w"))])
+    headroom = rate[1] + (held - power[1]) / per_flop
+    assert round(headroom / 1e12, 1) == H200_POWER_HEADROOM / 1e12 == 463.2
+    assert DEVICES["h100"].power_headroom == DEVICES["h200"].power_headroom == H200_POWER_HEADROOM
+    # the GEMM: all compute, at 799 TFLOP/s short; held 670 over 20 s and 655 over 40 s (probes-3.json)
+    sweep = pd.read_parquet(H200_PROBES.parent / "gemms" / "gemms.parquet")
+    side = sustained["side"]
+    short = sweep[(sweep.m == side) & (sweep.n == side) & (sweep.k == side)].tflops.item() * 1e12
+    predicted = short * power_limited_clock(short, 1.0, 0.0, H200_POWER_HEADROOM)
+    assert round(predicted / 1e12) == 666
+    # the block at its short time (the profile's F + B), its kernels' compute-bound share as the model has it
+    profile = pd.read_parquet(H200_PROBES.parent / "gpt-1.3b" / "timings.parquet")
+    held_share = {}
+    for samples, measured in ((4, 0.950), (8, 0.939)):
+        layer = profile[(profile.component == "layer") & (profile.microbatch_size == samples)]
+        short_s = layer.set_index("op").median_ns[["F", "B"]].sum() / 1e9
+        flops, compute, memory = _block_mix(samples)
+        share = compute / (compute + memory)
+        clock = power_limited_clock(flops, share * short_s, (1 - share) * short_s, H200_POWER_HEADROOM)
+        held_share[samples] = short_s / (share * short_s / clock + (1 - share) * short_s)
+        assert abs(held_share[samples] - measured) < 0.015
+        assert round(statistics.median(_settled(sustained[items[samples]], "rate")) * short_s, 3) == measured
+    assert round(held_share[4], 3) == 0.962 and round(held_share[8], 3) == 0.945
+    assert power_limited_clock(rate[2], 1.0, 0.0, H200_POWER_HEADROOM) == 1.0  # under the limit: boost
+    assert DEVICES["v100"].power_headroom is None and DEVICES["v100"].sustained == 1.0  # 3 s medians already
+
+
+def test_the_a100s_power_headroom_gives_back_the_public_sustained_matmul_rate() -> None:
+    """An all-compute matmul at the A100's best short rate (271.2 TFLOP/s) holds mli's 230 TFLOP/s under load."""
+    from pipescope.simulator.gpu_rates import power_limited_clock
+
+    headroom = DEVICES["a100"].power_headroom
+    assert round(271.2e12 * power_limited_clock(271.2e12, 1.0, 0.0, headroom) / 1e12, 1) == 230.0
+
+
+def test_the_power_limited_clock_is_the_root_and_falls_as_the_mix_draws_more() -> None:
+    from pipescope.simulator.gpu_rates import power_limited_clock
+
+    clocks = [power_limited_clock(flops, 0.9, 0.1, 100.0) for flops in (50.0, 100.0, 150.0, 300.0, 1000.0)]
+    assert clocks[:2] == [1.0, 1.0] and clocks[2] > clocks[3] > clocks[4] > 0
+    c = clocks[3]
+    assert abs(300.0 * c**3 - 100.0 * (0.9 + 0.1 * c)) < 1e-9
 
 
 def test_the_h200s_streaming_and_attention_rates_are_its_probes() -> None:
@@ -132,7 +189,7 @@ def _settled(item: dict, key: str) -> list[float]:
 def test_the_h200_lowered_its_clock_only_at_its_power_limit() -> None:
     """docs/validation.md, "A third H200 session": the block at 1 and 2 samples draws far under 700 W and keeps
     its boost clock; at 4 and 8 it reaches the limit and runs slower; the 20-second run held more than the
-    40-second one the model's ``sustained`` comes from."""
+    40-second one (probes-3.json)."""
     import pandas as pd
 
     sustained = json.loads((H200_PROBES / "probes-4.json").read_text())["sustained"]

@@ -22,8 +22,10 @@ class DeviceSpec:
     bandwidth a streaming kernel reaches; ``flash`` FlashAttention's measured forward+backward rates;
     ``misaligned_gemm``, per pass (F, I, W), the fraction of the aligned rate a bf16/fp16 matmul reaches whose rows do
     not start on 16 bytes (an odd vocabulary), where measured (empty: not measured, priced as aligned);
-    ``sustained``, the fraction of those short benchmarks' compute rates the GPU holds under a training step's
-    continuous load, at its power limit (1: the benchmark was already a long one)."""
+    ``power_headroom``, the FLOP rate at which the GPU at its boost clock draws its power limit, from which a
+    step's compute rates under continuous load follow (``gpu_rates.power_limited_clock``; None: not known);
+    without it, ``sustained``, a fixed fraction of the short benchmarks' compute rates held under load (1: the
+    benchmark was already a long one)."""
 
     name: str
     peak_flops: dict[str, float]
@@ -36,6 +38,7 @@ class DeviceSpec:
     flash: FlashRates
     misaligned_gemm: tuple[tuple[str, float], ...] = ()
     sustained: float = 1.0
+    power_headroom: float | None = None
 
     @property
     def gemm_efficiency(self) -> float:
@@ -80,13 +83,17 @@ H200_STREAMING = 0.885  # a 1 GiB copy at 4.25 of 4.8 TB/s, reads and writes cou
 # at 2,048 and 8,192 tokens and widths 2,048 and 12,288; a 8192 x 8192 x 4096 GEMM with its output or input width
 # one short). Same SM architecture and cuBLAS kernels on H100. Not measured on A100 or V100.
 MISALIGNED_HOPPER = (("F", 0.127), ("I", 0.178), ("W", 0.186))
-# Under continuous load (probes-3.json, "sustained"): a gpt-1.3b block's forward and backward back to back at 8 x
-# 1,024 tokens held 0.921 of its short measurement (5.09 against 4.689 ms), the H200 at its 700 W limit. Its
-# memory-bound kernels run on the HBM clock; the model puts 0.905 of that block's time in compute-bound kernels, so
-# the compute rates held 0.905 / (1 / 0.921 - 0.095) = 0.913 (tests/test_probes.py recomputes it). The H100 is the
-# same die at the same 700 W. Not measured on an A100 (400 W): it takes the H200's, inside what public numbers bound
-# (docs/costs.md, "Under continuous load").
-SUSTAINED_H200 = 0.913
+# The FLOP rate at which the GPU, at its boost clock, draws its power limit (gpu_rates.power_limited_clock).
+# H200 (probes-4.json, "sustained"): a gpt-1.3b block back to back at its boost clock drew 347 W at 176.6 TFLOP/s
+# (1 x 1,024 tokens) and 541 W at 338.1 (2 x 1,024): 135.4 W plus 1.198 W per TFLOP/s; under load the limiter held
+# 690.5 W (the median of the three runs at the limit), reached at (690.5 - 135.4) / 1.198 = 463.2 TFLOP/s. That
+# predicts the 8192^3 GEMM's 666 TFLOP/s under load (measured 655-670) and the block's clock at 4 and 8 samples
+# (tests/test_probes.py). H100: the H200's (the same die at the same 700 W).
+H200_POWER_HEADROOM = 463.2e12
+# A100 (400 W): no power reading published. mli/transformers-benchmarks' square fp16 matmuls held 230 TFLOP/s over
+# 3 s back to back against 271.2 at their best: a pure matmul's rate falls with the clock, as the clock cubed
+# falls with the power, so the headroom is 271.2 x (230 / 271.2)^3.
+A100_POWER_HEADROOM = 230e12**3 / 271.2e12**2
 
 DEVICES: dict[str, DeviceSpec] = {
     # GEMM: 95 of 125 TFLOP/s fp16, the best of square matmuls up to n = 8192 (mli/transformers-benchmarks, README
@@ -100,16 +107,16 @@ DEVICES: dict[str, DeviceSpec] = {
     # (mli/transformers-benchmarks VectorMul).
     "a100": DeviceSpec("A100-SXM4-80GB", {"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, 2039e9, 80 * GiB,
                        sms=108, gemm_measured=271.2 / 312, gemm_shape=(1024, 10240, 5120), memory_efficiency=0.79,
-                       flash=FLASH_A100, sustained=SUSTAINED_H200),
+                       flash=FLASH_A100, power_headroom=A100_POWER_HEADROOM),
     # GEMM: 794.5 of 989 TFLOP/s bf16 at 2048 x 2048 x 13312 (the same table, "H200 is the same"); HBM: 3.98 TB/s of
     # 4.8 on H200 (NVIDIA/cccl PR #2086, babelstream mul over 2^28 bytes); no H100 measurement found: the H200's.
     # (The H200's own entry now takes its probes' measurements; H100 keeps these sources, not measured here.)
     "h100": DeviceSpec("H100-SXM5-80GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 3350e9, 80 * GiB,
                        sms=132, gemm_measured=794.5 / 989, gemm_shape=(2048, 2048, 13312), memory_efficiency=0.83,
-                       flash=FLASH_H100, misaligned_gemm=MISALIGNED_HOPPER, sustained=SUSTAINED_H200),
+                       flash=FLASH_H100, misaligned_gemm=MISALIGNED_HOPPER, power_headroom=H200_POWER_HEADROOM),
     # GEMM: as H100 (the H200's own sweep agrees: costs.md, "Against an H200"); HBM and attention: its probes.
     "h200": DeviceSpec("H200-SXM-141GB", {"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, 4800e9, 141 * 10**9,
                        sms=132, gemm_measured=794.5 / 989, gemm_shape=(2048, 2048, 13312),
                        memory_efficiency=H200_STREAMING, flash=FLASH_H200, misaligned_gemm=MISALIGNED_HOPPER,
-                       sustained=SUSTAINED_H200),
+                       power_headroom=H200_POWER_HEADROOM),
 }
