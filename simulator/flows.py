@@ -192,6 +192,7 @@ class FlowFabric:
         self._busy_since = [0] * len(self.names)
         self._users = np.zeros(len(self.names), dtype=np.int64)  # flows in flight per edge
         self._dirty: set[Flow] = set()
+        self._dirty_edges: set[int] = set()  # edges a drained flow left: their flows are re-planned
         self._solve_due = False
         self._seq = count()
         self._drains: list[list] = []  # a heap of one solve's planned drains each: see ``_plan_drains``
@@ -257,18 +258,19 @@ class FlowFabric:
         self._users[distinct, ] += 1
         self._replan(clock, now, {flow})
 
-    def _replan(self, clock: Clock, now: int, flows: Iterable[Flow]) -> None:
-        """Mark the flows (and so their components) for a new rate; one solve per instant, whatever starts or ends
-        at it."""
+    def _replan(self, clock: Clock, now: int, flows: Iterable[Flow] = (), edges: Iterable[int] = ()) -> None:
+        """Mark the flows, and those on the edges (and so their components), for a new rate; one solve per instant,
+        whatever starts or ends at it."""
         self._dirty.update(flows)
+        self._dirty_edges.update(edges)
         if not self._solve_due:
             self._solve_due = True
             clock.call_at(now, lambda: self._solve(clock, now))
 
     def _solve(self, clock: Clock, now: int) -> None:
         self._solve_due = False
-        flows = self._component(self._dirty)
-        self._dirty = set()
+        flows = self._component(self._dirty, self._dirty_edges)
+        self._dirty, self._dirty_edges = set(), set()
         rates = max_min_rates([f.edges if f.wide is None else f.wide for f in flows], self._capacity)
         planned = []
         for flow, rate in zip(flows, rates):
@@ -345,11 +347,14 @@ class FlowFabric:
                 self._drained(clock, flow, now)
         self._wake(clock)
 
-    def _component(self, seeds: set[Flow]) -> list[Flow]:
-        """The ``seeds`` still in flight and every flow that shares an edge with them, transitively, in start
-        order."""
+    def _component(self, seeds: set[Flow], edges: set[int]) -> list[Flow]:
+        """The ``seeds`` still in flight, the flows on ``edges``, and every flow that shares an edge with them,
+        transitively, in start order. An edge is walked once: seeding with a drained flow's edges, not with their
+        flows, saves walking each of those edges again from every flow on it."""
         flows = {flow for flow in seeds if flow in self.on_edge[flow.edges[0]]}  # one may have drained since
-        seen: set[int] = set()
+        seen: set[int] = set(edges)
+        for e in edges:
+            flows |= self.on_edge[e]
         stack = list(flows)
         while stack and len(flows) < self._flying:  # once every flow in flight is in, there is nothing to find
             flow = stack.pop()
@@ -380,8 +385,8 @@ class FlowFabric:
                 self.stats.busy_ns[e] += now - self._busy_since[e]
                 self.stats.busy_spans[e].append((self._busy_since[e], now))
         self._users[flow.distinct, ] -= 1
-        # the flows left on its edges are what its leaving re-plans (an empty set still takes its turn)
-        self._replan(clock, now, set().union(*(self.on_edge[e] for e in self._shared(flow, others=0))))
+        # the flows left on its edges are what its leaving re-plans (no edge left in use still takes its turn)
+        self._replan(clock, now, edges=self._shared(flow, others=0))
         flow.arrived(now + flow.latency_ns)
 
 
