@@ -162,3 +162,31 @@ def test_vocabulary_shards_are_padded_as_the_runtime_pads() -> None:
         shards = VocabShards(VocabMethod.VOCAB_1, 4, model, 1, "bf16", runtime)
         gemms = [k.gemm for kernels in shards.pass_kernels().values() for k in kernels if k.gemm is not None]
         assert gemms and all(g.aligned is aligned for g in gemms)
+
+
+def _stage_clocks(*sets: str) -> tuple[dict[int, float], dict[int, list[dict]]]:
+    """Per stage of the demo: its group's ``sustained`` clock and its kernels."""
+    groups = pipescope.run(pipescope.load_config("demo", list(sets))).kernels
+    return ({s: g["sustained"] for g in groups for s in g["stages"]},
+            {s: g["kernels"] for g in groups for s in g["stages"]})
+
+
+def test_each_stage_runs_at_the_clock_its_own_mix_holds_at_the_power_limit() -> None:
+    """docs/costs.md, "Under continuous load": the demo's middle stages (large matmuls) sit above the H100's power
+    headroom and slow down; its last stage adds the memory-bound cross-entropy, draws less and keeps more of its
+    clock; a compute kernel's efficiency is its boost efficiency times its stage's clock; ``costs.sustained`` fixes
+    one fraction for all; a V100 (no headroom) keeps its 1."""
+    clocks, kernels = _stage_clocks()
+    assert clocks[1] == clocks[2] and 0.85 < clocks[1] < clocks[3] < 1.0
+    boost_clocks, boost = _stage_clocks("costs.sustained=1")
+    assert set(boost_clocks.values()) == {1.0}
+
+    def qkv(rows: list[dict]) -> dict:
+        return next(k for k in rows if k["kernel"] == "QKV" and k["pass"] == "F")
+
+    assert qkv(kernels[1])["efficiency"] == pytest.approx(qkv(boost[1])["efficiency"] * clocks[1], rel=1e-12)
+    memory_bound = [k for k in kernels[1] if k["bound"] == "memory"]
+    assert memory_bound and all(k["time_s"] == b["time_s"] for k, b in zip(memory_bound, (
+        b for b in boost[1] if b["bound"] == "memory")))  # the HBM keeps its clock
+    assert set(_stage_clocks("costs.sustained=0.9")[0].values()) == {0.9}
+    assert set(_stage_clocks("cluster.topology=p3.16xlarge", "model.precision=fp16")[0].values()) == {1.0}
