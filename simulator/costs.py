@@ -331,10 +331,11 @@ class AnalyticCosts(PerStageCache):
             flops = compute = memory = 0.0
             for _, count, kernels, rates in self._parts(stage, num_stages, boost):
                 for kernel in (k for k in kernels if k.op != "optimizer" and rates is boost):
-                    seconds = count * rates.seconds(kernel)
-                    flops += count * rates.work(kernel)
-                    compute, memory = (compute + seconds, memory) if rates.bound(kernel) == "compute" \
-                        else (compute, memory + seconds)
+                    compute_s, memory_s = boost.times(kernel)
+                    if kernel.flops and compute_s >= memory_s:  # ``Roofline.bound``
+                        flops, compute = flops + count * boost.work(kernel), compute + count * compute_s
+                    else:
+                        flops, memory = flops + count * boost.work(kernel), memory + count * memory_s
             self._cache[key] = replace(boost, sustained=power_limited_clock(flops, compute, memory,
                                                                             self.power_headroom))
         return self._cache[key]
@@ -434,7 +435,17 @@ class AnalyticCosts(PerStageCache):
     def _parts(self, stage: int, num_stages: int, gpu: Roofline) -> list[tuple[str, int, list[Kernel], Roofline]]:
         """(component, instances, kernels of one instance, the rates that time them) of the stage: its blocks, the
         output layer on the last stage, and one optimizer step over its parameters (without a memory bandwidth:
-        none), on the host when offloaded; ``gpu`` times what runs on the GPU."""
+        none), on the host when offloaded; ``gpu`` times what runs on the GPU (the kernels are built once per
+        stage: the clock's solve and the stage's times both read them)."""
+        key = ("parts", stage, num_stages)
+        if key not in self._cache:
+            self._cache[key] = self._kernel_parts(stage, num_stages)
+        return [(component, count, kernels, gpu if rates is None else rates)
+                for component, count, kernels, rates in self._cache[key]]
+
+    def _kernel_parts(self, stage: int, num_stages: int) -> list[tuple[str, int, list[Kernel], Roofline | None]]:
+        """``_parts`` with None for the GPU's rates."""
+        gpu = None
         n, t, sp = self._layers_of(stage, num_stages, self.model.layers), self.split.tensor, self.split.sequence
         cp, b = self.split.context, self.microbatch_size
         parts = [("layer", n, layer_kernels(self.model, b, self.precision, self.attention, t, sp, cp), gpu)]
