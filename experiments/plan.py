@@ -359,10 +359,11 @@ def _what_would_fit(pool: Executor, request: PlanRequest, workers: int, progress
         wider = dataclasses.replace(request, base=base, top=1, zero=_and_zero_3(request.zero), **LEAST_MEMORY)
         try:
             gpus, _ = planned_cluster(base)
-            every = candidates(wider, gpus)
-            points = _deepest([c for c in every if c.zero != 3]) + _widest([c for c in every if c.zero == 3])
         except ConfigError:  # a topology of fixed size, say: no more nodes to try
             return None
+        # ZeRO-3 where the schedules run it (2BW and PipeDream do not), else the search as asked
+        every = _points_or_none(wider, gpus) or _points_or_none(dataclasses.replace(wider, zero=request.zero), gpus)
+        points = _deepest([c for c in every if c.zero != 3]) + _widest([c for c in every if c.zero == 3])
         screened = _screen_all(pool, wider, points, workers, False)
         fitting = _least_memory([s for s in screened if s.candidate.zero != 3]) + \
             _least_memory([s for s in screened if s.candidate.zero == 3])  # each family its trials: the fastest wins
@@ -384,10 +385,21 @@ def _fits_sharded(pool: Executor, request: PlanRequest, workers: int) -> dict[st
         return None
     sharded = dataclasses.replace(request, top=1, zero=(3,), **LEAST_MEMORY)
     gpus, _ = planned_cluster(sharded.base)
-    points = [c for c in candidates(sharded, gpus) if c.zero == 3]
+    points = [c for c in _points_or_none(sharded, gpus) if c.zero == 3]
+    if not points:  # no schedule or width of the search runs ZeRO-3
+        return None
     screened = _screen_all(pool, sharded, points, workers, False)
     ranked, _, _ = _simulate_in_bound_order(pool, sharded, _least_memory(screened), workers, False)
     return {**ranked[0], "gpus": gpus} if ranked else None
+
+
+def _points_or_none(request: PlanRequest, gpus: int) -> list[Candidate]:
+    """The search's candidates, or none where it has none (``candidates`` says why with a ConfigError, which a
+    search the user did not ask for must not report)."""
+    try:
+        return candidates(request, gpus)
+    except ConfigError:
+        return []
 
 
 def _refused_for(rejected: list[dict]) -> str:

@@ -160,6 +160,9 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
         return out  # only data parallelism was asked for, where the vocabulary method changes nothing
     contexts = _contexts(request)
     per_device = [t * cp for t in request.tensor for cp in contexts if gpus % (t * cp) == 0]
+    if not per_device and not any(gpus % cp == 0 for cp in contexts):  # the searched degrees, or the config's
+        key, got = ("context", list(contexts)) if request.context is not None else ("parallel.context", contexts[0])
+        raise ConfigError(f"{key}: got {got}, expected a degree that divides the {gpus} GPUs")
     if not per_device:
         raise ConfigError(f"tensor: got {list(request.tensor)}, expected a width that divides the {gpus} GPUs"
                           + (f" with context {','.join(map(str, contexts))}" if max(contexts) > 1 else ""))

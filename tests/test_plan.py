@@ -263,6 +263,18 @@ def test_nothing_fits_is_a_finding(cli) -> None:
     assert examples and all(" sp=off " in line or " sp=on " in line for line in examples)  # never left to absence
 
 
+@pytest.mark.parametrize("flags", [
+    # the search for what would fit tries ZeRO-3, which 2BW does not run: that search's refusal is not the user's
+    ["--model", "gpt-1.3b", "--schedules", "2bw", "--memory-cap", "1GiB"],
+    # ZeRO-3 needs replicas, and tensor 8 on 8 GPUs leaves one: not a --vocab error
+    ["--model", "gpt-3.8b", "--schedules", "1f1b", "--tensor", "8", "--vocab", "naive", "--memory-cap", "2GiB"],
+])
+def test_nothing_fits_names_no_flag_the_user_did_not_pass(cli, flags: list[str]) -> None:
+    code, out, err = cli(["plan", "--global-batch", "16", "--tensor", "1", "--microbatch-sizes", "1", "--recompute",
+                          "full", "--workers", "1", "--no-progress", *flags])
+    assert code == 1 and "nothing fits" in out and "error" not in err, err
+
+
 def test_bad_request_is_a_config_error_naming_the_field() -> None:
     """From Python the field, not the flag (the command maps one to the other: test_bad_flags_are_one_line_errors)."""
     with pytest.raises(ConfigError, match="^top: got 0, expected a positive integer$"):
@@ -321,6 +333,8 @@ def test_every_key_the_planner_sets_is_refused_with_set() -> None:
     (["--schedules", "1f1b", "--offload", "parameters"], "--offload: got ['parameters'], expected a setting these"),
     # two flags naming the model: neither is dropped silently
     (["--model", "gpt-355m", "--set", "model.from_hf=x.json"], "--model: got 'gpt-355m' beside --set model.from_hf"),
+    # a context degree that does not divide the GPUs is the context's fault, not the tensor width's
+    (["--context", "3", "--model", "llama3-8b"], "--context: got [3], expected a degree that divides the 8 GPUs"),
     # every candidate refused by the config, none for memory: that reason, not where more memory would help
     (["--schedules", "1f1b", "--context", "2", "--set", "model.attention=eager", "--vocab", "naive"],
      "parallel.context: got 2 with model.attention eager, expected flash"),
