@@ -179,6 +179,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
     host = costs.offload if isinstance(costs, AnalyticCosts) else None  # offloaded weights come up its PCIe share
     sharding = dataclasses.replace(p.sharding(config.cluster.data_parallel),
                                    unit_params=fsdp_unit_params(model, p.tensor),
+                                   edge_unit_params=fsdp_unit_params(model, p.tensor, edge=True),
                                    host_rate=host.pcie_rate if host is not None else 0.0)
     sync = config.cluster.grad_sync(sharding)
     try:
@@ -209,12 +210,13 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
     return result
 
 
-def fsdp_unit_params(model: ModelSpec | None, tensor: int) -> int:
-    """One GPU's parameters of the largest unit ZeRO-2/3 gathers and reduces at a time: a transformer block, or the
-    embedding or output layer (each its own unit, as torchtitan wraps them); 0 without a model (a stage's op)."""
+def fsdp_unit_params(model: ModelSpec | None, tensor: int, edge: bool = False) -> int:
+    """One GPU's parameters of a unit ZeRO-2/3 gathers and reduces at a time: a transformer block, or with ``edge``
+    the embedding or output layer (each its own unit, as torchtitan wraps them; only the first and last stages hold
+    them); 0 without a model (a stage's op)."""
     if model is None:
         return 0
-    return -(-max(model.layer_params(), model.vocab * model.hidden) // tensor)
+    return -(-(model.vocab * model.hidden if edge else model.layer_params()) // tensor)
 
 
 def _check_host_cores(config: Config) -> None:

@@ -189,12 +189,14 @@ def sharded_events(records: Timeline, stage_costs: list[StageCost], precision: s
     if sharding.zero >= 3 and not sharding.reshard_after_forward:  # torch's FSDP actions ran
         return _fsdp_events(records, schedule, [sharding.gathered(p * per_grad, "gradients") for p in params],
                             [sharding.gathered(p * per_weight, "weights") for p in params])
-    grads = np.array([sharding.in_flight(p * per_grad, "gradients", per_grad) for p in params], dtype=np.int64)
+    edge = [s in (0, len(params) - 1) for s in range(len(params))]  # the embedding's and output layer's stages
+    grads = np.array([sharding.in_flight(p * per_grad, "gradients", per_grad, e) for p, e in zip(params, edge)],
+                     dtype=np.int64)
     producing = np.flatnonzero(records.is_kind(K.B, K.W))
     stage = records.stage[producing]
     parts = [_held(records.device[producing], records.start[producing], records.end[producing], grads[stage])]
     if sharding.zero >= 3:
-        weights = np.array([sharding.in_flight(p * per_weight, "weights", per_weight) for p in params],
+        weights = np.array([sharding.in_flight(p * per_weight, "weights", per_weight, e) for p, e in zip(params, edge)],
                            dtype=np.int64)
         reading = np.flatnonzero(records.is_kind(K.F, K.I, K.B))
         stage = records.stage[reading]

@@ -97,7 +97,8 @@ class Sharding:
     zero: int = 0
     shards: int = 1
     reshard_after_forward: bool = True
-    unit_params: int = 0  # one GPU's parameters of the largest unit stages 2 and 3 work in (0: a stage's op)
+    unit_params: int = 0  # one GPU's parameters of a block, the unit stages 2 and 3 work in (0: a stage's op)
+    edge_unit_params: int = 0  # of the larger of the embedding and the output layer: the first and last stage's
     prefetch: int = 1  # stage 3: units gathered ahead of the one in use
     offload: bool = False  # the optimizer state lives on the host (ZeRO-Offload: simulator/offload.py)
     offload_params: bool = False  # ZeRO-3's weight shards live on the host too (ZeRO-Infinity)
@@ -115,13 +116,15 @@ class Sharding:
         docs/validation.md, "ZeRO in the pipeline")."""
         return nbytes if self.zero >= SHARDED_FROM[state] and self.shards > 1 else 0
 
-    def in_flight(self, nbytes: int, state: str, per_param: int) -> int:
+    def in_flight(self, nbytes: int, state: str, per_param: int, edge: bool = False) -> int:
         """What an op holds whole of ``nbytes`` of ``state`` (``per_param`` bytes a parameter) beside its shard: the
         units in flight (``prefetch + 1`` of weights, 2 of gradients), or all of it (``gathered``) when the stage is
-        smaller or there are no units."""
+        smaller or there are no units. Its largest unit is a block, or on an ``edge`` stage (the first or the last)
+        the embedding or output layer where larger."""
         whole = self.gathered(nbytes, state)
         units = self.prefetch + 1 if state == "weights" else 2
-        return min(whole, units * self.unit_params * per_param) if self.unit_params else whole
+        unit = max(self.unit_params, self.edge_unit_params) if edge else self.unit_params
+        return min(whole, units * unit * per_param) if self.unit_params else whole
 
 
 NO_SHARDING = Sharding()

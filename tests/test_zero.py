@@ -264,6 +264,20 @@ def test_an_op_holds_two_units_whole_or_its_whole_stage_when_smaller() -> None:
     assert Sharding(2, 4, unit_params=10).in_flight(2 * 1000, "weights", 2) == 0  # stage 2 keeps weights whole
     deeper = Sharding(3, 4, unit_params=10, prefetch=3)  # three units gathered ahead of the one in use
     assert deeper.in_flight(2 * 1000, "weights", 2) == 4 * 10 * 2 and deeper.in_flight(4000, "gradients", 4) == 80
+    edges = Sharding(3, 4, unit_params=10, edge_unit_params=30)  # the embedding is a unit of the first stage only
+    assert edges.in_flight(2 * 1000, "weights", 2) == 40 and edges.in_flight(2 * 1000, "weights", 2, edge=True) == 120
+
+
+def test_a_stage_of_blocks_holds_block_units_so_its_peak_falls_with_each_zero_stage() -> None:
+    """Llama 3 8B in 4 stages over 2 replicas: the middle stages hold blocks only, whose units (218M parameters)
+    are smaller than the embedding's (525M); charged the embedding's, ZeRO-2 and 3 made them peak above ZeRO-1."""
+    peaks = {}
+    for zero in (1, 2, 3):
+        result = run(load_config(None, [
+            "model.preset=llama3-8b", "schedule.recompute=full", "cluster.data_parallel=2", f"parallel.zero={zero}"]))
+        peaks[zero] = [d.peak_memory_bytes for d in result.devices]
+    for device in range(4):
+        assert peaks[1][device] > peaks[2][device] > peaks[3][device], (device, peaks)
 
 
 # HSDP: shard within a group of replicas, replicate across the groups ----------------------------------------------
