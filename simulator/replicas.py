@@ -36,6 +36,11 @@ from pipescope.simulator.program import KIND_CODE, Columns, Program
 K = ActionKind
 DDP_BUCKET_BYTES = 25 << 20  # torch DDP's bucket_cap_mb default
 MAX_BUCKETS = 4096  # per stage and iteration: DDP's 25 MiB cuts a 100 GB stage into 4,000; more is a typo
+# Per run, every collective of the data-parallel synchronisation (buckets x steps, x microbatches under ZeRO-2/3,
+# x shard groups under HSDP): each is a flow that re-plans the fair share of the flows beside it. On a 2-core
+# machine 28,824 took 49 s (ZeRO-2, 1.5 MiB buckets), 57,800 took 47 s (HSDP, 64 groups), and 144,120 ran past
+# 170 s (docs/cli.md, "Limits").
+MAX_SYNCS = 100_000
 
 
 class SyncError(ValueError):
@@ -108,7 +113,15 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
             syncs += _weight_gathers(base, schedule, mesh, weights, sync)
         if sync.zero >= 3 and width > 1:
             syncs += _param_gathers(base, mesh, weights, sync.sharding.prefetch, _fetch_ns(weights, sync.sharding))
-    return _replicate(base, mesh, _hybrid(syncs, mesh, base) if mesh.hybrid else syncs)
+    syncs = _hybrid(syncs, mesh, base) if mesh.hybrid else syncs
+    if len(syncs) > MAX_SYNCS:
+        groups = f" and {len(mesh.shard_replicas())} shard groups" if mesh.hybrid else ""
+        raise SyncError(f"cluster.bucket_size: got {sync.bucket_bytes:,} bytes, which makes {len(syncs):,} "
+                        f"data-parallel collectives over the run's {schedule.num_stages} stages, "
+                        f"{schedule.num_microbatches * schedule.iterations} microbatches{groups}; expected at most "
+                        f"{MAX_SYNCS:,} (ZeRO-2 and 3 reduce-scatter every bucket after every microbatch): larger "
+                        f"buckets, fewer microbatches or stages, or larger shard groups")
+    return _replicate(base, mesh, syncs)
 
 
 def _hybrid(syncs: list[_Sync], mesh: DeviceMesh, base: Program) -> list[_Sync]:

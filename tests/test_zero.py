@@ -496,3 +496,16 @@ def test_the_executor_refuses_a_zero_it_cannot_run_in_one_line(options: dict, ex
     with pytest.raises(ValueError, match=r"^RunSpec.zero: got \d, expected ") as caught:
         spec.check()
     assert expected in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_run_of_too_many_data_parallel_collectives_is_refused_before_it_runs() -> None:
+    """ZeRO-2 reduce-scatters every bucket after every microbatch: 1.5 MiB buckets of GPT 1.3B over 40 microbatches
+    are 144,120 collectives, which ran for minutes; refused at once, naming the bucket size (docs/cli.md, "Limits")."""
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"^cluster\.bucket_size: got 1,572,864 bytes, which makes 144,120 "
+                                          r"data-parallel collectives .* expected at most 100,000"):
+        run(load_config(None, ["schedule.stages=1", "schedule.microbatches=40", "cluster.data_parallel=2",
+                               "parallel.zero=2", "cluster.bucket_size=1.5MiB"]))
+    assert time.perf_counter() - started < 30  # not the minutes the run took
