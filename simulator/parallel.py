@@ -141,9 +141,12 @@ def check_parallel(parallel: ParallelConfig, model: ModelSpec | None, gpus_per_n
                          f"GPU holds whole key/value groups")
     if model.ffn % t:
         raise ValueError(f"parallel.tensor: got {t}, expected a divisor of the MLP width (={model.ffn})")
-    if parallel.sequence and model.seq % t:
-        raise ValueError(f"parallel.tensor: got {t} with parallel.sequence, expected a divisor of model.seq "
-                         f"(={model.seq}), which sequence parallelism splits")
+    local = model.seq // parallel.context  # a context rank's tokens, which sequence parallelism splits further
+    if parallel.sequence and (model.seq % parallel.context or local % t):
+        where = f"model.seq (={model.seq})" if parallel.context == 1 else \
+            f"a context rank's tokens, model.seq / parallel.context (={model.seq} / {parallel.context})"
+        raise ValueError(f"parallel.tensor: got {t} with parallel.sequence, expected a divisor of {where}, which "
+                         f"sequence parallelism splits")
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,10 @@ def test_a_long_sequence_splits_its_time_and_activations_over_the_group() -> Non
     (["parallel.context=4", "parallel.tensor=4", "cluster.nodes=4", "cluster.placement=4,16"],
      "cluster.placement: GPU 4 starts a device of 16 GPUs inside a node"),
     (["parallel.context=2", "model.seq=32766"], "expected 2 x context to divide model.seq"),
+    # sequence parallelism splits a context rank's tokens, not the whole sequence
+    (["parallel.context=2", "parallel.tensor=4", "parallel.sequence=true", "model.seq=8196", "cluster.nodes=2"],
+     r"parallel.tensor: got 4 with parallel.sequence, expected a divisor of a context rank's tokens, model.seq / "
+     r"parallel.context \(=8196 / 2\)"),
     (["parallel.context=2", "model.attention=eager"], "with model.attention eager, expected flash"),
     (["parallel.context=2", "parallel.tensor=1", "costs.kind=uniform"],
      "parallel.context: got 2 under costs.kind uniform, expected 1"),
