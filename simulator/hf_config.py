@@ -86,10 +86,21 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return tree
 
 
+# GPT-2's activations that Hugging Face runs as GeLU (transformers' ACT2FN): the gelu the GPT family is modelled with
+GPT2_ACTIVATIONS = ("gelu_new", "gelu", "gelu_fast", "gelu_pytorch_tanh")
+
+
 def _check_architecture(tree: dict, family: str, where: str) -> None:
-    """What the family's cost model assumes, where the file says otherwise: a Llama's SiLU-gated MLP, untied output
-    layer, heads of hidden / heads each and no biases."""
+    """What the family's cost model assumes, where the file says otherwise: GPT-2's GeLU MLP and output layer tied
+    to the embedding; a Llama's SiLU-gated MLP, untied output layer, heads of hidden / heads each and no biases."""
     if family != "llama":
+        act = tree.get("activation_function", "gelu_new")
+        if act not in GPT2_ACTIVATIONS:
+            raise ValueError(f"{where}: activation_function {short_repr(act)}, expected one of "
+                             f"{', '.join(GPT2_ACTIVATIONS)} (the GeLU MLP the gpt family is modelled with)")
+        if tree.get("tie_word_embeddings", True) is not True:
+            raise ValueError(f"{where}: tie_word_embeddings {short_repr(tree.get('tie_word_embeddings'))}, expected "
+                             f"true (the gpt family's output layer is its embedding)")
         return
     heads, hidden = tree["num_attention_heads"], tree["hidden_size"]
     head_dim = tree.get("head_dim")

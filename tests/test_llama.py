@@ -91,6 +91,10 @@ def test_from_hf_predicts_exactly_what_the_preset_predicts(tmp_path) -> None:
     assert load_config(str(tmp_path / "run.yaml")).model.from_hf == str(path)
 
 
+GPT2_HF = {"model_type": "gpt2", "n_layer": 2, "n_embd": 256, "n_head": 4, "n_positions": 1024, "vocab_size": 50257,
+           "activation_function": "gelu_new", "tie_word_embeddings": True}
+
+
 @pytest.mark.parametrize("text, message", [
     ("{", "not JSON"),
     ("[1, 2]", "got a JSON list, expected an object"),
@@ -106,6 +110,8 @@ def test_from_hf_predicts_exactly_what_the_preset_predicts(tmp_path) -> None:
     (json.dumps({k: v for k, v in LLAMA3_8B_HF.items() if k != "num_attention_heads"}),
      "num_attention_heads is missing, expected a positive integer"),
     ('{"model_type": "gpt2", "n_layer": 2, "n_layer": 3}', "the key 'n_layer' twice"),
+    (json.dumps({**GPT2_HF, "tie_word_embeddings": False}), "tie_word_embeddings False, expected true"),
+    (json.dumps({**GPT2_HF, "activation_function": "relu"}), "activation_function 'relu', expected one of gelu_new"),
     ("[" * 100_000 + "]" * 100_000, "not JSON"),
     (" " * (2 << 20), "larger than 1,048,576 bytes"),
 ])
