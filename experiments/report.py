@@ -33,12 +33,22 @@ def _cluster(result: SimResult) -> str:
 def _options(config: Config) -> str:
     """`` recompute`` or `` selective recompute``, then `` t=2`` (or `` t=2 sequence-parallel``) under tensor
     parallelism, `` cp=2`` under context parallelism and `` w=4`` with data-parallel replicas (`` w=4 ZeRO-3``
-    sharded over them)."""
+    sharded over them, with HSDP's groups, resharding and prefetch), and `` offload optimizer``."""
     text = {"full": " recompute", "selective": " selective recompute"}.get(config.schedule.recompute, "")
     p, w = config.parallel, config.cluster.data_parallel
     text += f" t={p.tensor}{' sequence-parallel' if p.sequence else ''}" if p.tensor > 1 else ""
     text += f" cp={p.context}" + (" all-gather" if p.context_comm == "all_gather" else "") if p.context > 1 else ""
-    return text + (f" w={w}" if w > 1 else "") + (f" ZeRO-{p.zero_stage}" if p.zero_stage and w > 1 else "")
+    return text + (f" w={w}" if w > 1 else "") + (_sharding(p) if p.zero_stage and w > 1 else "") + \
+        (f" offload {p.offload}" if p.offload != "none" else "")
+
+
+def _sharding(p) -> str:
+    """`` ZeRO-3``, with HSDP's shard group, no resharding after the forward and a deeper prefetch where set."""
+    text = f" ZeRO-{p.zero_stage}" + (f" HSDP groups of {p.shard_group}" if p.shard_group else "")
+    if p.zero_stage >= 3:
+        text += "" if p.reshard_after_forward else " no-reshard"
+        text += f" prefetch {p.zero_prefetch}" if p.zero_prefetch > 1 and p.reshard_after_forward else ""
+    return text
 
 
 def _totals(result: SimResult) -> list[str]:

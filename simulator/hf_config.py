@@ -51,13 +51,13 @@ def read_hf_config(path: str) -> dict[str, int | str]:
 def _read(path: str, version: tuple[int, int] | None) -> tuple[tuple[str, int | str], ...]:
     where = f"{KEY}: {short_repr(path)}"
     text = read_small_text(path, MAX_BYTES, where, "a Hugging Face config.json", "JSON")
-    try:
-        tree = json.loads(text, object_pairs_hook=_unique_keys)
+    try:  # a byte-order mark, which some Windows editors write, is not part of the JSON
+        tree = json.loads(text.removeprefix("\ufeff"), object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as err:
         raise ValueError(f"{where}: not JSON ({str(err).splitlines()[0][:120]}), expected a Hugging Face "
                          f"config.json") from None
     if not isinstance(tree, dict):
-        raise ValueError(f"{where}: got a JSON {type(tree).__name__}, expected an object (a config.json)")
+        raise ValueError(f"{where}: got a JSON {_json_type(tree)}, expected an object (a config.json)")
     model_type = tree.get("model_type")
     if model_type not in FIELDS:
         raise ValueError(f"{where}: model_type {short_repr(model_type)}, expected one of {', '.join(FIELDS)}")
@@ -74,6 +74,13 @@ def _read(path: str, version: tuple[int, int] | None) -> tuple[tuple[str, int | 
         shape[key] = value
     _check_architecture(tree, family, where)
     return tuple(shape.items())
+
+
+def _json_type(value: object) -> str:
+    """The JSON name of a parsed value's type (null, boolean, number, string, array), as a user wrote it."""
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array"}.get(type(value), "value")
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:

@@ -108,16 +108,21 @@ class ModelSpec:
     def embedding_params(self) -> int:
         return self.vocab * self.hidden + self.embedding_whole_params()
 
+    def final_norm_params(self) -> int:
+        """The norm before the output layer: GPT's layer norm (weight and bias), Llama's RMSNorm (weight)."""
+        return self.hidden if self.family == "llama" else 2 * self.hidden
+
     def output_params(self) -> int:
         """The output projection (tied in GPT-2, counted here since pipelines hold a copy; Llama's is its own),
-        plus Llama's final RMSNorm weight."""
-        return self.vocab * self.hidden + (self.hidden if self.family == "llama" else 0)
+        plus the final norm."""
+        return self.vocab * self.hidden + self.final_norm_params()
 
     def total_params(self) -> int:
-        """The model's parameters, each once: GPT's output layer is its embedding (tied; its final layer norm is
-        left out, as GPT-2's count does), Llama's its own."""
+        """The model's parameters, each once, as Hugging Face counts them: GPT's output layer is its embedding
+        (tied), so only its final layer norm adds; Llama's output layer is its own."""
         tied = self.family == "gpt"
-        return self.layers * self.layer_params() + self.embedding_params() + (0 if tied else self.output_params())
+        return self.layers * self.layer_params() + self.embedding_params() + \
+            (self.final_norm_params() if tied else self.output_params())
 
 
 # Shapes chosen so the parameter counts match the names (GPT-2 style, vocab 50257, seq 1024).

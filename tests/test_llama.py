@@ -97,7 +97,8 @@ GPT2_HF = {"model_type": "gpt2", "n_layer": 2, "n_embd": 256, "n_head": 4, "n_po
 
 @pytest.mark.parametrize("text, message", [
     ("{", "not JSON"),
-    ("[1, 2]", "got a JSON list, expected an object"),
+    ("[1, 2]", "got a JSON array, expected an object"),
+    ("null", "got a JSON null, expected an object"),
     ('{"model_type": "bert"}', "model_type 'bert', expected one of llama, gpt2"),
     (json.dumps({**LLAMA3_8B_HF, "hidden_size": -4096}), "hidden_size is -4096, expected a positive integer"),
     (json.dumps({**LLAMA3_8B_HF, "num_hidden_layers": True}), "num_hidden_layers is True, expected a positive"),
@@ -121,6 +122,15 @@ def test_a_hostile_hf_config_gets_one_line_naming_the_key(tmp_path, text: str, m
     with pytest.raises(ConfigError) as err:
         run(load_config(None, [f"model.from_hf={path}", *SMALL]))
     assert str(err.value).startswith("model.") and message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_config_json_with_a_byte_order_mark_reads_as_without(tmp_path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text("\ufeff" + json.dumps(LLAMA3_8B_HF), encoding="utf-8")
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(LLAMA3_8B_HF))
+    marked, unmarked = (run(load_config(None, [f"model.from_hf={p}", *SMALL])) for p in (path, plain))
+    assert marked.summary()["model_params"] == unmarked.summary()["model_params"] > 0
 
 
 def test_gpt2s_mlp_width_is_read_from_n_inner(tmp_path) -> None:

@@ -73,7 +73,7 @@ def test_tensor_one_stage_costs_follow_the_unsplit_formulas() -> None:
     s, h, a, v, layers = model.seq, model.hidden, model.heads, model.vocab, model.layers // 2
     last = costs.stage_cost(1, 2, 1)
     assert last.activation_bytes == layers * (34 * s * b * h + 4 * a * s * b) + b * s * v * 6
-    assert last.params == layers * (12 * h * h + 13 * h) + v * h
+    assert last.params == layers * (12 * h * h + 13 * h) + v * h + 2 * h  # and the final layer norm
     assert costs.stage_cost(0, 2, 1).params == layers * (12 * h * h + 13 * h) + v * h + s * h
     assert last.boundary_bytes == last.input_bytes == 2 * s * b * h
     assert layer_kernels(model, b, "bf16", "flash", tensor=1) == layer_kernels(model, b, "bf16", "flash")
@@ -207,7 +207,8 @@ def test_peak_memory_per_gpu_follows_the_table(attention: str, recompute: str, t
     result = run(load_config(raw=raw))
     s, b, h, v, layers = SMALL["seq"], SMALL["microbatch_size"], SMALL["hidden"], SMALL["vocab"], SMALL["layers"]
     params = layers * (12 * h * h + 13 * h) if tensor == 1 else layers * (12 * h * h + 7 * h) // tensor + layers * 6 * h
-    params += 2 * v * h // tensor + s * h  # vocabulary-parallel embedding and output layer; positions whole
+    params += 2 * v * h // tensor + s * h + 2 * h  # vocabulary-parallel embedding and output layer; positions and
+    # the final layer norm whole
     block = korthikanti(tensor, sequence, recompute, attention)  # 'full': the stash a backward rebuilds
     logits = b * s * v // tensor * (2 + 4)  # the logits slice and its fp32 softmax
     block_input = s * b * h * 2 // (tensor if sequence else 1)

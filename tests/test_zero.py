@@ -509,3 +509,11 @@ def test_a_run_of_too_many_data_parallel_collectives_is_refused_before_it_runs()
         run(load_config(None, ["schedule.stages=1", "schedule.microbatches=40", "cluster.data_parallel=2",
                                "parallel.zero=2", "cluster.bucket_size=1.5MiB"]))
     assert time.perf_counter() - started < 30  # not the minutes the run took
+
+
+def test_the_simulate_header_names_the_sharding_and_offload_that_ran(cli) -> None:
+    """Offload, HSDP's groups and stage 3's prefetch change the run: its first line says so."""
+    code, out, _ = cli(["simulate", "--stages", "2", "--set", "cluster.data_parallel=4", "--set", "parallel.zero=3",
+                        "--set", "parallel.shard_group=2", "--set", "parallel.zero_prefetch=2", "--set",
+                        "parallel.offload=optimizer"])
+    assert code == 0 and " w=4 ZeRO-3 HSDP groups of 2 prefetch 2 offload optimizer " in out.splitlines()[0]

@@ -196,11 +196,11 @@ def _check_groups(ranks: list[int], per_node: int, tensor: int, nodes_gpus: int)
             raise ValueError(f"cluster.placement: GPU {rank} starts a device of {tensor} GPUs past the last node, "
                              f"expected ranks whose GPUs rank..rank+{tensor - 1} exist")
         if tensor <= per_node and rank % per_node + tensor > per_node:
-            raise ValueError(f"cluster.placement: GPU {rank} starts a device's {tensor} tensor-parallel GPUs past its "
+            raise ValueError(f"cluster.placement: GPU {rank} starts a device's {tensor} GPUs past its "
                              f"node's last GPU, expected ranks whose GPUs rank..rank+{tensor - 1} share one node")
         for gpu in range(rank, rank + tensor):
             if gpu in used:
-                raise ValueError(f"cluster.placement: GPU {gpu} is in the tensor-parallel GPUs of devices starting "
+                raise ValueError(f"cluster.placement: GPU {gpu} is in the GPUs of devices starting "
                                  f"at {used[gpu]} and {rank}, expected one device per GPU")
             used[gpu] = rank
     return ranks
