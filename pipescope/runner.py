@@ -202,6 +202,9 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
     if p.zero_stage and config.cluster.data_parallel < 2:
         result.warnings.append(f"parallel.zero {p.zero_stage} with cluster.data_parallel 1: no replicas to shard "
                                f"over, so every state is whole, as under parallel.zero 0")
+    elif p.zero_stage and p.shard_group == 1:
+        result.warnings.append(f"parallel.shard_group 1 with parallel.zero {p.zero_stage}: each replica is a shard "
+                               f"group of its own, so no state is sharded (each is whole on every GPU)")
     result.kernels = costs.kernel_report(schedule.pipeline_stages)
     result.cluster_name = cluster.name
     result.gpus_per_device = config.parallel.gpus_per_device
@@ -393,6 +396,10 @@ def _check_shard_group(config: Config) -> None:
         if value != default and p.zero_stage < 3:
             raise ConfigError(f"parallel.{key}: got {str(value).lower()} with parallel.zero {p.zero_stage}, expected "
                               f"parallel.zero 3 (only ZeRO-3 gathers the weights it sets)")
+    if p.zero_prefetch != 1 and not p.reshard_after_forward:
+        raise ConfigError(f"parallel.zero_prefetch: got {p.zero_prefetch} with parallel.reshard_after_forward false, "
+                          f"expected 1 (without resharding, torch's UNSHARD actions gather each stage once: there is "
+                          f"no gather per op to issue ahead)")
     group, width = p.shard_group, config.cluster.data_parallel
     if group is None:
         return

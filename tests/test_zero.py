@@ -352,6 +352,11 @@ def test_zero_3s_own_choices_are_refused_without_it() -> None:
     alone = small("parallel.zero=3", "cluster.data_parallel=1")  # nothing to shard over: said, not silent
     assert any(w.startswith("parallel.zero 3 with cluster.data_parallel 1: no replicas") for w in alone.warnings)
     assert not any(w.startswith("parallel.zero") for w in small("parallel.zero=3").warnings)
+    with pytest.raises(ConfigError, match=r"^parallel.zero_prefetch: got 2 with parallel.reshard_after_forward "
+                                          r"false, expected 1"):  # torch's UNSHARD gathers once: nothing to prefetch
+        small("parallel.zero=3", "parallel.reshard_after_forward=false", "parallel.zero_prefetch=2")
+    own = small("parallel.zero=3", "parallel.shard_group=1")  # a group of one shards nothing: said, not silent
+    assert any(w.startswith("parallel.shard_group 1 with parallel.zero 3: ") for w in own.warnings)
 
 
 @pytest.mark.parametrize("sets", [["parallel.zero=1"], ["parallel.zero=2"], ["parallel.zero=3"],
