@@ -54,8 +54,10 @@ def _read(path: str, version: tuple[int, int] | None) -> tuple[tuple[str, int | 
     try:  # a byte-order mark, which some Windows editors write, is not part of the JSON
         tree = json.loads(text.removeprefix("\ufeff"), object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as err:
-        raise ValueError(f"{where}: not JSON ({str(err).splitlines()[0][:120]}), expected a Hugging Face "
-                         f"config.json") from None
+        detail = str(err).splitlines()[0]
+        if "integer string conversion" in detail:  # Python's own limit, whose message names its own workaround
+            detail = "an integer of more than 4,300 digits"
+        raise ValueError(f"{where}: not JSON ({detail[:120]}), expected a Hugging Face config.json") from None
     if not isinstance(tree, dict):
         raise ValueError(f"{where}: got a JSON {_json_type(tree)}, expected an object (a config.json)")
     model_type = tree.get("model_type")

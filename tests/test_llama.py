@@ -98,6 +98,7 @@ GPT2_HF = {"model_type": "gpt2", "n_layer": 2, "n_embd": 256, "n_head": 4, "n_po
 @pytest.mark.parametrize("text, message", [
     ("{", "not JSON"),
     ("[1, 2]", "got a JSON array, expected an object"),
+    ('{"model_type": "llama", "hidden_size": ' + "9" * 5000 + "}", "not JSON (an integer of more than 4,300 digits)"),
     ("null", "got a JSON null, expected an object"),
     ('{"model_type": "bert"}', "model_type 'bert', expected one of llama, gpt2"),
     (json.dumps({**LLAMA3_8B_HF, "hidden_size": -4096}), "hidden_size is -4096, expected a positive integer"),
