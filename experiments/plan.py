@@ -42,6 +42,7 @@ from pipescope.experiments.plan_space import (
     PlanRequest,
     candidates,
     check_request,
+    config_fixed,
     file_keys_searched,
     planned_cluster,
 )
@@ -84,6 +85,7 @@ class PlanReport:
     planned_for: str = ""  # the model, the machines and their GPUs (plan_space.planned_cluster)
     would_fit: dict[str, Any] | None = None  # nothing fits: what would (``_what_would_fit``)
     file_keys_searched: dict[str, Any] = field(default_factory=dict)  # base keys every candidate set for itself
+    config_fixed: dict[str, Any] = field(default_factory=dict)  # base parallel keys every candidate ran with
 
 
 def screen(request: PlanRequest, candidate: Candidate) -> Screened:
@@ -328,7 +330,7 @@ def plan(request: PlanRequest, executor: Executor | None = None, workers: int | 
             pool.shutdown(wait=True, cancel_futures=True)
     return PlanReport(ranked, rejected, gpus, len(points), simulated, time.perf_counter() - started,
                       best=ranked[0] if ranked else None, planned_for=planned_for,
-                      file_keys_searched=file_keys_searched(request),
+                      file_keys_searched=file_keys_searched(request), config_fixed=config_fixed(request),
                       would_fit=would_fit)
 
 

@@ -196,6 +196,7 @@ def as_json(report: PlanReport) -> dict:
     return {"best": report.best, "ranked": report.ranked, "rejected": report.rejected, "gpus": report.gpus,
             "candidates": report.candidates, "simulated": report.simulated, "plan_wall_s": report.wall_s,
             "planned_for": report.planned_for, "file_keys_searched": report.file_keys_searched,
+            "config_fixed": report.config_fixed,
             "would_fit": report.would_fit}
 
 
@@ -206,6 +207,9 @@ def summary(report: PlanReport, top: int) -> str:
     if report.file_keys_searched:
         lines.append("not used from the config (the search sets them): " + ", ".join(
             f"{key}={value}" for key, value in report.file_keys_searched.items()))
+    if report.config_fixed:
+        lines.append("every plan runs with, from the config: " + ", ".join(
+            f"{key}={value}" for key, value in report.config_fixed.items()))
     if report.best is None:
         lines += ["nothing fits: every candidate was rejected (reasons below)", *_nothing_fits(report)]
     else:

@@ -387,6 +387,17 @@ def searched_keys(request: PlanRequest) -> tuple[str, ...]:
                                   for key in keys)
 
 
+def config_fixed(request: PlanRequest) -> dict[str, Any]:
+    """The parallel settings of the request's base config that the search does not set and that change every plan
+    (ZeRO, HSDP, offload, context parallelism): each candidate runs with them, and its row does not show them."""
+    p = validated_config(request.base, {}).parallel
+    fixed = {"parallel.zero": p.zero_stage if request.zero is None and p.zero_stage else None,
+             "parallel.shard_group": p.shard_group if request.shard_groups is None else None,
+             "parallel.offload": p.offload if request.offload is None and p.offload != "none" else None,
+             "parallel.context": p.context if request.context is None and p.context > 1 else None}
+    return {key: value for key, value in fixed.items() if value is not None}
+
+
 def file_keys_searched(request: PlanRequest) -> dict[str, Any]:
     """The keys of the request's base config that the search sets (``searched_keys``), with the values they had:
     the search's to set, so the plan says it did not use them."""

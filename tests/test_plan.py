@@ -375,3 +375,14 @@ def test_sigterm_stops_a_plan_as_ctrl_c_and_leaves_no_worker() -> None:
     while left() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert left() == []
+
+
+def test_a_parallel_setting_from_the_config_that_every_plan_runs_with_is_said(cli) -> None:
+    """--set parallel.zero=3 applies to every candidate, whose rows say zero null (not searched): the plan names it
+    once, in the text and in --json."""
+    flags = ["plan", "--global-batch", "16", "--set", "parallel.zero=3", "--schedules", "1f1b", "--tensor", "1",
+             "--microbatch-sizes", "1", "--recompute", "none", "--depths", "4", "--workers", "1", "--no-progress"]
+    code, out, _ = cli(flags)
+    assert code == 0 and "every plan runs with, from the config: parallel.zero=3" in out
+    code, out, _ = cli([*flags, "--json"])
+    assert code == 0 and json.loads(out)["config_fixed"] == {"parallel.zero": 3}
