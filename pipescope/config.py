@@ -224,6 +224,8 @@ def _build(cls: type, raw: Any, prefix: str, typed: bool = False) -> Any:
             values[name] = _build(kind, value, f"{key}.", typed)
         elif value is None and optional:
             values[name] = None
+        elif value is None:  # YAML's null, which str() would make the word 'None'
+            raise ConfigError(f"{key}: got null, expected a value (leave the key out for its default)")
         else:
             try:
                 values[name] = _convert_scalar(key, kind, value, fields[name].metadata.get("unit"))

@@ -195,6 +195,8 @@ def test_an_oversized_or_undecodable_config_file_is_refused_naming_it(tmp_path) 
     (["--set", "model.hidden=" + "1" * 20], "model.hidden: got '11111111111111111111', expected a plain decimal"),
     (["--set", f"seed={2 ** 63}"], "seed: got 9223372036854775808, expected an integer from 0 to "
                                    "9,223,372,036,854,775,807"),
+    # YAML's null for a key that has no null: not the word 'None' offered a choice
+    (["--set", "parallel.offload=null"], "parallel.offload: got null, expected a value (leave the key out"),
 ])
 def test_hostile_numbers_are_one_line_errors_at_once(args: list[str], expected: str, cli) -> None:
     start = time.perf_counter()
