@@ -113,6 +113,8 @@ def _check_architecture(tree: dict, family: str, where: str) -> None:
         return
     heads, hidden = tree["num_attention_heads"], tree["hidden_size"]
     head_dim = tree.get("head_dim")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
+        raise ValueError(f"{where}: head_dim is {short_repr(head_dim)}, expected a positive integer")
     if head_dim is not None and head_dim * heads != hidden:
         raise ValueError(f"{where}: head_dim {short_repr(head_dim)}, expected hidden_size / num_attention_heads = "
                          f"{hidden / heads:g} (the llama family's heads split the hidden size)")

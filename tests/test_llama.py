@@ -107,6 +107,7 @@ GPT2_HF = {"model_type": "gpt2", "n_layer": 2, "n_embd": 256, "n_head": 4, "n_po
     (json.dumps({**LLAMA3_8B_HF, "hidden_act": "gelu"}), "hidden_act 'gelu', expected silu"),
     (json.dumps({**LLAMA3_8B_HF, "tie_word_embeddings": True}), "tie_word_embeddings True, expected false"),
     (json.dumps({**LLAMA3_8B_HF, "head_dim": 64}), "head_dim 64, expected hidden_size / num_attention_heads = 128"),
+    (json.dumps({**LLAMA3_8B_HF, "head_dim": 128.0}), "head_dim is 128.0, expected a positive integer"),
     (json.dumps({**LLAMA3_8B_HF, "attention_bias": True}), "attention_bias True, expected false"),
     (json.dumps({**LLAMA3_8B_HF, "mlp_bias": True}), "mlp_bias True, expected false"),
     (json.dumps({k: v for k, v in LLAMA3_8B_HF.items() if k != "num_attention_heads"}),
