@@ -11,6 +11,7 @@ from pipescope.simulator.readers.units import format_bytes, format_count, format
 
 if TYPE_CHECKING:
     from pipescope.config import Config
+    from pipescope.simulator.parallel import ParallelConfig
 
 
 def _headline(result: SimResult) -> str:
@@ -42,7 +43,7 @@ def _options(config: Config) -> str:
         (f" offload {p.offload}" if p.offload != "none" else "")
 
 
-def _sharding(p) -> str:
+def _sharding(p: ParallelConfig) -> str:
     """`` ZeRO-3``, with HSDP's shard group, no resharding after the forward and a deeper prefetch where set."""
     text = f" ZeRO-{p.zero_stage}" + (f" HSDP groups of {p.shard_group}" if p.shard_group else "")
     if p.zero_stage >= 3:

@@ -332,10 +332,11 @@ class AnalyticCosts(PerStageCache):
             for _, count, kernels, rates in self._parts(stage, num_stages, boost):
                 for kernel in (k for k in kernels if k.op != "optimizer" and rates is boost):
                     compute_s, memory_s = boost.times(kernel)
+                    flops += count * boost.work(kernel)
                     if kernel.flops and compute_s >= memory_s:  # ``Roofline.bound``
-                        flops, compute = flops + count * boost.work(kernel), compute + count * compute_s
+                        compute += count * compute_s
                     else:
-                        flops, memory = flops + count * boost.work(kernel), memory + count * memory_s
+                        memory += count * memory_s
             self._cache[key] = replace(boost, sustained=power_limited_clock(flops, compute, memory,
                                                                             self.power_headroom))
         return self._cache[key]

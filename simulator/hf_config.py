@@ -70,12 +70,17 @@ def _read(path: str, version: tuple[int, int] | None) -> tuple[tuple[str, int | 
             continue
         if field not in tree:
             raise ValueError(f"{where}: {field} is missing, expected a positive integer")
-        value = tree[field]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{where}: {field} is {short_repr(value)}, expected a positive integer")
-        shape[key] = value
+        shape[key] = _positive_int(tree, field, where)
     _check_architecture(tree, family, where)
     return tuple(shape.items())
+
+
+def _positive_int(tree: dict, field: str, where: str) -> int:
+    """``tree[field]``, refused unless a positive integer (JSON's 4096.0 and true are not)."""
+    value = tree[field]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {field} is {short_repr(value)}, expected a positive integer")
+    return value
 
 
 def _json_type(value: object) -> str:
@@ -112,9 +117,7 @@ def _check_architecture(tree: dict, family: str, where: str) -> None:
                              f"true (the gpt family's output layer is its embedding)")
         return
     heads, hidden = tree["num_attention_heads"], tree["hidden_size"]
-    head_dim = tree.get("head_dim")
-    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
-        raise ValueError(f"{where}: head_dim is {short_repr(head_dim)}, expected a positive integer")
+    head_dim = _positive_int(tree, "head_dim", where) if tree.get("head_dim") is not None else None
     if head_dim is not None and head_dim * heads != hidden:
         raise ValueError(f"{where}: head_dim {short_repr(head_dim)}, expected hidden_size / num_attention_heads = "
                          f"{hidden / heads:g} (the llama family's heads split the hidden size)")
