@@ -154,6 +154,7 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
     none (a plan of nothing would only say that nothing fits), or that leaves only data parallelism where the
     space had pipelines: ``vocab`` methods none of the schedules run."""
     out = _points(request, gpus)
+    _check_shard_groups(request, out)
     if any(c.depth > 1 for c in out):
         return out
     if out and not any(c.depth > 1 for c in _points(replace(request, vocab=("naive",)), gpus)):
@@ -178,6 +179,19 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
                               f"offload need a schedule with a flush and replicas; offload parameters needs zero 3)")
     raise ConfigError(f"vocab: got {list(request.vocab)}, expected a method these schedules and widths run "
                       f"({_why_no_vocab(request)})")
+
+
+def _check_shard_groups(request: PlanRequest, points: list[Candidate]) -> None:
+    """ConfigError when none of the asked HSDP groups splits any candidate's replicas into 2 or more groups (each
+    would be planned as no HSDP at all, silently)."""
+    if request.shard_groups is None:
+        return
+    if any(c.shard_group is not None and c.shard_group < c.width for c in points):
+        return
+    widths = sorted({c.width for c in points if c.zero})
+    raise ConfigError(f"shard_groups: got {list(request.shard_groups)}, expected a group size that divides a "
+                      f"candidate's replicas into 2 or more groups (the sharded candidates' replicas: "
+                      f"{', '.join(map(str, widths)) or 'none'})")
 
 
 def _why_no_vocab(request: PlanRequest) -> str:
@@ -338,7 +352,7 @@ def check_request(request: PlanRequest) -> None:
             raise ConfigError(f"shard_groups: got {list(request.shard_groups)}, expected positive integers")
         if not any(request.zero or ()):  # (HSDP's groups need a stage above 0)
             raise ConfigError(f"shard_groups: got {list(request.shard_groups)} without a ZeRO stage to search, "
-                              f"expected zero with a stage 1 to 3 (HSDP shards within the groups)")
+                              f"expected a ZeRO stage from 1 to 3 searched beside them (HSDP shards within the groups)")
     bad_vocab = [v for v in request.vocab if v not in VOCAB_METHODS]
     if bad_vocab or not request.vocab:
         raise ConfigError(f"vocab: got {list(request.vocab)}, expected some of {', '.join(VOCAB_METHODS)}")

@@ -126,7 +126,10 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
         return parse_recompute(value)
     if unit == "ranks" and isinstance(value, (list, tuple)):  # [0, 8, 1, 9] in YAML or Python: '0,8,1,9'
         return ",".join(str(rank) for rank in _convert_ints(key, value))
-    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+    is_enum = isinstance(kind, type) and issubclass(kind, enum.Enum)
+    if isinstance(value, bool) and (is_enum or kind is str):
+        raise ValueError(_boolean_for_text(key, value, [m.value for m in kind] if is_enum else None))
+    if is_enum:
         if str(value) not in {m.value for m in kind}:
             choices = [m.value for m in kind]
             raise ValueError(f"got {short_repr(value)}, expected one of {', '.join(choices)}"
@@ -155,6 +158,14 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
             raise ValueError(f"got {short_repr(value)}, expected a finite number")
         return number
     return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+
+
+def _boolean_for_text(key: str, value: bool, choices: list[str] | None) -> str:
+    """The message for a boolean where a word belongs: YAML 1.1 reads an unquoted no, off or yes as one."""
+    choices = choices or list(CHOICES.get(key, ()))
+    expected = f"one of {', '.join(choices)}" if choices else "text"
+    return (f"got {str(value).lower()}, a boolean (YAML reads an unquoted yes, no, on, off, true or false as one; "
+            f"quote the word), expected {expected}")
 
 
 def _convert_ints(key: str, value: Any) -> tuple[int, ...]:

@@ -40,7 +40,7 @@ from pipescope.simulator.memory_runtime import grad_bytes
 from pipescope.simulator.network import FifoLinks, Link, Network, link_occupancy_ns, link_transfer_ns
 from pipescope.simulator.context import check_context, context_times
 from pipescope.simulator.mesh import DeviceMesh
-from pipescope.simulator.parallel import TensorSplit, check_parallel, stage_times
+from pipescope.simulator.parallel import ParallelConfig, TensorSplit, check_parallel, stage_times
 from pipescope.simulator.profiled import ProfiledCosts, ProfiledCostsConfig
 from pipescope.simulator.replicas import SyncError
 from pipescope.simulator.result import SimResult
@@ -199,12 +199,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
         raise ConfigError(str(err)) from None
     except NetworkError as err:
         raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
-    if p.zero_stage and config.cluster.data_parallel < 2:
-        result.warnings.append(f"parallel.zero {p.zero_stage} with cluster.data_parallel 1: no replicas to shard "
-                               f"over, so every state is whole, as under parallel.zero 0")
-    elif p.zero_stage and p.shard_group == 1:
-        result.warnings.append(f"parallel.shard_group 1 with parallel.zero {p.zero_stage}: each replica is a shard "
-                               f"group of its own, so no state is sharded (each is whole on every GPU)")
+    result.warnings.extend(_idle_settings(config))
     result.kernels = costs.kernel_report(schedule.pipeline_stages)
     result.cluster_name = cluster.name
     result.gpus_per_device = config.parallel.gpus_per_device
@@ -409,6 +404,21 @@ def _check_shard_group(config: Config) -> None:
     if width % group:
         raise ConfigError(f"parallel.shard_group: got {group}, expected a divisor of cluster.data_parallel "
                           f"(={width}): each shard group holds one whole set of shards")
+
+
+def _idle_settings(config: Config) -> list[str]:
+    """Warnings for settings that the rest of the config leaves nothing to act on (they run as if unset)."""
+    p, notes = config.parallel, []
+    if p.zero_stage and config.cluster.data_parallel < 2:
+        notes.append(f"parallel.zero {p.zero_stage} with cluster.data_parallel 1: no replicas to shard over, so "
+                     f"every state is whole, as under parallel.zero 0")
+    elif p.zero_stage and p.shard_group == 1:
+        notes.append(f"parallel.shard_group 1 with parallel.zero {p.zero_stage}: each replica is a shard group of "
+                     f"its own, so no state is sharded (each is whole on every GPU)")
+    if p.context == 1 and p.context_comm != ParallelConfig.context_comm:
+        notes.append(f"parallel.context_comm {p.context_comm} with parallel.context 1: no context parallelism, so "
+                     f"no keys or values are exchanged")
+    return notes
 
 
 def _check_fsdp_actions(config: Config, schedule: Schedule) -> None:

@@ -127,3 +127,10 @@ def test_a_context_group_may_cross_nodes_and_its_ring_then_runs_at_the_nics_rate
     assert step[1] > 2 * step[0]
     result = run(across.config)
     assert result.gpus == 32 and result.iteration_time_s > 0
+
+
+def test_an_exchange_chosen_without_context_parallelism_is_said_not_silent() -> None:
+    result = run(load_config(None, ["parallel.context_comm=all_gather"]))
+    assert any(w.startswith("parallel.context_comm all_gather with parallel.context 1: no context parallelism")
+               for w in result.warnings)
+    assert not any(w.startswith("parallel.context_comm") for w in run(load_config(None, [])).warnings)

@@ -226,3 +226,20 @@ def test_positive_times_never_round_to_zero() -> None:
     tiny = ["model.hidden=1", "model.heads=1", "model.seq=1", "model.vocab=1", "model.layers=4"]
     result = run(load_config(None, tiny))
     assert result.iteration_time_s > 0 and all(d.busy_s > 0 for d in result.devices)
+
+
+@pytest.mark.parametrize(("key", "word", "expected"), [("parallel.context_comm", "no", "one of p2p, all_gather"),
+                                                       ("model.attention", "off", "one of flash, eager"),
+                                                       ("cluster.topology", "yes", "text")])
+def test_a_word_yaml_reads_as_a_boolean_is_named_as_one(key: str, word: str, expected: str, tmp_path) -> None:
+    """YAML 1.1 reads an unquoted no, off or yes as a boolean; the error said 'False', which no one had written."""
+    section, name = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {name}: {word}\n")
+    value = str(word in ("yes", "on")).lower()
+    with pytest.raises(ConfigError, match=rf"^{key}: got {value}, a boolean \(YAML reads an unquoted yes, no, on, off, "
+                                          rf"true or false as one; quote the word\), expected {expected}$"):
+        load_config(str(path))
+    path.write_text(f"{section}:\n  {name}: '{word}'\n")  # quoted, it is the word, and the usual error names it
+    with pytest.raises(ConfigError, match=rf"^{key}: got '{word}'"):
+        run(load_config(str(path)))

@@ -522,3 +522,19 @@ def test_the_simulate_header_names_the_sharding_and_offload_that_ran(cli) -> Non
                         "--set", "parallel.shard_group=2", "--set", "parallel.zero_prefetch=2", "--set",
                         "parallel.offload=optimizer"])
     assert code == 0 and " w=4 ZeRO-3 HSDP groups of 2 prefetch 2 offload optimizer " in out.splitlines()[0]
+
+
+def test_the_planner_refuses_shard_groups_that_split_no_candidates_replicas(cli) -> None:
+    """A group that divides no sharded candidate's replicas into 2 or more would plan as no HSDP, silently."""
+    from pipescope.experiments.plan_space import PlanRequest, base_config, candidates
+
+    request = PlanRequest(base_config("gpt-355m", "dgx-a100", 1, 9 << 30, {"model": {"layers": 8}}), 16,
+                          schedules=("1f1b",), microbatch_sizes=(2,), tensor=(1,), recompute=("none",),
+                          vocab=("naive",), zero=(2,), shard_groups=(3, 5))
+    with pytest.raises(ConfigError, match=r"^shard_groups: got \[3, 5\], expected a group size that divides a "
+                                          r"candidate's replicas into 2 or more groups \(the sharded candidates' "
+                                          r"replicas: 2, 4, 8\)$"):
+        candidates(request, 8)
+    assert any(c.shard_group == 2 for c in candidates(dataclasses.replace(request, shard_groups=(3, 2)), 8))
+    code, _, err = cli(["plan", "--global-batch", "8", "--zero", "3", "--shard-groups", "3", "--no-progress"])
+    assert code == 2 and err.startswith("pipescope: error: --shard-groups: got [3], expected a group size")
