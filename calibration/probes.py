@@ -22,6 +22,8 @@ The probes, each written to ``OUT/probes.json``:
 - ``sustained``: a GEMM and a GPT block's forward and backward, each run back to back for tens of seconds, their rate
   per second beside the SM clock, power and temperature: what a GPU holds under a step's continuous load; with
   ``--block-samples`` the block again at those microbatch sizes, whose kernels draw less power.
+- ``eager_layer``: Megatron's layer with eager attention at the published runs' shapes, its forward and backward
+  and its attention core's, then under load with the power readings (``EagerLayer``).
 - ``device``: what ran it (name, clocks, versions).
 
 Every GPU time is CUDA events on the current stream, L2 flushed (``timing.CudaTimer``); host times are
@@ -50,7 +52,8 @@ from pipescope.calibration.model import Block
 from pipescope.calibration.ops import attach_flat_grads
 from pipescope.calibration.timing import Bench, Timer, TimingConfig, make_timer
 
-PROBES = ("launch", "optimizer", "gemm_layouts", "alignment", "attention", "streaming", "elementwise", "sustained")
+PROBES = ("launch", "optimizer", "gemm_layouts", "alignment", "attention", "streaming", "elementwise", "sustained",
+          "eager_layer")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,11 @@ class Sizes:
     sustained_block: tuple[int, int] = (8, 1024)  # samples and sequence of the block run under load (``stage``'s)
     block_samples: tuple[int, ...] = ()  # the block under load again at these microbatch sizes (``block-<b>``)
     scores: tuple[int, int] = (96, 1024)  # batch x heads and sequence of eager attention's scores: Qi et al.'s 6.2B
+    # (hidden, heads, seq, samples) of the eager-attention layers the published runs ran on A100s: Qi et al.'s 1.5B
+    # and 6.2B (their measured passes are furthest from the model's in F), Narayanan et al.'s 1.7B (its whole step)
+    eager_layers: tuple[tuple[int, int, int, int], ...] = ((2304, 24, 1024, 6), (4096, 32, 1024, 3),
+                                                           (2304, 24, 2048, 16))
+    eager_load_s: float = 20.0  # the first eager layer back to back under load, with the power readings
 
 
 GPU = Sizes()
@@ -80,7 +88,8 @@ PROBE_TIMING = TimingConfig(budget_s=0.3, max_reps=50)  # at most 0.3 s a measur
 CPU_REHEARSAL = Sizes(stage=(1, 64, 4), gemm_hidden=(64,), gemm_tokens=(128,), logits_hidden=(64,), vocabs=(257, 264),
                       alignment=(128, 128, 64), head_dims=(16,), seqs=(64,), attention_tokens=128, attention_width=64,
                       stream_bytes=1 << 22, launches=50, sustained=(128, 1.0),
-                      sustained_block=(1, 32), block_samples=(2,), scores=(4, 32))
+                      sustained_block=(1, 32), block_samples=(2,), scores=(4, 32), eager_layers=((64, 4, 32, 2),),
+                      eager_load_s=1.0)
 
 
 def default_sizes(device: torch.device) -> Sizes:
@@ -405,6 +414,78 @@ def elementwise_probe(device: torch.device, timing: TimingConfig, sizes: Sizes) 
     return {"shape": list(x.shape), "dtype": str(x.dtype), "kernels": rows}
 
 
+class EagerLayer(nn.Module):
+    """A GPT layer as Megatron-LM of 2021-2023 runs it without flash attention, on ``[s, b, h]`` activations:
+    layer norm, QKV, the core (``baddbmm`` scaled by 1/sqrt(d), the causal mask, softmax, dropout 0.1, ``bmm`` with
+    V, heads back to ``[s, b, h]``), the out projection, bias + dropout + residual, layer norm, the 4h MLP with a
+    bias-GeLU, bias + dropout + residual. Megatron fuses scale, mask and softmax into one kernel; torch masks with
+    ``masked_fill_`` first, a pass more over the scores, which ``eager_layer_probe`` times on its own."""
+
+    def __init__(self, hidden: int, heads: int, seq: int):
+        super().__init__()
+        self.heads, self.dim = heads, hidden // heads
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.register_buffer("causal", torch.ones(seq, seq, dtype=torch.bool).triu(1), persistent=False)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Eager attention on ``[b*a, s, d]`` queries, keys and values; its ``[b*a, s, d]`` context."""
+        scores = torch.baddbmm(torch.empty(q.shape[0], q.shape[1], k.shape[1], device=q.device, dtype=q.dtype),
+                               q, k.transpose(1, 2), beta=0.0, alpha=self.dim ** -0.5)
+        scores = scores.view(-1, self.heads, *scores.shape[1:]).masked_fill_(self.causal, -10000.0)
+        probs = F.dropout(torch.softmax(scores, -1), 0.1, self.training)
+        return torch.bmm(probs.view(-1, *probs.shape[2:]), v)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(s, b * self.heads, 3 * self.dim).transpose(0, 1).split(self.dim, -1)
+        context = self.core(q, k, v).transpose(0, 1).reshape(s, b, h)
+        x = F.dropout(self.out(context), 0.1, self.training) + x
+        return F.dropout(self.down(F.gelu(self.up(self.norm2(x)))), 0.1, self.training) + x
+
+
+def eager_layer_probe(device: torch.device, timing: TimingConfig, sizes: Sizes) -> dict:
+    """Megatron's eager-attention layer (``EagerLayer``) at the published runs' shapes (``sizes.eager_layers``):
+    the layer's forward and forward + backward, its attention core's alone, and ``masked_fill_`` on the scores (the
+    pass torch adds to Megatron's fused softmax), in ns; then the first shape's forward + backward back to back for
+    ``sizes.eager_load_s`` seconds with the SM clock and power (``sustained``'s windows): a mix whose memory-bound
+    share is far above the block the power line was read from (docs/costs.md, "Under continuous load")."""
+    timer, dtype = make_timer(device, timing), _dtype(device)
+    rows = []
+    for shape in sizes.eager_layers:
+        rows.append(_eager_layer_row(timer, device, dtype, *shape))
+        print(f"probes: eager layer {shape}: F {rows[-1]['forward_ns'] / 1e6:.2f} ms, F+B "
+              f"{rows[-1]['forward_backward_ns'] / 1e6:.2f} ms", file=sys.stderr, flush=True)
+    hidden, heads, seq, samples = sizes.eager_layers[0]
+    layer = EagerLayer(hidden, heads, seq).to(device=device, dtype=dtype)
+    x = torch.randn(seq, samples, hidden, device=device, dtype=dtype, requires_grad=True)
+    with _gpu_monitor(device) as samples_read:
+        windows = _windows(device, lambda: layer(x).sum().backward(), sizes.eager_load_s, 1.0)
+    return {"layers": rows, "load": {"shape": sizes.eager_layers[0], "windows": windows, "gpu": samples_read}}
+
+
+def _eager_layer_row(timer: Timer, device: torch.device, dtype: torch.dtype, hidden: int, heads: int, seq: int,
+                     samples: int) -> dict:
+    """One shape of ``eager_layer_probe``: the layer's, its core's and the mask's ns (its tensors freed on return,
+    before the next shape's)."""
+    layer = EagerLayer(hidden, heads, seq).to(device=device, dtype=dtype)
+    x = torch.randn(seq, samples, hidden, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    q, k, v = (torch.randn(samples * heads, seq, hidden // heads, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    scores = torch.randn(samples, heads, seq, seq, device=device, dtype=dtype)
+
+    def ns(work: Callable[[], object]) -> float:
+        return timer.measure(Bench(lambda _: work())).median_ns
+
+    return {"hidden": hidden, "heads": heads, "seq": seq, "samples": samples,
+            "forward_ns": ns(lambda: layer(x)), "forward_backward_ns": ns(lambda: layer(x).backward(grad)),
+            "core_forward_ns": ns(lambda: layer.core(q, k, v)),
+            "core_forward_backward_ns": ns(lambda: layer.core(q, k, v).backward(q.detach())),
+            "mask_ns": ns(lambda: scores.masked_fill_(layer.causal, -10000.0))}
+
+
 def run(out: Path, device: torch.device, only: list[str] | None = None, sizes: Sizes | None = None,
         timing: TimingConfig = PROBE_TIMING) -> dict:
     """The probes named in ``only`` (all by default) at ``sizes`` (a GPU's on CUDA, the rehearsal's on a CPU),
@@ -422,6 +503,7 @@ def run(out: Path, device: torch.device, only: list[str] | None = None, sizes: S
         "streaming": lambda: streaming_probe(device, timing, sizes),
         "elementwise": lambda: elementwise_probe(device, timing, sizes),
         "sustained": lambda: sustained_probe(device, sizes),
+        "eager_layer": lambda: eager_layer_probe(device, timing, sizes),
     }
     for name in only or every:
         probe = every[name]

@@ -32,6 +32,11 @@ def test_every_probe_runs_on_a_cpu_and_reports_positive_times(tmp_path: Path) ->
     assert all(w["rate"] > 0 for work in ("gemm", "block", "block-2") for w in report["sustained"][work]["windows"])
     kernels = report["elementwise"]["kernels"]
     assert set(kernels) == {"copy", "softmax", "softmax_backward", "dropout", "dropout_backward"}
+    eager = report["eager_layer"]
+    assert [(r["hidden"], r["heads"], r["seq"], r["samples"]) for r in eager["layers"]] == [(64, 4, 32, 2)]
+    assert all(r[k] > 0 for r in eager["layers"] for k in ("forward_ns", "forward_backward_ns", "core_forward_ns",
+                                                          "core_forward_backward_ns", "mask_ns"))
+    assert eager["load"]["windows"] and all(w["rate"] > 0 for w in eager["load"]["windows"])
     assert kernels["copy"]["of_copy"] == 1 and all(k["ns"] > 0 and k["of_copy"] > 0 for k in kernels.values())
 
 
