@@ -200,7 +200,7 @@ class FlowFabric:
         self._wake_at = math.inf  # the one wake-up the clock holds for the earliest drain (inf: none)
         self.rate_updates = 0
         self.flows_started = 0
-        self._flying = 0  # flows in flight
+        self._in_flight: dict[Flow, None] = {}  # the flows in flight, in start order (which is ``seq`` order)
 
     # Routing -----------------------------------------------------------------------------------------------------
 
@@ -248,7 +248,7 @@ class FlowFabric:
         wide = np.asarray(edges, dtype=np.int64) if len(edges) >= WIDE else None
         flow = Flow(next(self._seq), edges, distinct, wide, nbytes, latency, arrived, remaining=float(nbytes),
                     since=now)
-        self._flying += 1
+        self._in_flight[flow] = None
         for e in edges:
             users = self.on_edge[e]
             if not users:
@@ -351,12 +351,12 @@ class FlowFabric:
         """The ``seeds`` still in flight, the flows on ``edges``, and every flow that shares an edge with them,
         transitively, in start order. An edge is walked once: seeding with a drained flow's edges, not with their
         flows, saves walking each of those edges again from every flow on it."""
-        flows = {flow for flow in seeds if flow in self.on_edge[flow.edges[0]]}  # one may have drained since
+        flows = {flow for flow in seeds if flow in self._in_flight}  # one may have drained since
         seen: set[int] = set(edges)
         for e in edges:
             flows |= self.on_edge[e]
-        stack = list(flows)
-        while stack and len(flows) < self._flying:  # once every flow in flight is in, there is nothing to find
+        stack, flying = list(flows), len(self._in_flight)
+        while stack and len(flows) < flying:  # once every flow in flight is in, there is nothing to find
             flow = stack.pop()
             for e in self._shared(flow):
                 if e not in seen:
@@ -364,8 +364,10 @@ class FlowFabric:
                     fresh = self.on_edge[e] - flows
                     flows |= fresh
                     stack.extend(fresh)
-                    if len(flows) == self._flying:
+                    if len(flows) == flying:
                         break
+        if len(flows) == flying:  # most solves of a wide run: every flow in flight, already in start order
+            return list(self._in_flight)
         return sorted(flows, key=lambda f: f.seq)  # a fixed order: the same floats, the same bytes of output
 
     def _shared(self, flow: Flow, others: int = 1) -> list[int]:
@@ -377,7 +379,7 @@ class FlowFabric:
 
     def _drained(self, clock: Clock, flow: Flow, now: int) -> None:
         flow.version += 1
-        self._flying -= 1
+        del self._in_flight[flow]
         for e in flow.distinct:  # once per edge: a lockstep flow may cross one twice, which is one busy span
             users = self.on_edge[e]
             users.discard(flow)

@@ -117,7 +117,7 @@ def test_flows_on_separate_links_do_not_slow_each_other_and_all_leave():
     starts = [(0, 1, 10**6, 0), (0, 1, 10**6, 0), (2, 3, 10**6, 500_000), (2, 3, 10**6, 500_000),
               (1, 0, 10**6, 1_000_000)]
     assert time_alone(network, starts) == {0: 2_000_000, 1: 2_000_000, 2: 2_500_000, 3: 2_500_000, 4: 2_000_000}
-    assert network.fabric._flying == 0 and not any(network.fabric.on_edge.values())
+    assert not network.fabric._in_flight and not any(network.fabric.on_edge.values())
 
 
 def test_a_flow_joining_two_on_a_shared_path_gets_its_share_once_the_walk_has_them_all():
@@ -196,7 +196,7 @@ def test_drains_due_together_leave_in_the_order_they_were_planned_across_solves(
     # flow 2: 1.5 MB by 1.5 ms, then halves with flow 3 (0.25 MB, done at 2 ms) and ends its last 0.25 MB alone
     assert ends == {1: 1_000_000, 0: 1_000_000, 3: 2_000_000, 2: 2_250_000}
     assert list(ends) == [1, 0, 3, 2]  # the order they arrived in
-    assert not network.fabric._drains and network.fabric._flying == 0
+    assert not network.fabric._drains and not network.fabric._in_flight
 
 
 def test_equal_cost_paths_are_spread_by_the_seed():
