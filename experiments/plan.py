@@ -94,9 +94,12 @@ def screen(request: PlanRequest, candidate: Candidate) -> Screened:
     if request.global_batch % step:
         return Screened(candidate, None, reason=f"global batch {request.global_batch} is not divisible by width x "
                                                 f"microbatch size = {step}")
+    from pipescope.runner import model_errors
+
     try:
         config = validated_config(request.base, candidate.overrides(request.global_batch))
-        return _bounded(candidate, Run(run_id(config), config, {}))
+        with model_errors(config):
+            return _bounded(candidate, Run(run_id(config), config, {}))
     except ConfigError as err:
         return Screened(candidate, None, reason=str(err))
 
@@ -508,7 +511,7 @@ def refine(screened: Screened) -> Screened:
     shared links and the all-reduces only delay ops whose order on each device is fixed; and the gradient
     reductions timed from that run (``_timed_reduction_floor``). That costs 10-120 ms; without faults only (jitter
     can make an op faster than its cost)."""
-    from pipescope.runner import prepare_checked
+    from pipescope.runner import model_errors, prepare_checked
     from pipescope.simulator.bounds import AloneTransfers
     from pipescope.simulator.faults import FaultsConfig
     from pipescope.simulator.ir import WeightUpdate
@@ -519,10 +522,14 @@ def refine(screened: Screened) -> Screened:
     schedule, config = built.schedule, built.config
     if schedule.weight_update is not WeightUpdate.FLUSH or config.faults != FaultsConfig():
         return dataclasses.replace(screened, refined=True)
-    network = built.network()
-    floor = AloneTransfers(network) if isinstance(network, RoutedNetwork) else None
-    replay = simulate(schedule, built.costs, floor)
-    makespan_s = max(replay.makespan_ns, _timed_reduction_floor(built, replay, network)) / 1e9
+    try:
+        with model_errors(config):
+            network = built.network()
+            floor = AloneTransfers(network) if isinstance(network, RoutedNetwork) else None
+            replay = simulate(schedule, built.costs, floor)
+            makespan_s = max(replay.makespan_ns, _timed_reduction_floor(built, replay, network)) / 1e9
+    except ConfigError:  # the candidate's own simulation says why, as an error row
+        return dataclasses.replace(screened, refined=True)
     bound = min(screened.bound_samples_per_s, built.samples_per_iteration / makespan_s)
     return dataclasses.replace(screened, bound_samples_per_s=bound, refined=True)
 

@@ -3,6 +3,8 @@ from a sweep's table, and predicted against measured from ``pipescope validate``
 
 from __future__ import annotations
 
+import math
+
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
@@ -19,7 +21,8 @@ from pipescope.simulator.result import SimResult
 SCHEDULE, MICROBATCHES, STAGES, REPLICAS = ("schedule.name", "schedule.microbatches", "schedule.stages",
                                             "cluster.data_parallel")
 PREDICTED_COLOR, MEASURED_COLOR = "#4C72B0", "#DD8452"
-GPUS = "stages x data_parallel"
+GPUS = "gpus"  # a sweep's table: every GPU the run used (pipeline devices x tensor x context, all replicas)
+SPLITS = (STAGES, REPLICAS, "parallel.tensor", "parallel.context")  # the ways one GPU count is split
 SWEEP_TABLE = "a sweep's table (pipescope sweep's results)"
 MAX_LINES = 40  # a legend beyond this is unreadable
 MODEL_KEYS = ("model.preset", "model.layers", "model.hidden", "model.heads", "model.seq", "model.vocab")
@@ -87,7 +90,10 @@ def _same(a: pd.Series, b: pd.Series) -> bool:
 
 
 def _text(value: object) -> str:
-    """A config value for a legend: 4, not 4.0 (a column with a failed run's gap reads as floats)."""
+    """A config value for a legend: 4, not 4.0 (a column with a failed run's gap reads as floats); a key left unset
+    (null, as a shard group over every replica) reads ``unset``, not pandas' ``<NA>``."""
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return "unset"
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
@@ -132,21 +138,21 @@ def bubble_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
 
 
 def throughput_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
-    """Throughput against GPUs (stages x data-parallel replicas), a line per schedule on log-log axes beside ideal
-    linear scaling from the best run at the fewest GPUs; where several splits of the same GPUs ran (4 stages x 2
-    replicas, 8 x 1), the best one's among those that fit in memory. A sweep of one GPU count is a bar per line."""
+    """Throughput against GPUs (every GPU a run used: the table's ``gpus``), a line per schedule on log-log axes
+    beside ideal linear scaling from the best run at the fewest GPUs; where several splits of the same GPUs ran (4
+    stages x 2 replicas, 8 x 1, tensor 2 x 4 replicas), the best one's among those that fit in memory. A sweep of
+    one GPU count is a bar per line."""
     frame = sweep_table(frame, SWEEP_COLUMNS["throughput"], SWEEP_TABLE)
     if "oom" in frame:  # a run that does not fit is no split anyone can use, however fast it would be
         frame = frame[~frame["oom"].astype(bool)]
         if frame.empty:
             raise ValueError("INPUT: every run is out of memory (oom), expected some that fit")
-    replicas = frame[REPLICAS] if REPLICAS in frame else 1
-    frame = frame.assign(**{GPUS: frame[STAGES] * replicas})  # a sweep's own ``gpus`` counts simulated devices only
-    lines = sweep_lines(frame, GPUS, "throughput_samples_per_s", (STAGES, REPLICAS), "max")
+    frame = frame.assign(**{GPUS: _gpus(frame)})
+    lines = sweep_lines(frame, GPUS, "throughput_samples_per_s", SPLITS, "max")
     counts = sorted(set(frame[GPUS]))
     if len(counts) == 1:
         return _bars_at_one_count(lines, counts[0], title)
-    fig, ax = _line_figure(lines, "GPUs (stages x data-parallel replicas)", "throughput (samples/s)",
+    fig, ax = _line_figure(lines, "GPUs", "throughput (samples/s)",
                            title or "throughput against GPUs (best split of each GPU count)")
     fewest = min(series.index.min() for series in lines.values())
     start = max(series.get(fewest, 0.0) for series in lines.values())
@@ -161,6 +167,18 @@ def throughput_figure(frame: pd.DataFrame, title: str | None = None) -> Figure:
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _gpus(frame: pd.DataFrame) -> pd.Series:
+    """Each run's GPUs: the table's own ``gpus`` where every row has it, else (a table without the column) the
+    product of the parallel widths it has."""
+    if GPUS in frame and frame[GPUS].notna().all():
+        return frame[GPUS].astype(int)
+    gpus = frame[STAGES]
+    for column in SPLITS[1:]:
+        if column in frame:
+            gpus = gpus * frame[column].fillna(1)
+    return gpus.astype(int)
 
 
 def _plain_log_labels(ax: plt.Axes, chooser: LogFormatter) -> FuncFormatter:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+from collections.abc import Iterator
 
 from pipescope.config import RANGES, Config, ConfigError, check_config
 from pipescope.simulator.costs import (
@@ -61,6 +63,22 @@ from pipescope.vocab_setup import apply_vocab
 MAX_MICROBATCH_STAGES = 500_000
 
 
+@contextlib.contextmanager
+def model_errors(config: Config) -> Iterator[None]:
+    """What the cost model, the gradient sync and the network refuse, as the ConfigError naming the key to change
+    (a run, the planner's bounds and its refinements alike)."""
+    try:
+        yield
+    except CostError as err:
+        offload = " (or cluster.host_memory_bandwidth: the offloaded step runs on the host)" \
+            if config.parallel.offloads_optimizer else ""
+        raise ConfigError(f"costs: {err}{offload}") from None
+    except SyncError as err:
+        raise ConfigError(str(err)) from None
+    except NetworkError as err:
+        raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything ``run`` builds before it simulates: the resolved config, the schedule, the cluster, the cost model
@@ -73,7 +91,8 @@ class Prepared:
     model: ModelSpec | None
 
     def stage_costs(self) -> list[StageCost]:
-        return stage_costs(self.costs, self.schedule)
+        with model_errors(self.config):
+            return stage_costs(self.costs, self.schedule)
 
     @property
     def samples_per_iteration(self) -> int:
@@ -149,7 +168,9 @@ def prepare_checked(config: Config) -> Prepared:
         _check_layers(config.model.layers or model.layers, schedule.pipeline_stages)
     config, schedule, costs = apply_vocab(config, schedule, costs, model)  # schedule.vocab (docs/schedules.md 7)
     if config.parallel.offloads_optimizer:
-        check_host_memory(config, cluster, device_params(schedule, stage_costs(costs, schedule)))
+        with model_errors(config):
+            params = device_params(schedule, stage_costs(costs, schedule))
+        check_host_memory(config, cluster, params)
     if not isinstance(config.costs, UniformCostsConfig):
         config = _with_layer_split(config, schedule.pipeline_stages)
     return Prepared(_with_what_ran(config, schedule), schedule, cluster, costs, model)
@@ -182,7 +203,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
                                    edge_unit_params=fsdp_unit_params(model, p.tensor, edge=True),
                                    host_rate=host.pcie_rate if host is not None else 0.0)
     sync = config.cluster.grad_sync(sharding)
-    try:
+    with model_errors(config):
         result = simulate(schedule, costs, network, samples_per_microbatch=config.model.microbatch_size,
                           data_parallel=config.cluster.data_parallel, grad_sync=sync,
                           faults=faults, memory_capacity_bytes=built.capacity,
@@ -193,12 +214,6 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
                           config=config, memory_runtime=config.memory.runtime,
                           memory_overheads=built.overheads,
                           host_cores=config.cluster.host_cores, progress=progress)
-    except CostError as err:
-        raise ConfigError(f"costs: {err}") from None
-    except SyncError as err:
-        raise ConfigError(str(err)) from None
-    except NetworkError as err:
-        raise ConfigError(f"faults.failed_links: {err}; expected a topology where every transfer has a route") from None
     result.warnings.extend(_idle_settings(config))
     result.kernels = costs.kernel_report(schedule.pipeline_stages)
     result.cluster_name = cluster.name

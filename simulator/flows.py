@@ -47,6 +47,10 @@ class NetworkError(ValueError):
         super().__init__(message)
         self.flow = flow
 
+    def __reduce__(self) -> tuple:
+        """Rebuilt with its flow where a worker process sends it back (the default passes the message alone)."""
+        return type(self), (str(self), self.flow)
+
 
 def max_min_rates(paths: Sequence[Sequence[int]], capacity: Sequence[float]) -> list[float]:
     """Max-min fair rates of flows over directed edges (progressive filling).

@@ -117,3 +117,23 @@ def test_the_table_headline_names_every_parallel_width() -> None:
     sets = ["schedule.stages=2", "schedule.microbatches=2", "cluster.data_parallel=2"]
     assert table(run(load_config(None, sets))).splitlines()[0].startswith("1f1b: p=2 m=2 v=1 w=2  weight update")
     assert " w=" not in table(run(load_config(None, sets[:2]))).splitlines()[0]
+
+
+def test_what_the_model_refuses_is_one_line_in_the_planner_and_under_offload(cli, tmp_path) -> None:
+    """A failed link broke the planner's worker pool (its NetworkError could not be sent back) and an op past the
+    time limit under offload was a traceback; each is now the one line simulate gives."""
+    import pickle
+
+    from pipescope.simulator.flows import NetworkError
+
+    assert pickle.loads(pickle.dumps(NetworkError("no route", 3))).flow == 3
+    failed = "faults.failed_links=n0.gpu0-n0.nvswitch0, n0.gpu0-n0.pcie0, n0.gpu0-n0.nic0"
+    code, _, err = cli(["plan", "--global-batch", "8", "--schedules", "1f1b", "--tensor", "1", "--recompute", "none",
+                        "--depths", "2", "--set", failed, "--no-progress", "--workers", "1"])
+    assert code == 2 and err.startswith("pipescope: error: faults.failed_links: no route") and "Traceback" not in err
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 1048576, "n_head": 1,
+                                "n_positions": 16777216, "vocab_size": 16777216}))
+    code, _, err = cli(["simulate", "--set", f"model.from_hf={huge}", "--stages", "1", "--set",
+                        "parallel.offload=optimizer"])
+    assert code == 2 and err.startswith("pipescope: error: costs: an op would take") and "host_memory_bandwidth" in err

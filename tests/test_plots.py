@@ -516,3 +516,27 @@ def test_a_timelines_other_columns_are_never_read(files: dict[str, Path], tmp_pa
     assert len(run_from_timeline(str(path), None).ops) == len(run_from_timeline(str(files["t.parquet"]), None).ops)
     with pytest.raises(ValueError, match="unpacks to"):
         plots_inputs.read_table(str(path), ("device",), "a table")
+
+
+def test_throughput_counts_every_gpu_a_run_used_and_an_unset_key_reads_unset() -> None:
+    """Runs that split 8 GPUs as tensor 1, 2, 4 x 4, 2, 1 replicas were drawn at 2, 4 and 8 GPUs (stages x replicas),
+    with an ideal line that made equal GPU counts look like poor scaling; a null shard group read '<NA>'."""
+    frame = pd.DataFrame({"schedule.name": ["1f1b"] * 4, "schedule.stages": [2, 2, 2, 2],
+                          "parallel.tensor": [1, 2, 4, 4], "cluster.data_parallel": [4, 2, 1, 2],
+                          "gpus": [8, 8, 8, 16], "throughput_samples_per_s": [50.0, 54.0, 40.0, 90.0],
+                          "parallel.shard_group": pd.array([pd.NA, pd.NA, pd.NA, pd.NA], dtype="Int64"),
+                          "parallel.zero": [0, 0, 0, 0]})
+    fig = throughput_figure(frame)
+    try:
+        line, ideal = fig.axes[0].lines
+        assert list(line.get_xdata()) == [8, 16] and list(line.get_ydata()) == [54.0, 90.0]  # the best split of 8
+        assert fig.axes[0].get_xlabel() == "GPUs"
+    finally:
+        plt.close(fig)
+    grouped = pd.concat([frame, frame.assign(**{"parallel.shard_group": pd.array([2] * 4, dtype="Int64")})])
+    fig = throughput_figure(grouped)
+    try:
+        labels = {line.get_label() for line in fig.axes[0].lines}
+        assert "1f1b (shard_group=unset)" in labels and not any("<NA>" in label for label in labels)
+    finally:
+        plt.close(fig)
