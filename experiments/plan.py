@@ -43,6 +43,7 @@ from pipescope.experiments.plan_space import (
     candidates,
     check_request,
     config_fixed,
+    config_fixed_not_for,
     file_keys_searched,
     planned_cluster,
 )
@@ -86,6 +87,8 @@ class PlanReport:
     would_fit: dict[str, Any] | None = None  # nothing fits: what would (``_what_would_fit``)
     file_keys_searched: dict[str, Any] = field(default_factory=dict)  # base keys every candidate set for itself
     config_fixed: dict[str, Any] = field(default_factory=dict)  # base parallel keys every candidate ran with
+    config_fixed_not_for: list[str] = field(default_factory=list)  # schedules that ran without its ZeRO/offload
+    warnings: list[str] = field(default_factory=list)  # what the plan ran with that it doubts (a cap above the GPU's)
 
 
 def screen(request: PlanRequest, candidate: Candidate) -> Screened:
@@ -318,7 +321,7 @@ def plan(request: PlanRequest, executor: Executor | None = None, workers: int | 
     """
     started = time.perf_counter()
     check_request(request)
-    gpus, planned_for = planned_cluster(request.base)
+    gpus, planned_for, warnings = planned_cluster(request.base)
     points = candidates(request, gpus)
     workers = workers or len(os.sched_getaffinity(0))
     pool = executor or process_pool(workers)
@@ -334,7 +337,7 @@ def plan(request: PlanRequest, executor: Executor | None = None, workers: int | 
     return PlanReport(ranked, rejected, gpus, len(points), simulated, time.perf_counter() - started,
                       best=ranked[0] if ranked else None, planned_for=planned_for,
                       file_keys_searched=file_keys_searched(request), config_fixed=config_fixed(request),
-                      would_fit=would_fit)
+                      config_fixed_not_for=config_fixed_not_for(request), would_fit=would_fit, warnings=warnings)
 
 
 NODE_FACTORS = (1, 2, 4, 8, 16, 32, 64)  # the cluster's nodes times these, tried in turn when nothing fits
@@ -363,7 +366,7 @@ def _what_would_fit(pool: Executor, request: PlanRequest, workers: int, progress
         base.setdefault("cluster", {})["nodes"] = nodes * factor
         wider = dataclasses.replace(request, base=base, top=1, zero=_and_zero_3(request.zero), **LEAST_MEMORY)
         try:
-            gpus, _ = planned_cluster(base)
+            gpus, _, _ = planned_cluster(base)
         except ConfigError:  # a topology of fixed size, say: no more nodes to try
             return None
         # ZeRO-3 where the schedules run it (2BW and PipeDream do not), else the search as asked
@@ -389,7 +392,7 @@ def _fits_sharded(pool: Executor, request: PlanRequest, workers: int) -> dict[st
     if request.zero is not None and 3 in request.zero:
         return None
     sharded = dataclasses.replace(request, top=1, zero=(3,), **LEAST_MEMORY)
-    gpus, _ = planned_cluster(sharded.base)
+    gpus, _, _ = planned_cluster(sharded.base)
     points = [c for c in _points_or_none(sharded, gpus) if c.zero == 3]
     if not points:  # no schedule or width of the search runs ZeRO-3
         return None

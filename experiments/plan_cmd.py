@@ -196,7 +196,8 @@ def as_json(report: PlanReport) -> dict:
     return {"best": report.best, "ranked": report.ranked, "rejected": report.rejected, "gpus": report.gpus,
             "candidates": report.candidates, "simulated": report.simulated, "plan_wall_s": report.wall_s,
             "planned_for": report.planned_for, "file_keys_searched": report.file_keys_searched,
-            "config_fixed": report.config_fixed,
+            "config_fixed": report.config_fixed, "config_fixed_not_for": report.config_fixed_not_for,
+            "warnings": report.warnings,
             "would_fit": report.would_fit}
 
 
@@ -204,12 +205,16 @@ def summary(report: PlanReport, top: int) -> str:
     """The ranked table, then rejections grouped by reason."""
     lines = [f"plan: {report.planned_for}: {counted(report.candidates, 'candidate')}, {report.simulated} simulated, "
              f"{len(report.ranked)} fit, {len(report.rejected)} rejected; {format_time(report.wall_s)}"]
+    lines += [f"warning: {warning}" for warning in report.warnings]
     if report.file_keys_searched:
         lines.append("not used from the config (the search sets them): " + ", ".join(
             f"{key}={value}" for key, value in report.file_keys_searched.items()))
     if report.config_fixed:
+        exempt = report.config_fixed_not_for
         lines.append("every plan runs with, from the config: " + ", ".join(
-            f"{key}={value}" for key, value in report.config_fixed.items()))
+            f"{key}={value}" for key, value in report.config_fixed.items())
+            + (f" (its ZeRO, HSDP and offload not in {' and '.join(exempt)} plans, which step without a flush)"
+               if exempt else ""))
     if report.best is None:
         lines += ["nothing fits: every candidate was rejected (reasons below)", *_nothing_fits(report)]
     else:

@@ -133,9 +133,10 @@ def _flushes(schedule: str) -> bool:
     return "iterations" not in named_generator(schedule).options
 
 
-def planned_cluster(base: dict[str, Any]) -> tuple[int, str]:
-    """(GPUs, what is planned for: ``gpt-355m on 2 x dgx-a100, 16 a100 GPUs``) of the base config's model on its
-    topology x nodes; ConfigError naming the key if it cannot be built."""
+def planned_cluster(base: dict[str, Any]) -> tuple[int, str, list[str]]:
+    """(GPUs, what is planned for: ``gpt-355m on 2 x dgx-a100, 16 a100 GPUs``, warnings: a memory cap above the
+    GPU's) of the base config's model on its topology x nodes; ConfigError naming the key if it cannot be built."""
+    from pipescope.runner import memory_above_gpu
     from pipescope.topologies.cluster import gpu_nodes
     from pipescope.topologies.topology_io import load_topology
 
@@ -146,7 +147,9 @@ def planned_cluster(base: dict[str, Any]) -> tuple[int, str]:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     gpus = len(gpu_nodes(graph))
-    return gpus, f"{config.model.label} on {cluster.nodes} x {cluster.topology}, {gpus} {graph.graph['device']} GPUs"
+    warnings = [w for w in (memory_above_gpu(config, graph),) if w]
+    return gpus, (f"{config.model.label} on {cluster.nodes} x {cluster.topology}, {gpus} {graph.graph['device']} "
+                  f"GPUs"), warnings
 
 
 def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
@@ -173,8 +176,8 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
         raise ConfigError(f"depths: got {list(request.depths)}, expected some of {depths} (the depths that use all "
                           f"{gpus} GPUs at tensor width {','.join(map(str, tensors))})")
     for key in ("offload", "zero"):  # sharding and offload run with flush schedules and replicas only
-        asked = getattr(request, key)
-        if asked is not None and any(c.depth > 1 for c in _points(replace(request, **{key: None}), gpus)):
+        asked, without = getattr(request, key), _points(replace(request, **{key: None}), gpus)
+        if asked is not None and (any(c.depth > 1 for c in without) or (without and not out)):
             raise ConfigError(f"{key}: got {list(asked)}, expected a setting these schedules and widths run (ZeRO and "
                               f"offload need a schedule with a flush and replicas; offload parameters needs zero 3)")
     raise ConfigError(f"vocab: got {list(request.vocab)}, expected a method these schedules and widths run "
@@ -410,6 +413,17 @@ def config_fixed(request: PlanRequest) -> dict[str, Any]:
              "parallel.offload": p.offload if request.offload is None and p.offload != "none" else None,
              "parallel.context": p.context if request.context is None and p.context > 1 else None}
     return {key: value for key, value in fixed.items() if value is not None}
+
+
+FLUSH_ONLY_KEYS = ("parallel.zero", "parallel.shard_group", "parallel.offload")  # a shard or host step per flush
+
+
+def config_fixed_not_for(request: PlanRequest) -> list[str]:
+    """The searched schedules that run without the config's fixed ZeRO, HSDP or offload (``config_fixed``): those
+    that step without a flush (2BW, PipeDream) have no one step an iteration to shard or send to the host."""
+    if not any(key in FLUSH_ONLY_KEYS for key in config_fixed(request)):
+        return []
+    return [name for name in request.schedules if not _flushes(name)]
 
 
 def file_keys_searched(request: PlanRequest) -> dict[str, Any]:

@@ -7,6 +7,8 @@ import dataclasses
 import importlib.util
 from collections.abc import Iterator
 
+import networkx as nx
+
 from pipescope.config import RANGES, Config, ConfigError, check_config
 from pipescope.simulator.costs import (
     AnalyticCosts,
@@ -50,9 +52,9 @@ from pipescope.simulator.routed import IdleTimes
 from pipescope.simulator.schedules import ALIASES, GENERATORS, build_schedule, generator
 from pipescope.simulator.schedules.pipedream import DEFAULT_ITERATIONS
 from pipescope.simulator.simulate import simulate
-from pipescope.simulator.readers.units import short_repr
+from pipescope.simulator.readers.units import format_bytes, short_repr
 
-from pipescope.topologies.cluster import Cluster
+from pipescope.topologies.cluster import Cluster, gpu_memory_bytes
 from pipescope.topologies.devices import DeviceSpec
 from pipescope.topologies.graphs import topology_names
 from pipescope.offload_setup import check_host_memory, check_offload, host_offload
@@ -215,6 +217,9 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
                           memory_overheads=built.overheads,
                           host_cores=config.cluster.host_cores, progress=progress)
     result.warnings.extend(_idle_settings(config))
+    above = memory_above_gpu(config, cluster.graph)
+    if above:
+        result.warnings.append(above)
     result.kernels = costs.kernel_report(schedule.pipeline_stages)
     result.cluster_name = cluster.name
     result.gpus_per_device = config.parallel.gpus_per_device
@@ -419,6 +424,16 @@ def _check_shard_group(config: Config) -> None:
     if width % group:
         raise ConfigError(f"parallel.shard_group: got {group}, expected a divisor of cluster.data_parallel "
                           f"(={width}): each shard group holds one whole set of shards")
+
+
+def memory_above_gpu(config: Config, graph: nx.DiGraph) -> str | None:
+    """A warning where ``cluster.memory`` is above what the machine's GPU has (out of memory is then judged against
+    a memory no GPU of the machine holds), else None."""
+    cap, has = config.cluster.memory, gpu_memory_bytes(graph)
+    if cap is None or isinstance(config.costs, UniformCostsConfig) or cap <= has:
+        return None
+    return (f"cluster.memory {format_bytes(cap)} is above the {format_bytes(has)} each {graph.graph['device']} of "
+            f"{config.cluster.topology} has: out of memory is judged against {format_bytes(cap)}")
 
 
 def _idle_settings(config: Config) -> list[str]:

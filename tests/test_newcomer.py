@@ -137,3 +137,17 @@ def test_what_the_model_refuses_is_one_line_in_the_planner_and_under_offload(cli
     code, _, err = cli(["simulate", "--set", f"model.from_hf={huge}", "--stages", "1", "--set",
                         "parallel.offload=optimizer"])
     assert code == 2 and err.startswith("pipescope: error: costs: an op would take") and "host_memory_bandwidth" in err
+
+
+def test_a_memory_cap_above_the_gpus_is_said_in_simulate_and_plan(cli) -> None:
+    """A cap above the GPU's memory judged out-of-memory against memory no GPU has, silently (a plan at 175 GiB
+    a GPU on 80 GiB H100s)."""
+    warning = ("cluster.memory 300.00 GiB is above the 80.00 GiB each a100 of dgx-a100 has: out of memory is judged "
+               "against 300.00 GiB")
+    result = run(load_config(None, ["cluster.topology=dgx-a100", "cluster.memory=300GiB"]))
+    assert warning in result.warnings
+    assert not any("is above the" in w for w in run(load_config(None, ["cluster.memory=40GiB"])).warnings)
+    code, out, _ = cli(["plan", "--model", "gpt-355m", "--topology", "dgx-a100", "--global-batch", "16", "--schedules",
+                        "1f1b", "--tensor", "1", "--recompute", "none", "--microbatch-sizes", "2", "--vocab", "naive",
+                        "--memory-cap", "300GiB", "--no-progress", "--workers", "1", "--json"])
+    assert code == 0 and json.loads(out)["warnings"] == [warning]

@@ -538,3 +538,16 @@ def test_the_planner_refuses_shard_groups_that_split_no_candidates_replicas(cli)
     assert any(c.shard_group == 2 for c in candidates(dataclasses.replace(request, shard_groups=(3, 2)), 8))
     code, _, err = cli(["plan", "--global-batch", "8", "--zero", "3", "--shard-groups", "3", "--no-progress"])
     assert code == 2 and err.startswith("pipescope: error: --shard-groups: got [3], expected a group size")
+
+
+def test_the_planner_names_zero_where_one_replica_leaves_it_nothing_and_says_which_plans_ran_without_it(cli) -> None:
+    """Tensor 8 on 8 GPUs leaves one replica: the refusal blamed --vocab, never passed. A config's ZeRO applies to
+    flush schedules only, and the line that says every plan runs with it now says which did not."""
+    code, _, err = cli(["plan", "--model", "llama2-7b", "--global-batch", "8", "--schedules", "1f1b", "--tensor", "8",
+                        "--zero", "1", "--no-progress", "--workers", "1"])
+    assert code == 2 and err.startswith("pipescope: error: --zero: got [1], expected a setting these schedules")
+    code, out, _ = cli(["plan", "--model", "gpt-355m", "--topology", "dgx-a100", "--global-batch", "16", "--schedules",
+                        "1f1b,2bw", "--tensor", "1", "--recompute", "none", "--microbatch-sizes", "2", "--vocab",
+                        "naive", "--set", "parallel.zero=1", "--no-progress", "--workers", "1", "--json"])
+    report = json.loads(out)
+    assert code == 0 and report["config_fixed"] == {"parallel.zero": 1} and report["config_fixed_not_for"] == ["2bw"]

@@ -31,6 +31,11 @@ CLUSTER_FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "host_memory_bandwidth": (1e6, 1e15)}
 
 
+def gpu_memory_bytes(graph: nx.DiGraph) -> int:
+    """The GPU memory of a machine's graph (a topology may override the datasheet's: p3.16xlarge has 16 GB V100s)."""
+    return int(graph.graph.get("memory_bytes") or DEVICES[graph.graph["device"]].memory_bytes)
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """The ``cluster`` section: the machine, how many of them on which fabric, data parallelism and placement.
@@ -121,8 +126,7 @@ class Cluster:
 
     @property
     def memory_bytes(self) -> int:
-        """The GPU memory of this machine (a topology may override the datasheet's: p3.16xlarge has 16 GB V100s)."""
-        return int(self.graph.graph.get("memory_bytes") or self.device_spec.memory_bytes)
+        return gpu_memory_bytes(self.graph)
 
     def network(self, seed: int = 0, algorithm: str = "auto", faults: FaultsConfig | None = None) -> RoutedNetwork:
         """Routed, fair-shared flows between the placed devices, with the link faults applied; under tensor
