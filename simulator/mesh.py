@@ -119,12 +119,14 @@ class Sharding:
     def in_flight(self, nbytes: int, state: str, per_param: int, edge: bool = False) -> int:
         """What an op holds whole of ``nbytes`` of ``state`` (``per_param`` bytes a parameter) beside its shard: the
         units in flight (``prefetch + 1`` of weights, 2 of gradients), or all of it (``gathered``) when the stage is
-        smaller or there are no units. Its largest unit is a block, or on an ``edge`` stage (the first or the last)
-        the embedding or output layer where larger."""
+        smaller or there are no units. The units are blocks; on an ``edge`` stage (the first or the last) one of them
+        may be the embedding or the output layer, where larger: it and the blocks beside it, not two of it (a stage
+        holds one)."""
         whole = self.gathered(nbytes, state)
         units = self.prefetch + 1 if state == "weights" else 2
-        unit = max(self.unit_params, self.edge_unit_params) if edge else self.unit_params
-        return min(whole, units * unit * per_param) if self.unit_params else whole
+        largest = max(self.unit_params, self.edge_unit_params) if edge else self.unit_params
+        held = largest + (units - 1) * self.unit_params
+        return min(whole, held * per_param) if self.unit_params else whole
 
 
 NO_SHARDING = Sharding()
