@@ -19,7 +19,8 @@ def _headline(result: SimResult) -> str:
     s, m, c = result.schedule, config.model, config.cluster
     costs = config.costs.kind
     uniform = costs is CostKind.UNIFORM
-    model = "uniform costs" if uniform else f"{m.label} mb={m.microbatch_size} {m.precision} ({costs})"
+    seq = f" s={result.tokens_per_sample}" if result.tokens_per_sample else ""  # a from_hf file's own length too
+    model = "uniform costs" if uniform else f"{m.label}{seq} mb={m.microbatch_size} {m.precision} ({costs})"
     return (f"{s.name}: p={s.num_devices} m={s.num_microbatches} v={s.chunks}"
             f"{_options(config)}  weight update {s.weight_update}  {model}  "
             f"on {_cluster(result)} x{c.nodes}")

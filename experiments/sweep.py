@@ -48,7 +48,7 @@ from pipescope.config import (PARALLEL_SPELLINGS, Config, ConfigError, _merge, c
 from pipescope.runner import run
 from pipescope.simulator.costs import UniformCostsConfig
 from pipescope.simulator.readers.files import write_atomic
-from pipescope.simulator.models import SHAPE_KEYS
+from pipescope.simulator.models import SPEC_KEYS
 from pipescope.simulator.result import SimResult
 from pipescope.simulator.schedules import named_generator
 from pipescope.simulator.readers.units import short_repr
@@ -273,7 +273,8 @@ def _run_row(item: Run) -> dict[str, Any]:
 
 def resolved_columns(item: Run, result: SimResult) -> dict[str, Any]:
     """The run's config columns, each it left unset filled in with what ran: the precision, layer split, preset and
-    schedule size ``run`` resolved, the schedule's iterations, and the model's shape (not read under uniform costs).
+    schedule size ``run`` resolved, the schedule's iterations, and the model's shape and architecture (family, key/value
+    heads, MLP width: a ``from_hf`` run's too; not read under uniform costs).
     A value the run overrode stays as asked (a profile's own precision: the run warns), so a row is its run's
     columns with only the nulls filled, which ``row_ok`` checks."""
     ran, s = config_columns(result.config), result.schedule
@@ -281,7 +282,8 @@ def resolved_columns(item: Run, result: SimResult) -> dict[str, Any]:
             "schedule.chunks": s.chunks, "iterations": s.iterations}
     if not isinstance(result.config.costs, UniformCostsConfig):
         spec = result.config.model.spec()
-        ran |= {f"model.{key}": getattr(spec, key) for key in SHAPE_KEYS}
+        ran |= {f"model.{key}": getattr(spec, key) for key in SPEC_KEYS}
+        ran |= {"model.kv_heads": spec.kv_heads or spec.heads, "model.ffn_hidden": spec.ffn}  # None: as GPT's
     return {key: ran.get(key) if value is None else value for key, value in item.columns.items()}
 
 

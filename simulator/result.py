@@ -178,6 +178,7 @@ class SimResult:
             "weight_update": s.weight_update,
             "recompute": _recompute(self.config, s),
             "layers_per_stage": _layer_split(self.config),
+            **_what_ran(self.config, self.tokens_per_sample),
             "iteration_time_s": self.iteration_time_s,
             "fill_drain_s": self.fill_drain_ns / 1e9,
             "makespan_s": self.makespan_ns / 1e9,
@@ -210,6 +211,21 @@ class SimResult:
             "links": self.links,
             "kernels": self.kernels,
         }
+
+
+PARALLEL_KEYS = ("tensor", "sequence", "tp_comm_overlap", "context", "context_comm", "shard_group",
+                 "reshard_after_forward", "zero_prefetch", "offload")
+
+
+def _what_ran(config: Any, seq: int | None) -> dict[str, Any]:
+    """The model, machine and parallel layout a run's config gave it, as its text headline says them (empty for a
+    run built without a config): ``parallel.zero`` is the stage that ran (1 under ``distributed_optimizer``)."""
+    if config is None:
+        return {}
+    m, c, p = config.model, config.cluster, config.parallel
+    return {"model": {"name": m.label, "seq": seq, "microbatch_size": m.microbatch_size, "precision": m.precision},
+            "cluster": {"topology": c.topology, "nodes": c.nodes},
+            "parallel": {"zero": p.zero_stage, **{key: getattr(p, key) for key in PARALLEL_KEYS}}}
 
 
 def _recompute(config: Any, schedule: Schedule) -> str:

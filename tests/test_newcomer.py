@@ -151,3 +151,22 @@ def test_a_memory_cap_above_the_gpus_is_said_in_simulate_and_plan(cli) -> None:
                         "1f1b", "--tensor", "1", "--recompute", "none", "--microbatch-sizes", "2", "--vocab", "naive",
                         "--memory-cap", "300GiB", "--no-progress", "--workers", "1", "--json"])
     assert code == 0 and json.loads(out)["warnings"] == [warning]
+
+
+def test_the_json_says_the_layout_that_ran_and_the_headline_the_sequence_length(cli, tmp_path) -> None:
+    """--json had no tensor, context, ZeRO, model or topology: only gpus, from which no one can tell the split; a
+    from_hf file's 131,072-token sequence ran unseen in the headline."""
+    code, out, _ = cli(["simulate", "--set", "parallel.tensor=2", "--set", "parallel.context=2", "--set",
+                        "parallel.distributed_optimizer=true", "--set", "cluster.data_parallel=2", "--set",
+                        "cluster.nodes=4", "--json"])
+    report = json.loads(out)
+    assert code == 0 and report["parallel"]["tensor"] == 2 and report["parallel"]["context"] == 2
+    assert report["parallel"]["zero"] == 1 and report["cluster"] == {"topology": "dgx-h100", "nodes": 4}
+    assert report["model"]["name"] == "gpt-1.3b" and report["model"]["seq"] == 1024
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 1024,
+                                  "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 2816,
+                                  "vocab_size": 32000, "max_position_embeddings": 8192, "hidden_act": "silu",
+                                  "tie_word_embeddings": False}))
+    code, out, _ = cli(["simulate", "--set", f"model.from_hf={config}", "--stages", "2"])
+    assert code == 0 and " s=8192 mb=" in out.splitlines()[0]

@@ -465,3 +465,18 @@ def test_an_error_without_a_message_is_still_an_error_row() -> None:
     assert sweep.one_line(RuntimeError()) == "RuntimeError" and sweep.one_line(ValueError("  ")) == "ValueError"
     row = sweep._row("id", {}, None, sweep.one_line(KeyError()), 0.1)
     assert (row["status"], row["error"]) == ("error", "KeyError")
+
+
+def test_a_from_hf_runs_row_names_its_architecture(tmp_path) -> None:
+    """The table left model.family, kv_heads and ffn_hidden empty for a from_hf run: with no preset, a reader could
+    not tell the model apart from a GPT of the same shape."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 1024,
+                                  "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 2816,
+                                  "vocab_size": 32000, "max_position_embeddings": 2048, "hidden_act": "silu",
+                                  "tie_word_embeddings": False}))
+    plan = expand({"model": {"from_hf": str(config)}, "schedule": {"stages": 2}, "sweep": {"schedule.microbatches": [4]}})
+    row = sweep._run_row(plan.runs[0])
+    assert row["status"] == "ok", row["error"]
+    assert (row["model.family"], row["model.kv_heads"], row["model.ffn_hidden"], row["model.seq"]) == (
+        "llama", 2, 2816, 2048)
