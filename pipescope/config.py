@@ -468,7 +468,26 @@ def _spelled_tree(path: str | None, sets: list[str], raw: dict | None) -> tuple[
         else:
             spelled.pop(dotted, None)  # the value is now this key's, under its own name
         _merge(tree, key, value)
+    _check_zero_spellings(tree)
     return tree, spelled
+
+
+def _check_zero_spellings(tree: dict) -> None:
+    """ConfigError where the parallel section gives ``distributed_optimizer: true`` (the older spelling of
+    ``zero: 1``) beside another ZeRO stage: one of the two would be dropped silently. A value neither reads as is
+    left to the section's build, which names it."""
+    section = tree.get("parallel")
+    if not isinstance(section, dict) or "zero" not in section or "distributed_optimizer" not in section:
+        return
+    try:
+        zero = _convert_scalar("parallel.zero", int, section["zero"], None)
+        older = _convert_scalar("parallel.distributed_optimizer", bool, section["distributed_optimizer"], None)
+    except ValueError:
+        return
+    if older and zero != 1:
+        raise ConfigError(f"parallel.distributed_optimizer: got true beside parallel.zero {zero}, expected one of "
+                          f"them (distributed_optimizer is the older spelling of zero: 1)",
+                          key="parallel.distributed_optimizer")
 
 
 def _hold_at_home(tree: dict) -> dict[str, str]:

@@ -565,3 +565,15 @@ def test_the_planner_names_zero_where_one_replica_leaves_it_nothing_and_says_whi
                         "naive", "--set", "parallel.zero=1", "--no-progress", "--workers", "1", "--json"])
     report = json.loads(out)
     assert code == 0 and report["config_fixed"] == {"parallel.zero": 1} and report["config_fixed_not_for"] == ["2bw"]
+
+
+def test_the_older_spelling_beside_another_stage_is_refused_not_dropped() -> None:
+    """distributed_optimizer: true beside zero: 0 ran ZeRO-1 silently; beside zero: 1 it says the same thing."""
+    with pytest.raises(ConfigError, match=r"^parallel.distributed_optimizer: got true beside parallel.zero 0, "
+                                          r"expected one of them \(distributed_optimizer is the older spelling of "
+                                          r"zero: 1\)$"):
+        load_config(None, ["parallel.zero=0", "parallel.distributed_optimizer=true"])
+    with pytest.raises(ConfigError, match=r"got true beside parallel.zero 3"):
+        load_config(None, [], raw={"parallel": {"zero": 3, "distributed_optimizer": "yes"}})
+    assert load_config(None, ["parallel.zero=1", "parallel.distributed_optimizer=true"]).parallel.zero_stage == 1
+    assert load_config(None, ["parallel.zero=2", "parallel.distributed_optimizer=false"]).parallel.zero_stage == 2
