@@ -130,7 +130,11 @@ def parse_ranks(text: str | None, gpus: int) -> list[int]:
         if high >= gpus:
             raise ValueError(f"--ranks: {part.strip()!r} is not within 0-{gpus - 1}, the GPUs of this topology")
         ranks += range(low, high + 1)
-    if len(set(ranks)) != len(ranks) or len(ranks) < 2:
+    seen: set[int] = set()
+    twice = next((rank for rank in ranks if rank in seen or seen.add(rank)), None)  # set.add returns None
+    if twice is not None:
+        raise ValueError(f"--ranks: got {short_repr(text)}, which names rank {twice} twice; expected each rank once")
+    if len(ranks) < 2:
         raise ValueError(f"--ranks: got {short_repr(text)}, expected at least 2 distinct ranks")
     return ranks
 

@@ -285,27 +285,32 @@ def _ranked_table(rows: list[dict]) -> str:
     # a column only where the axis was searched
     zero, offload, hsdp, cp = (any(r.get(key) is not None for r in rows)
                                for key in ("zero", "offload", "shard_group", "context"))
-    head = (f"{'#':>3} {'schedule':<12}{'t':>3}{'sp':>4}" + (f"{'cp':>4}" if cp else "") + f"{'w':>4}{'d':>4}"
-            + (f"{'ZeRO':>5}" if zero else "")
-            + (f"{'offload':>8}" if offload else "") + (f"{'HSDP':>5}" if hsdp else "")
-            + f"{'mb':>4}{'m':>5} {'recompute':<10}"
-            f"{'vocab':<13}{'samples/s':>10}{'tokens/s':>10}{'TFLOP/s':>8}{'MFU':>7}{'iteration':>12}{'peak GiB':>9}"
-            f"{'bubble':>7}"
-            + (f"{'to train':>12}" if goal else "") + (f"{'cost':>12}" if priced else ""))
-    body = [f"{i:>3} {r['schedule']:<12}{r['tensor']:>3}{'yes' if r['sequence'] else '-':>4}"
-            + (f"{r['context']:>4}" if cp else "") + f"{r['width']:>4}{r['depth']:>4}"
-            + (f"{r['zero']:>5}" if zero else "")
-            + (f"{OFFLOAD_COLUMN.get(r['offload'], '-'):>8}" if offload else "")
-            + (f"{r['shard_group'] or '-':>5}" if hsdp else "")
-            + f"{r['microbatch_size']:>4}{r['microbatches']:>5} {r['recompute']:<10}"
-            f"{r['vocab']:<13}{r['throughput_samples_per_s']:>10.1f}{_or_dash(r['tokens_per_s'], format_count):>10}"
-            f"{_or_dash(r['tflops_per_gpu'], '{:.1f}'.format):>8}{_or_dash(r['mfu'], '{:.1%}'.format):>7}"
-            f"{format_time(r['iteration_time_s']):>12}"
-            f"{r['peak_memory_bytes'] / 2**30:>9.2f}{r['bubble_rate']:>7.1%}"
-            + (f"{_or_dash(r['time_to_train_s'], format_duration):>12}" if goal else "")
-            + (f"{_or_dash(r['cost'], '{:,.0f}'.format):>12}" if priced else "")
-            for i, r in enumerate(rows, 1)]
-    return "\n".join([head, *body])
+    # (title, usual width, alignment, cell); a left-aligned column's cells start with the space that separates it
+    columns = [("#", 3, ">", lambda i, r: i), (" schedule", 13, "<", lambda i, r: f" {r['schedule']}"),
+               ("t", 3, ">", lambda i, r: r["tensor"]), ("sp", 4, ">", lambda i, r: "yes" if r["sequence"] else "-")]
+    columns += [("cp", 4, ">", lambda i, r: r["context"])] if cp else []
+    columns += [("w", 4, ">", lambda i, r: r["width"]), ("d", 4, ">", lambda i, r: r["depth"])]
+    columns += [("ZeRO", 5, ">", lambda i, r: r["zero"])] if zero else []
+    columns += [("offload", 8, ">", lambda i, r: OFFLOAD_COLUMN.get(r["offload"], "-"))] if offload else []
+    columns += [("HSDP", 5, ">", lambda i, r: r["shard_group"] or "-")] if hsdp else []
+    columns += [("mb", 4, ">", lambda i, r: r["microbatch_size"]), ("m", 5, ">", lambda i, r: r["microbatches"]),
+                (" recompute", 11, "<", lambda i, r: f" {r['recompute']}"),
+                ("vocab", 13, "<", lambda i, r: r["vocab"]),
+                ("samples/s", 10, ">", lambda i, r: f"{r['throughput_samples_per_s']:.1f}"),
+                ("tokens/s", 10, ">", lambda i, r: _or_dash(r["tokens_per_s"], format_count)),
+                ("TFLOP/s", 8, ">", lambda i, r: _or_dash(r["tflops_per_gpu"], "{:.1f}".format)),
+                ("MFU", 7, ">", lambda i, r: _or_dash(r["mfu"], "{:.1%}".format)),
+                ("iteration", 12, ">", lambda i, r: format_time(r["iteration_time_s"])),
+                ("peak GiB", 9, ">", lambda i, r: f"{r['peak_memory_bytes'] / 2**30:.2f}"),
+                ("bubble", 7, ">", lambda i, r: f"{r['bubble_rate']:.1%}")]
+    columns += [("to train", 12, ">", lambda i, r: _or_dash(r["time_to_train_s"], format_duration))] if goal else []
+    columns += [("cost", 12, ">", lambda i, r: _or_dash(r["cost"], "{:,.0f}".format))] if priced else []
+    cells = [[str(cell(i, r)) for _, _, _, cell in columns] for i, r in enumerate(rows, 1)]
+    # each column its usual width, or wider by what a cell needs to keep a space from the column beside it
+    widths = [max([width, len(title)] + [len(row[c]) + 1 for row in cells])
+              for c, (title, width, _, _) in enumerate(columns)]
+    return "\n".join("".join(f"{text:{align}{width}}" for text, width, (_, _, align, _) in zip(texts, widths, columns))
+                     for texts in [[title for title, _, _, _ in columns], *cells])
 
 
 def _or_dash(value: float | None, show) -> str:

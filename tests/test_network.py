@@ -566,6 +566,9 @@ def test_collective_command_reports_nccl_tests_numbers(capsys):
     assert code == 0 and json.loads(out)["algorithm"] == "hierarchical"
     for bad, message in ((["--ranks", "0-99"], "--ranks: '0-99' is not within 0-7"),
                          (["--ranks", "7-0"], "--ranks: '7-0' runs backwards, expected low-high with low <= high"),
+                         (["--ranks", "0-3,2"], "--ranks: got '0-3,2', which names rank 2 twice; expected each rank "
+                                                "once"),
+                         (["--ranks", "3"], "--ranks: got '3', expected at least 2 distinct ranks"),
                          (["--profile", "tests"], "--profile: 'tests' has no comms.json; expected a pipescope "
                                                    "calibrate-comms output"),
                          (["--op", "gather"], "--op: got 'gather', expected one of all_reduce"),

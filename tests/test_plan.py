@@ -386,3 +386,18 @@ def test_a_parallel_setting_from_the_config_that_every_plan_runs_with_is_said(cl
     assert code == 0 and "every plan runs with, from the config: parallel.zero=3" in out
     code, out, _ = cli([*flags, "--json"])
     assert code == 0 and json.loads(out)["config_fixed"] == {"parallel.zero": 3}
+
+
+def test_the_ranked_table_keeps_a_space_between_wide_values() -> None:
+    """Microbatch 32 beside m = 32768 printed '3232768', and an MFU ran into a 203418.500 s iteration."""
+    from pipescope.experiments.plan_cmd import _ranked_table
+
+    row = {"schedule": "1f1b", "tensor": 8, "sequence": True, "width": 1, "depth": 1, "microbatch_size": 32,
+           "microbatches": 32768, "recompute": "full", "vocab": "naive", "throughput_samples_per_s": 5.2,
+           "tokens_per_s": 42_200.0, "tflops_per_gpu": 305.7, "mfu": 0.309, "iteration_time_s": 203418.5,
+           "peak_memory_bytes": 54 << 30, "bubble_rate": 0.0}
+    head, line = _ranked_table([row]).splitlines()
+    assert line.split() == ["1", "1f1b", "8", "yes", "1", "1", "32", "32768", "full", "naive", "5.2", "42.2", "k",
+                            "305.7", "30.9%", "56.505", "h", "54.00", "0.0%"]
+    assert head.split()[:9] == ["#", "schedule", "t", "sp", "w", "d", "mb", "m", "recompute"]
+    assert line.index(" 32768 ") + 6 == head.index(" m ") + 2  # right-aligned under its title

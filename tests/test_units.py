@@ -67,5 +67,5 @@ def test_times_print_in_the_unit_that_reads_best() -> None:
     """The plan table's iteration column: 47.189 s, not 47189.4ms; down to nanoseconds."""
     from pipescope.simulator.readers.units import format_time
 
-    assert [format_time(t) for t in (47.1894, 1.0, 0.0776, 12e-6, 5e-8)] == [
-        "47.189 s", "1.000 s", "77.600 ms", "12.000 us", "50 ns"]
+    assert [format_time(t) for t in (203418.5, 3599.0, 47.1894, 1.0, 0.0776, 12e-6, 5e-8)] == [
+        "56.505 h", "3599.000 s", "47.189 s", "1.000 s", "77.600 ms", "12.000 us", "50 ns"]

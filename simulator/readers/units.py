@@ -165,8 +165,9 @@ def format_bytes(n: float) -> str:
 
 
 def format_time(seconds: float) -> str:
-    """``47.189 s``, ``77.600 ms``, ``12.000 us``: the unit in which the time reads at least 1."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    """``47.189 s``, ``77.600 ms``, ``12.000 us``: the unit in which the time reads at least 1 (hours from an hour:
+    ``56.505 h``, not ``203418.500 s``)."""
+    for unit, scale in (("h", 3600.0), ("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if abs(seconds) >= scale:
             return f"{seconds / scale:.3f} {unit}"
     return f"{seconds * 1e9:.0f} ns"
