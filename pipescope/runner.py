@@ -54,7 +54,7 @@ from pipescope.simulator.schedules.pipedream import DEFAULT_ITERATIONS
 from pipescope.simulator.simulate import simulate
 from pipescope.simulator.readers.units import format_bytes, short_repr
 
-from pipescope.topologies.cluster import Cluster, gpu_memory_bytes
+from pipescope.topologies.cluster import Cluster, gpu_memory_bytes, rank_ranges
 from pipescope.topologies.devices import DeviceSpec
 from pipescope.topologies.graphs import topology_names
 from pipescope.offload_setup import check_host_memory, check_offload, host_offload
@@ -250,6 +250,14 @@ def _compute_faults(config: Config, cluster: Cluster) -> ComputeFaults | None:
     slowdown = cluster.slowdown(config.faults)
     if not slowdown and not config.faults.jitter:
         return None
+    replica = len(cluster.rank_of) // config.cluster.data_parallel  # devices of one replica
+    if isinstance(config.costs, UniformCostsConfig) and max(slowdown, default=0) >= replica:
+        device = max(slowdown)
+        gpus = rank_ranges(sorted(r + i for r in cluster.rank_of[:replica] for i in range(cluster.tensor)))
+        raise ConfigError(f"faults.stragglers: a straggler runs replica {device // replica}'s device "
+                          f"{device % replica}, and uniform costs simulate replica 0 only (cluster.data_parallel "
+                          f"multiplies its throughput); expected a GPU of replica 0 (GPUs {gpus}), or analytic or "
+                          f"profile costs, which simulate every replica")
     return ComputeFaults(slowdown, config.faults.jitter, config.seed)
 
 

@@ -170,3 +170,13 @@ def test_the_json_says_the_layout_that_ran_and_the_headline_the_sequence_length(
                                   "tie_word_embeddings": False}))
     code, out, _ = cli(["simulate", "--set", f"model.from_hf={config}", "--stages", "2"])
     assert code == 0 and " s=8192 mb=" in out.splitlines()[0]
+
+
+def test_a_straggler_of_a_replica_uniform_costs_do_not_simulate_is_refused() -> None:
+    """Under uniform costs replicas only multiply the throughput: replica 1's straggler ran as if healthy."""
+    sets = ["costs.kind=uniform", "schedule.stages=4", "schedule.microbatches=8", "cluster.data_parallel=2"]
+    with pytest.raises(ConfigError, match=r"^faults.stragglers: a straggler runs replica 1's device 1, and uniform "
+                                          r"costs simulate replica 0 only .* expected a GPU of replica 0 \(GPUs 0-3\)"):
+        run(load_config(None, [*sets, "faults.stragglers=5:2"]))
+    healthy = run(load_config(None, sets)).iteration_time_s
+    assert run(load_config(None, [*sets, "faults.stragglers=1:2"])).iteration_time_s > healthy

@@ -157,7 +157,7 @@ class Cluster:
         for rank, factor in parse_stragglers(faults.stragglers).items():
             if rank not in device_of:
                 raise ValueError(f"faults.stragglers: GPU {rank} runs no device of this run (it uses GPUs "
-                                 f"{_ranges(sorted(device_of))})")
+                                 f"{rank_ranges(sorted(device_of))})")
             slow[device_of[rank]] = factor
         return slow
 
@@ -210,7 +210,7 @@ def _check_groups(ranks: list[int], per_node: int, tensor: int, nodes_gpus: int)
     return ranks
 
 
-def _ranges(ranks: list[int]) -> str:
+def rank_ranges(ranks: list[int]) -> str:
     """``0-7, 16`` for [0..7, 16]."""
     parts, start = [], None
     for i, rank in enumerate(ranks):
