@@ -56,10 +56,11 @@ def _sharding(p: ParallelConfig) -> str:
 def _totals(result: SimResult) -> list[str]:
     lines = [f"iteration time {format_time(result.iteration_time_s)}   "
              f"throughput {result.throughput_samples_per_s:.2f} samples/s   bubble rate {result.bubble_rate:.2%}"]
-    if result.tokens_per_s is not None:
+    if result.tokens_per_s is not None:  # FLOPs only where the model's are counted (analytic costs)
+        flops = "" if result.tflops_per_gpu is None else (f"   {result.tflops_per_gpu:.1f} TFLOP/s per GPU   "
+                                                          f"MFU {result.mfu:.1%}   HFU {result.hfu:.1%}")
         lines.append(f"{format_count(result.tokens_per_s)} tokens/s ({format_count(result.tokens_per_s_per_gpu)} "
-                     f"per GPU, {result.gpus:,} GPUs)   {result.tflops_per_gpu:.1f} TFLOP/s per GPU   "
-                     f"MFU {result.mfu:.1%}   HFU {result.hfu:.1%}")
+                     f"per GPU, {result.gpus:,} GPUs){flops}")
     if result.schedule.iterations > 1:
         lines.append(f"steady state over {result.schedule.iterations} iterations; fill + drain "
                      f"{format_time(result.fill_drain_ns / 1e9)}; whole run {format_time(result.makespan_ns / 1e9)}")

@@ -223,7 +223,8 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
     result.kernels = costs.kernel_report(schedule.pipeline_stages)
     result.cluster_name = cluster.name
     result.gpus_per_device = config.parallel.gpus_per_device
-    result.tokens_per_sample = model.seq if analytic else None
+    profiled = isinstance(config.costs, ProfiledCostsConfig)  # the profile's model, its sequence resolved
+    result.tokens_per_sample = model.seq if analytic else config.model.seq if profiled else None
     result.model_params = model.total_params() if analytic else None
     return result
 

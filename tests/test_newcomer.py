@@ -180,3 +180,17 @@ def test_a_straggler_of_a_replica_uniform_costs_do_not_simulate_is_refused() -> 
         run(load_config(None, [*sets, "faults.stragglers=5:2"]))
     healthy = run(load_config(None, sets)).iteration_time_s
     assert run(load_config(None, [*sets, "faults.stragglers=1:2"])).iteration_time_s > healthy
+
+
+def test_a_profile_run_knows_its_sequence_and_so_its_tokens(cli) -> None:
+    """Under profiled costs the profile's model is the run's: --json said seq null and the text 'uniform costs know no
+    model' for --train-tokens."""
+    profile = Path(__file__).resolve().parent.parent / "calibration" / "profiles" / "h200" / "gpt-355m"
+    flags = ["simulate", "--set", "costs.kind=profile", "--set", f"costs.profile={profile}", "--stages", "2",
+             "--microbatches", "4"]
+    code, out, _ = cli([*flags, "--json"])
+    report = json.loads(out)
+    assert code == 0 and report["model"]["seq"] == 1024 and report["tflops_per_gpu"] is None
+    assert report["tokens_per_s"] == pytest.approx(report["throughput_samples_per_s"] * 1024)
+    code, out, _ = cli([*flags, "--train-tokens", "1B"])
+    assert code == 0 and "tokens/s (" in out and "to train on 1 B tokens:" in out and "unknown" not in out
