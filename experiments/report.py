@@ -23,7 +23,7 @@ def _headline(result: SimResult) -> str:
     model = "uniform costs" if uniform else f"{m.label}{seq} mb={m.microbatch_size} {m.precision} ({costs})"
     return (f"{s.name}: p={s.num_devices} m={s.num_microbatches} v={s.chunks}"
             f"{_options(config)}  weight update {s.weight_update}  {model}  "
-            f"on {_cluster(result)} x{c.nodes}")
+            f"on {_cluster(result)} x{result.cluster_nodes or c.nodes}")
 
 
 def _cluster(result: SimResult) -> str:

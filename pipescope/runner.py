@@ -222,6 +222,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
         result.warnings.append(above)
     result.kernels = costs.kernel_report(schedule.pipeline_stages)
     result.cluster_name = cluster.name
+    result.cluster_nodes = int(cluster.graph.graph.get("nodes") or config.cluster.nodes)
     result.gpus_per_device = config.parallel.gpus_per_device
     profiled = isinstance(config.costs, ProfiledCostsConfig)  # the profile's model, its sequence resolved
     result.tokens_per_sample = model.seq if analytic else config.model.seq if profiled else None

@@ -77,6 +77,7 @@ class SimResult:
     kernels: list[dict] = field(default_factory=list)  # analytic costs: the roofline per kernel (docs/costs.md)
     memory_overheads: Overheads = NO_OVERHEADS  # per GPU, besides tensors; in every device's static bytes
     cluster_name: str = ""  # the topology's own name (a file's ``name``), for the report's headline
+    cluster_nodes: int = 0  # the servers of the machine the run had (a full graph's own count), 0: unknown
     tokens_per_sample: int | None = None  # the sequence length, when the cost model knows the model
     gpus_per_device: int = 1  # the tensor-parallel width: a pipeline device is that many GPUs
     model_params: int | None = None  # the model's parameters, each once (``ModelSpec.total_params``), when known
@@ -178,7 +179,7 @@ class SimResult:
             "weight_update": s.weight_update,
             "recompute": _recompute(self.config, s),
             "layers_per_stage": _layer_split(self.config),
-            **_what_ran(self.config, self.tokens_per_sample),
+            **_what_ran(self.config, self.tokens_per_sample, self.cluster_nodes),
             "iteration_time_s": self.iteration_time_s,
             "fill_drain_s": self.fill_drain_ns / 1e9,
             "makespan_s": self.makespan_ns / 1e9,
@@ -217,14 +218,15 @@ PARALLEL_KEYS = ("tensor", "sequence", "tp_comm_overlap", "context", "context_co
                  "reshard_after_forward", "zero_prefetch", "offload")
 
 
-def _what_ran(config: Any, seq: int | None) -> dict[str, Any]:
+def _what_ran(config: Any, seq: int | None, nodes: int) -> dict[str, Any]:
     """The model, machine and parallel layout a run's config gave it, as its text headline says them (empty for a
-    run built without a config): ``parallel.zero`` is the stage that ran (1 under ``distributed_optimizer``)."""
+    run built without a config): ``parallel.zero`` is the stage that ran (1 under ``distributed_optimizer``), the
+    nodes the machine's (``nodes``: a full graph's own count; 0, the config's)."""
     if config is None:
         return {}
     m, c, p = config.model, config.cluster, config.parallel
     return {"model": {"name": m.label, "seq": seq, "microbatch_size": m.microbatch_size, "precision": m.precision},
-            "cluster": {"topology": c.topology, "nodes": c.nodes},
+            "cluster": {"topology": c.topology, "nodes": nodes or c.nodes},
             "parallel": {"zero": p.zero_stage, **{key: getattr(p, key) for key in PARALLEL_KEYS}}}
 
 
@@ -344,6 +346,7 @@ def with_timeline(result: SimResult, records: Timeline) -> SimResult:
                            result.samples_per_iteration, result.memory_runtime, result.gradient_buffers,
                            memory_overheads=result.memory_overheads, config=result.config, warnings=[])
     rebuilt.cluster_name = result.cluster_name
+    rebuilt.cluster_nodes = result.cluster_nodes
     rebuilt.gpus_per_device, rebuilt.tokens_per_sample = result.gpus_per_device, result.tokens_per_sample
     rebuilt.model_params = result.model_params
     return rebuilt

@@ -194,3 +194,14 @@ def test_a_profile_run_knows_its_sequence_and_so_its_tokens(cli) -> None:
     assert report["tokens_per_s"] == pytest.approx(report["throughput_samples_per_s"] * 1024)
     code, out, _ = cli([*flags, "--train-tokens", "1B"])
     assert code == 0 and "tokens/s (" in out and "to train on 1 B tokens:" in out and "unknown" not in out
+
+
+def test_a_saved_full_graph_is_labelled_with_its_own_nodes(cli, tmp_path) -> None:
+    """A saved 2-server graph ran on its 2 servers but the headline and --json said 1 (the config's default)."""
+    saved = tmp_path / "two.yaml"
+    assert cli(["topology", "dgx-h100", "--nodes", "2", "--save", str(saved)])[0] == 0
+    flags = ["simulate", "--set", f"cluster.topology={saved}", "--set", "cluster.data_parallel=4"]
+    code, out, _ = cli(flags)
+    assert code == 0 and out.splitlines()[0].endswith(" x2")
+    code, out, _ = cli([*flags, "--json"])
+    assert json.loads(out)["cluster"]["nodes"] == 2
