@@ -201,6 +201,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           f"torch's CSV cannot hold; expected schedule.vocab naive or redistribute with --csv")
     with progress_bar("simulate", "op") as progress:
         result = run(config, progress)
+    if args.csv:
+        result.warnings += _csv_notes(result.schedule, args.csv)
     _write_outputs(result, args)
     estimate = goal.estimate(result.tokens_per_s, result.gpus) if goal else None
     if args.json:
@@ -249,6 +251,16 @@ def _oom_exit(result: SimResult, allow_oom: bool) -> int:
           f"{worst['peak_memory_bytes']:,} bytes, has {worst['capacity_bytes']:,} "
           f"(exit {EXIT_OOM}; --allow-oom exits 0)", file=sys.stderr)
     return EXIT_OOM
+
+
+def _csv_notes(schedule, path: str) -> list[str]:
+    """What ``--csv`` cannot hold of ``schedule``: a CSV is one flush of its microbatches, without the weight update
+    or the iterations of a schedule that steps without a flush (2BW, PipeDream)."""
+    if schedule.iterations == 1 and schedule.weight_update == "flush":
+        return []
+    return [f"--csv: {path} holds the {schedule.iterations} iterations of {schedule.num_microbatches} microbatches as "
+            f"one flush schedule of {schedule.total_microbatches} (a CSV has no weight update): it reads back as "
+            f"that, not as {schedule.weight_update} with {schedule.num_microbatches}"]
 
 
 OUTPUT_WRITERS = {"csv": ("pipescope.simulator.readers.csvio", "write_csv"),

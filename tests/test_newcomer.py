@@ -205,3 +205,18 @@ def test_a_saved_full_graph_is_labelled_with_its_own_nodes(cli, tmp_path) -> Non
     assert code == 0 and out.splitlines()[0].endswith(" x2")
     code, out, _ = cli([*flags, "--json"])
     assert json.loads(out)["cluster"]["nodes"] == 2
+
+
+def test_a_csv_of_a_schedule_without_a_flush_says_how_it_reads_back(cli, tmp_path) -> None:
+    """2BW's 3 iterations of 8 microbatches read back as one flush of 24, silently; every flush schedule still
+    round-trips without a note."""
+    path = tmp_path / "b.csv"
+    code, out, _ = cli(["simulate", "--schedule", "2bw", "--stages", "4", "--microbatches", "8", *UNIFORM, "--csv",
+                        str(path)])
+    assert code == 0 and (f"warning: --csv: {path} holds the 3 iterations of 8 microbatches as one flush schedule of "
+                          f"24 (a CSV has no weight update): it reads back as that, not as 2bw with 8") in out
+    code, out, _ = cli(["simulate", "--schedule", f"csv:{path}", *UNIFORM, "--json"])
+    assert code == 0 and json.loads(out)["microbatches"] == 24 and json.loads(out)["weight_update"] == "flush"
+    code, out, _ = cli(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", *UNIFORM, "--csv",
+                        str(tmp_path / "f.csv")])
+    assert code == 0 and "--csv:" not in out

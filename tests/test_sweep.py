@@ -475,7 +475,8 @@ def test_a_from_hf_runs_row_names_its_architecture(tmp_path) -> None:
                                   "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 2816,
                                   "vocab_size": 32000, "max_position_embeddings": 2048, "hidden_act": "silu",
                                   "tie_word_embeddings": False}))
-    plan = expand({"model": {"from_hf": str(config)}, "schedule": {"stages": 2}, "sweep": {"schedule.microbatches": [4]}})
+    plan = expand({"model": {"from_hf": str(config)}, "schedule": {"stages": 2},
+                   "sweep": {"schedule.microbatches": [4]}})
     row = sweep._run_row(plan.runs[0])
     assert row["status"] == "ok", row["error"]
     assert (row["model.family"], row["model.kv_heads"], row["model.ffn_hidden"], row["model.seq"]) == (

@@ -275,8 +275,9 @@ def test_zero_2_and_3_save_memory_on_the_first_and_last_stages_of_a_large_vocabu
     last stages peaked the same under ZeRO-1, 2 and 3 (a newcomer's report)."""
     peaks = {}
     for zero in (1, 2, 3):
-        result = run(load_config(None, ["model.preset=llama3-8b", "model.seq=2048", "model.layers=8", "schedule.stages=2",
-                                        "schedule.microbatches=4", "cluster.data_parallel=4", f"parallel.zero={zero}"]))
+        result = run(load_config(None, ["model.preset=llama3-8b", "model.seq=2048", "model.layers=8",
+                                        "schedule.stages=2", "schedule.microbatches=4", "cluster.data_parallel=4",
+                                        f"parallel.zero={zero}"]))
         peaks[zero] = [d.peak_memory_bytes for d in result.devices[:2]]
     for device in range(2):
         assert peaks[1][device] > peaks[2][device] > peaks[3][device], (device, peaks)
