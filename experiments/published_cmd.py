@@ -14,6 +14,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from concurrent.futures import Executor
 from typing import Any
@@ -177,12 +178,12 @@ def cmd_published(args: argparse.Namespace, names: list[str], workers: int | Non
     started = time.perf_counter()
     runs = select(load_corpus(args.corpus), names)
     if args.dask is None:
-        rows = run_published(runs, workers=workers)  # the bar is on stderr, beside the JSON too
+        rows = run_published(runs, workers=workers, progress=not args.no_progress)  # the bar on stderr
     else:
         from pipescope.experiments.sweep import dask_executor
 
         with dask_executor(args.dask, workers) as (executor, threads):
-            rows = run_published(runs, executor, threads)
+            rows = run_published(runs, executor, threads, progress=not args.no_progress)
     summary = summarize(rows)
     print(as_json(rows, summary, time.perf_counter() - started) if args.json else table(rows, summary))
     if args.plot:
@@ -190,6 +191,9 @@ def cmd_published(args: argparse.Namespace, names: list[str], workers: int | Non
 
         write_published_plot(rows, args.plot)
     limit = args.max_error
-    worst = max((summary[quantity]["worst_abs_error"] for quantity in ("time", "memory") if summary[quantity]),
-                default=0.0)
-    return 1 if limit is not None and worst > limit or summary["failed"] else 0
+    worst = max(((summary[quantity]["worst_abs_error"], summary[quantity]["worst"])
+                 for quantity in ("time", "memory") if summary[quantity]), default=(0.0, None))
+    if limit is not None and worst[0] > limit:  # the exit code's reason, where a person reads it
+        print(f"pipescope: the worst error, {worst[0]:.1%} ({worst[1]}), is above --max-error {limit:g}",
+              file=sys.stderr)
+    return 1 if limit is not None and worst[0] > limit or summary["failed"] else 0

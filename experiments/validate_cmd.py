@@ -90,6 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     published.add_argument("--corpus", metavar="FILE", help="a corpus file in the format of the shipped one "
                            "(experiments/published/runs.yaml, the default)")
     published.add_argument("--workers", metavar="N", help="worker processes (default: the CPUs this process may use)")
+    published.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     published.add_argument("--dask", metavar="local|tcp://HOST:PORT", help="run on Dask instead of a process pool "
                            "(as 'pipescope sweep --dask'; the address is trusted input)")
     published.add_argument("--plot", metavar="FILE", help="predicted against measured on log-log axes, one marker "
@@ -108,9 +109,9 @@ PUBLISHED_OFF: dict[str, object] = {}  # each executor flag's default, filled by
 def cmd_validate(args: argparse.Namespace) -> int:
     if args.published is not None:
         return _published(args)
-    for name in PUBLISHED_FLAGS:
-        if getattr(args, name) is not None:
-            print(f"pipescope: error: --{name}: only with --published", file=sys.stderr)
+    for name in PUBLISHED_FLAGS + ("no_progress",):
+        if getattr(args, name) not in (None, False):
+            print(f"pipescope: error: --{name.replace('_', '-')}: only with --published", file=sys.stderr)
             return 2
     try:
         limit = _number("--max-error", args.max_error) if args.max_error is not None else None

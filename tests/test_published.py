@@ -165,9 +165,12 @@ def test_validate_published_prints_the_table_json_and_picture(cli, tmp_path: Pat
     assert code == 0, err
     assert "qi2024-1.5b-1f1b-m24" in out and "qi2024" in out.split("source")[-1] and "%" in out
     assert plot.read_bytes().startswith(b"\x89PNG")
-    code, out, _ = cli(["validate", "--published", *names, "--workers", "2", "--json", "--max-error", "0.001"])
+    code, out, err = cli(["validate", "--published", *names, "--workers", "2", "--json", "--max-error", "0.001",
+                          "--no-progress"])
     report = json.loads(out)
     assert code == 1 and {row["name"] for row in report["runs"]} == set(names)
+    worst = max((report["summary"][q]["worst_abs_error"], report["summary"][q]["worst"]) for q in ("time", "memory"))
+    assert err == f"pipescope: the worst error, {worst[0]:.1%} ({worst[1]}), is above --max-error 0.001\n"  # no bar
     assert report["summary"]["time"]["runs"] == 1 and report["targets"] == TARGETS
     assert all(row["measured"] > 0 and row["predicted"] > 0 for row in report["runs"])
 
@@ -175,6 +178,7 @@ def test_validate_published_prints_the_table_json_and_picture(cli, tmp_path: Pat
 @pytest.mark.parametrize("args, expected", [
     (["--published", "--schedule", "gpipe"], "--schedule: not with --published"),
     (["--corpus", "x.yaml"], "--corpus: only with --published"),
+    (["--no-progress"], "--no-progress: only with --published"),
     (["--published", "nosuch"], "--published: got 'nosuch', expected a run or a source"),
     (["--published", "--plot", "x.jpg"], "--plot: got 'x.jpg', expected a file name ending in .png, .svg or .pdf"),
     (["--published", "--workers", "0"], "--workers: got '0', expected an integer from 1"),
