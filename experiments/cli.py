@@ -355,7 +355,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pipescope.experiments.bench import run_bench
     try:
         repeat = integer_flag("--repeat", args.repeat, 1, 1000)
-        max_gpus = integer_flag("--max-gpus", args.max_gpus, bench_scale.REPLICA_GPUS, 1 << 20)
+        max_gpus = integer_flag("--max-gpus", args.max_gpus, bench_scale.REPLICA_GPUS, 32_768)  # 4,096 nodes
         if args.plot is not None:
             if not args.scale:
                 raise ValueError(f"--plot: got {args.plot!r} without --scale; expected --scale (the ladder it draws)")
@@ -414,9 +414,10 @@ def build_parser() -> Parser:
     p.add_argument("--scale", action="store_true", help="instead, time whole runs of one 16,384-GPU-class model "
                    "with more and more data-parallel replicas (128 GPUs and up): wall time, peak memory, events/s "
                    "and the exponent of the growth")
-    p.add_argument("--max-gpus", default="1024", help="--scale: the largest rung to run: 128, 256, 1024 (default, "
-                   "about a minute), 4096 (about 10 minutes) or 16384 (hours today); the collective's rungs (512, "
-                   "4096 and 32768 GPUs, seconds each) up to the same")
+    p.add_argument("--max-gpus", default="1024", help="--scale: the largest rung to run, 128 to 32768 GPUs: 128, "
+                   "256, 1024 (default, under a minute on 2 cores), 4096 (about 2.5 minutes) or 16384 (about 10 "
+                   "minutes; README, \"Speed\"); the collective's rungs (512, 4096 and 32768 GPUs, seconds each) "
+                   "up to the same")
     p.add_argument("--plot", metavar="FILE", help="--scale: draw wall time against GPUs, log-log (.png, .svg, .pdf)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench)

@@ -55,6 +55,7 @@ def test_a_rung_that_fails_says_how(monkeypatch: pytest.MonkeyPatch, capsys: pyt
 
 @pytest.mark.parametrize("args, message", [
     (["--scale", "--max-gpus", "100"], "--max-gpus: got '100', expected an integer from 128"),
+    (["--scale", "--max-gpus", "65536"], "--max-gpus: got '65536', expected an integer from 128 to 32,768"),
     (["--plot", "x.png"], "--plot: got 'x.png' without --scale"),
     (["--scale", "--plot", "x.txt"], "--plot: got 'x.txt', expected a file name ending in .png, .svg or .pdf"),
 ])
