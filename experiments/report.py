@@ -53,9 +53,15 @@ def _sharding(p: ParallelConfig) -> str:
     return text
 
 
+def _samples_per_s(rate: float) -> str:
+    """Two decimals, or three significant digits below 0.1 (an hours-long step is not 0.00 samples/s)."""
+    return f"{rate:.2f}" if rate >= 0.1 else f"{rate:.3g}"
+
+
 def _totals(result: SimResult) -> list[str]:
     lines = [f"iteration time {format_time(result.iteration_time_s)}   "
-             f"throughput {result.throughput_samples_per_s:.2f} samples/s   bubble rate {result.bubble_rate:.2%}"]
+             f"throughput {_samples_per_s(result.throughput_samples_per_s)} samples/s   "
+             f"bubble rate {result.bubble_rate:.2%}"]
     if result.tokens_per_s is not None:  # FLOPs only where the model's are counted (analytic costs)
         flops = "" if result.tflops_per_gpu is None else (f"   {result.tflops_per_gpu:.1f} TFLOP/s per GPU   "
                                                           f"MFU {result.mfu:.1%}   HFU {result.hfu:.1%}")

@@ -220,3 +220,8 @@ def test_a_csv_of_a_schedule_without_a_flush_says_how_it_reads_back(cli, tmp_pat
     code, out, _ = cli(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", *UNIFORM, "--csv",
                         str(tmp_path / "f.csv")])
     assert code == 0 and "--csv:" not in out
+
+
+def test_an_hours_long_step_reads_in_hours_and_its_throughput_is_not_zero(cli) -> None:
+    code, out, _ = cli(["simulate", *UNIFORM, "--set", "faults.stragglers=0:1000"])
+    assert code == 0 and out.splitlines()[1].startswith("iteration time 6.667 h   throughput 0.000333 samples/s")
