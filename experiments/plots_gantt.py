@@ -99,8 +99,8 @@ def gantt_figure(result: SimResult | RunData, title: str | None = None, *, mode:
     steps = None if timed else int(ops[axis.end].max()) if len(ops) else 0
     ax.set_title(plain(_title(data, title, shown, steps) + (
         f"\n{microbatches} microbatches, more than {MAX_DRAWN_MICROBATCHES}: each row is the device's busy "
-        f"share per kind in {len(slices) - 1} time slices, not its ops; memory its range in each" if summary else
-        "")))
+        f"share per kind in {len(slices) - 1} time slices, not its ops"
+        + ("; memory its range in each" if "memory" in panels else "") if summary else "")))
     for name, panel in zip(panels, axes[1:]):
         if name == "links":
             _draw_links(panel, links, axis, slices)
@@ -305,9 +305,11 @@ def _legend(ops: pd.DataFrame, chunks: int, comm_lanes: bool, boundaries: bool, 
     if comm_lanes:
         seen = {COMM_LABELS[k]: COMM_COLORS[k] for k in COMM_LABELS if k in present}
         handles += [Patch(color=color, label=label) for label, color in seen.items()]
-    collectives = set(ops.loc[ops["lane"] == "collective", "kind"])
-    if collectives:
-        label = "gradient all-reduce" if collectives == {ActionKind.ALL_REDUCE} else "collectives"
+    lane = ops[ops["lane"] == "collective"]
+    if len(lane):  # stage -1: clipping's norm, all a run without replicas reduces
+        gradients = set(lane.loc[lane["stage"] >= 0, "kind"])
+        label = ("clipping's norm all-reduce" if not gradients else
+                 "gradient all-reduce" if gradients == {ActionKind.ALL_REDUCE} else "collectives")
         handles.append(Patch(color=COLLECTIVE_COLOR, label=label))
     if boundaries:
         handles.append(Line2D([], [], label="iteration ends", **BOUNDARY_STYLE))

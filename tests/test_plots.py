@@ -540,3 +540,21 @@ def test_throughput_counts_every_gpu_a_run_used_and_an_unset_key_reads_unset() -
         assert "1f1b (shard_group=unset)" in labels and not any("<NA>" in label for label in labels)
     finally:
         plt.close(fig)
+
+
+def test_a_gantt_names_the_collectives_it_draws_and_only_the_panels_it_has() -> None:
+    """A run without replicas reduces only clipping's norm, which the legend called a gradient all-reduce; a
+    summarised Gantt's subtitle spoke of a memory panel it did not draw."""
+    result = pipescope.run(pipescope.load_config("demo", ["schedule.microbatches=300"]))
+    fig = gantt_figure(result)
+    try:
+        labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        assert "clipping's norm all-reduce" in labels and "gradient all-reduce" not in labels
+        assert "more than" in fig.axes[0].get_title() and "memory" not in fig.axes[0].get_title()
+    finally:
+        plt.close(fig)
+    fig = gantt_figure(result, memory=True)
+    try:
+        assert "memory its range in each" in fig.axes[0].get_title()
+    finally:
+        plt.close(fig)
