@@ -72,7 +72,8 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
             shared = SharedCores(len(program.device_steps), host_cores) if host_cores else None
             times = Engine(program, network, shared, progress).run()
         except NetworkError as err:
-            raise NetworkError(f"{err} for {program.actions[program.flow_of.index(err.flow)]}", err.flow) from None
+            where = str(err).removesuffix(" for a collective")  # the flow says which
+            raise NetworkError(f"{where} for {_flow_name(program, err.flow)}", err.flow) from None
         samples = schedule.num_microbatches * samples_per_microbatch * data_parallel
         records = replay_timeline(program, times, schedule.num_devices * width, schedule.num_devices)
         busiest = network.busiest_link_ns()
@@ -85,6 +86,16 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
     result.warnings += _link_floor_note(result, busiest)
     result.sim_wall_s = time.perf_counter() - wall
     return result
+
+
+def _flow_name(program: Program, flow: int) -> str:
+    """What flow ``flow`` of ``program`` moves: a collective's kind, stage and devices, or a transfer's action."""
+    collective = program.flow_collective[flow] if flow < len(program.flow_collective) else None
+    if collective is None:
+        return str(program.actions[program.flow_of.index(flow)])
+    owner = "clipping's norm" if collective.stage < 0 else f"stage {collective.stage}'s"
+    return (f"{owner} {collective.kind.name.lower().replace('_', '-')} over devices "
+            f"{', '.join(map(str, collective.group))}")
 
 
 def _link_floor_note(result: SimResult, busiest_link_ns: int) -> list[str]:

@@ -517,6 +517,11 @@ def test_a_failed_link_without_another_route_names_the_transfer():
     with pytest.raises(ConfigError, match=r"faults.failed_links: no route from device 7 \(n0.gpu7\) to device 8 "
                                           r"\(n1.gpu0\) for 7SEND_F0; expected"):
         run(load_config(None, BASE + [cut_off]))
+    alone = ["model.preset=gpt-355m", "schedule.stages=1", "schedule.microbatches=2", "cluster.data_parallel=16",
+             "cluster.nodes=2", "faults.failed_links=n1.gpu3-n1.nvswitch0, n1.gpu3-n1.pcie1, n1.gpu3-n1.nic3"]
+    with pytest.raises(ConfigError, match=r"no route from device 10 \(n1.gpu2\) to device 11 \(n1.gpu3\) for stage "
+                                          r"0's all-reduce over devices 0, 1, .*, 15; expected"):  # not a SEND's
+        run(load_config(None, alone))
     with pytest.raises(ConfigError, match="faults.failed_links: 'nowhere-leaf7' is not a link"):
         run(load_config(None, BASE + ["faults.failed_links=nowhere-leaf7"]))
     with pytest.raises(ConfigError, match="faults.stragglers: GPU 99 runs no device"):
