@@ -190,6 +190,8 @@ def test_missing_profile_and_bad_microbatch_are_refused(tmp_path: Path) -> None:
     """An empty folder has no profile.json; microbatch size 0 names the key."""
     with pytest.raises(ProfileError, match="has no profile.json"):
         ProfiledCosts.load(tmp_path, 2)
+    with pytest.raises(ProfileError, match=r"nowhere' is not a folder; expected a pipescope calibrate output"):
+        ProfiledCosts.load(tmp_path / "nowhere", 2)  # a mistyped folder is not one without its file
     with pytest.raises(ValueError, match="model.microbatch_size: got 0"):
         ProfiledCosts.load(make_profile(tmp_path / "p"), 0)
 

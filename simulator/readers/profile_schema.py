@@ -139,6 +139,8 @@ def read_metadata(profile_dir: str | os.PathLike, name: str = COMPUTE_META) -> d
     """
     path = Path(profile_dir) / name
     kind, writer, key = META_KINDS[name]
+    if not Path(profile_dir).is_dir():
+        raise ProfileError(f"{key}: {str(profile_dir)!r} is not a folder; expected a {writer} output folder")
     if not path.is_file():
         raise ProfileError(f"{key}: {str(profile_dir)!r} has no {name}; expected a {writer} output")
     try:
