@@ -323,3 +323,16 @@ def test_drawing_a_large_cluster_says_it_is_cut(tmp_path: Path) -> None:
     path = tmp_path / "big.svg"
     draw(load_topology("dgx-a100", nodes=20, fabric="fat-tree"), path)
     assert "servers 0-7 of 20" in path.read_text()
+
+
+def test_a_server_of_gpus_alone_needs_no_parts_and_a_reverse_takes_the_links_latency(tmp_path: Path) -> None:
+    """`parts: {}` was required with nothing to name, and `reverse: {bandwidth: ...}` without a latency refused."""
+    from pipescope.topologies.topology_io import load_topology
+
+    path = tmp_path / "pair.yaml"
+    path.write_text("device: a100\ngpus: 2\nedges:\n- {a: gpu0, b: gpu1, kind: nvlink, bandwidth: 100GB/s, "
+                    "latency: 1us, reverse: {bandwidth: 50GB/s}}\n")
+    graph = load_topology(str(path), 1)
+    forward, back = graph.edges["n0.gpu0", "n0.gpu1"], graph.edges["n0.gpu1", "n0.gpu0"]
+    assert (forward["bandwidth"], back["bandwidth"]) == (100e9, 50e9)
+    assert forward["latency_ns"] == back["latency_ns"] == 1000.0

@@ -251,7 +251,8 @@ def _link(entry: object, what: str, declared: dict[str, str], kinds: tuple[str, 
     if "reverse" in entry:
         back = _fields(entry["reverse"], f"{what}: reverse", ("bandwidth",), ("latency", "latency_ns"))
         reverse_bw = _bandwidth(back["bandwidth"], f"{what}: reverse: bandwidth")
-        reverse_ns = _latency_ns(back, f"{what}: reverse")
+        # the way back's latency is the link's unless it names its own
+        reverse_ns = _latency_ns(back, f"{what}: reverse") if {"latency", "latency_ns"} & set(back) else latency
     efficiency = _efficiency(entry.get("efficiency", 1.0), f"{what}: efficiency")
     return Link(entry["a"], entry["b"], role, bandwidth, latency, reverse_bw, reverse_ns, efficiency)
 
@@ -279,8 +280,8 @@ def _links(raw: object, where: str, declared: dict[str, str], kinds: tuple[str, 
     return links
 
 
-SERVER_KEYS = ("device", "gpus", "parts", "edges")
-SERVER_OPTIONAL = ("name", "memory", "default_fabric", "fabric")
+SERVER_KEYS = ("device", "gpus", "edges")
+SERVER_OPTIONAL = ("name", "parts", "memory", "default_fabric", "fabric")  # parts: none beside the GPUs
 SERVER_FABRIC_KEYS = ("nic_latency", "switch_latency", "leaf_ports", "nic_efficiency")
 
 
@@ -290,7 +291,7 @@ def _server(raw: object, where: str, stem: str) -> Server:
     name = _identifier(raw["name"] if "name" in raw else _safe_stem(stem), f"{where}: name")
     device = _choice(raw["device"], f"{where}: device", DEVICES)
     gpus = _integer(raw["gpus"], f"{where}: gpus", 1, MAX_GPUS_PER_NODE)
-    parts = _parts(raw["parts"], where, gpus)
+    parts = _parts(raw.get("parts", {}), where, gpus)
     declared = {f"gpu{i}": "gpu" for i in range(gpus)} | dict(parts)
     links = _links(raw["edges"], where, declared, SERVER_LINK_KINDS, MAX_SERVER_LINKS)
     memory = None
