@@ -130,18 +130,17 @@ def _stage_coverage(schedule: Schedule, stage: int, kinds: dict[int, set[ActionK
     if len(in_range) == schedule.iterations * (own.stop - own.start) and all(  # len() of 10^30 overflows
             schedule.runs(stage, mb) and _microbatch_problem(stage, mb, kinds[mb]) is None for mb in in_range):
         return []
-    further = f"stage {stage}: further microbatches not listed"
+    further = f"stage {stage}: further microbatches not listed"  # only where one more problem was found
     problems = [f"stage {stage} microbatch {mb}: runs in another pipeline"
-                for mb in sorted(in_range) if not schedule.runs(stage, mb)][:MAX_LISTED_PER_STAGE]
-    if len(problems) == MAX_LISTED_PER_STAGE:
-        return problems + [further]
+                for mb in sorted(in_range) if not schedule.runs(stage, mb)][:MAX_LISTED_PER_STAGE + 1]
+    if len(problems) > MAX_LISTED_PER_STAGE:
+        return problems[:MAX_LISTED_PER_STAGE] + [further]
     for mb in (it * m + k for it in range(schedule.iterations) for k in own):
         problem = _microbatch_problem(stage, mb, kinds.get(mb, set()))
         if problem is not None:
+            if len(problems) == MAX_LISTED_PER_STAGE:
+                return problems + [further]
             problems.append(problem)
-        if len(problems) == MAX_LISTED_PER_STAGE:
-            problems.append(further)
-            break
     return problems
 
 

@@ -183,3 +183,16 @@ def test_check_cli_at_2000_devices(tmp_path, cli) -> None:
     assert (code, err) == (0, "")
     assert f"{path}: ok: 2,000 devices, 2,000 stages, 4 microbatches, 16,000 ops, 4,006 unit-time steps (torch's dry " \
            f"run skipped: 2,000 devices x 4,006 steps, over its limits of 250,000 device-steps and 10,000 steps)" in out
+
+
+def test_a_stray_action_is_named_not_its_stage_and_a_full_list_says_no_more() -> None:
+    """A stage lived where it first appeared, so one stray 1B1 on device 0 made device 1's own 1F0, 1B0 and 1F1 the
+    strays; and eight missing microbatches were followed by 'further microbatches not listed' with none left."""
+    with pytest.raises(ScheduleError) as stray:
+        check(from_csv_text("0F0,0F1,0B0,1B1\n1F0,1B0,1F1,0B1\n"))
+    assert stray.value.problems == ["device 0 step 3: 1B1 but stage 1 is on device 1 (a stage on two devices)",
+                                    "device 1 step 3: 0B1 but stage 0 is on device 0 (a stage on two devices)"]
+    with pytest.raises(ScheduleError) as gaps:
+        check(from_csv_text("0F0,0F9,0B0,0B9\n1F0,1B0,1F9,1B9\n"))
+    stage0 = [p for p in gaps.value.problems if p.startswith("stage 0")]
+    assert stage0 == [f"stage 0 microbatch {mb}: missing F (0F{mb})" for mb in range(1, 9)]

@@ -12,6 +12,7 @@ import csv
 import io
 import os
 import re
+from collections import Counter
 
 from pipescope.simulator.readers.files import write_atomic
 from pipescope.simulator.ir import COLLECTIVE_KINDS, COMPUTE_KINDS, VOCAB_KINDS, Action, Schedule, parse_cell
@@ -157,13 +158,16 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
     device_actions, highest, pairs = _parse_rows(text)
     if not device_actions:
         raise ValueError("schedule CSV holds no compute actions")
-    home: dict[int, int] = {}
+    # a stage lives on the device that runs most of its compute actions (the first such device on a tie), so one
+    # stray action is what the checker names, not the stage's own
+    counts: dict[int, Counter[int]] = {}
     seen_mb = 0
     for device, actions in enumerate(device_actions):
         for a in actions:
             if a is not None and a.kind in COMPUTE_KINDS:
-                home.setdefault(a.stage, device)
+                counts.setdefault(a.stage, Counter())[device] += 1
                 seen_mb = max(seen_mb, a.microbatch + 1)
+    home = {stage: max(devices, key=lambda d: (devices[d], -d)) for stage, devices in counts.items()}
     num_stages = len(home)
     top, rank, cell, shown = highest[True]
     if top >= num_stages:  # stages must be 0..S-1; list gaps only as far as S+5 (indices may be huge)
