@@ -63,8 +63,8 @@ def gantt_figure(result: SimResult | RunData, title: str | None = None, *, mode:
     shown = data.pipeline_devices if data.devices > MAX_ROWS and data.replicas > 1 else data.devices
     ops = data.ops[data.ops["device"] < shown]
     timed = mode == "time"
-    if not timed:
-        ops = ops[ops["lane"] == "compute"]
+    if not timed:  # the schedule's own ops, as `check` counts its unit steps: no optimizer step takes one
+        ops = ops[(ops["lane"] == "compute") & (ops["kind"].astype(str) != ActionKind.OPT.value)]
         ops = ops.assign(step=unit_steps(ops, data.pipeline_devices), step_end=lambda f: f["step"] + 1)
     lanes = [lane for lane in LANES if lane in set(ops["lane"])] if comm_lanes and timed else ["compute"]
     if shown * len(lanes) > MAX_DRAWN_ROWS:

@@ -558,3 +558,18 @@ def test_a_gantt_names_the_collectives_it_draws_and_only_the_panels_it_has() -> 
         assert "memory its range in each" in fig.axes[0].get_title()
     finally:
         plt.close(fig)
+
+
+def test_a_steps_gantt_counts_what_check_counts_without_the_optimizer_steps() -> None:
+    """An analytic 2BW run's steps Gantt said 57 unit steps where `check` says 54: each optimizer step took one."""
+    from pipescope.simulator.check import unit_steps as check_steps
+
+    result = pipescope.run(pipescope.load_config(None, ["schedule.name=2bw", "schedule.stages=4",
+                                                        "schedule.microbatches=8"]))
+    fig = gantt_figure(result, mode="steps")
+    try:
+        steps = check_steps(pipescope.run(pipescope.load_config(None, [
+            "costs.kind=uniform", "schedule.name=2bw", "schedule.stages=4", "schedule.microbatches=8"])).schedule)
+        assert f"  {steps} unit steps" in fig.axes[0].get_title() and steps == 54
+    finally:
+        plt.close(fig)
