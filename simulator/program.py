@@ -221,8 +221,8 @@ def _add_flows(out: Program, program: Schedule, keys: ActionIndex, stage_bytes: 
     bad = (producer < 0) | (producer > sends) | (peer < 0) | (peer >= len(home))
     if bad.any():
         i = sends[np.argmax(bad)]
-        raise ScheduleError([f"device {out.device[i]}: {out.actions[i]} has no {SENT_BY[out.actions[i].kind][0]} "
-                             f"before it to send"])
+        producers = " or ".join(kind.value for kind in SENT_BY[out.actions[i].kind])  # SEND_B: an I or a B
+        raise ScheduleError([f"device {out.device[i]}: {out.actions[i]} has no {producers} before it to send"])
     flow_of[sends] = np.arange(len(sends))
     out.flow_src, out.flow_dst = cols.device[sends].tolist(), home[peer].tolist()
     out.flow_bytes, out.flow_producer = np.asarray(stage_bytes, dtype=np.int64)[stage].tolist(), producer.tolist()

@@ -196,3 +196,9 @@ def test_a_stray_action_is_named_not_its_stage_and_a_full_list_says_no_more() ->
         check(from_csv_text("0F0,0F9,0B0,0B9\n1F0,1B0,1F9,1B9\n"))
     stage0 = [p for p in gaps.value.problems if p.startswith("stage 0")]
     assert stage0 == [f"stage 0 microbatch {mb}: missing F (0F{mb})" for mb in range(1, 9)]
+
+
+def test_a_send_before_its_backward_names_both_ops_that_could_feed_it() -> None:
+    """The message said 'has no I before it' to a file written with B."""
+    with pytest.raises(ScheduleError, match=r"device 1: 1SEND_B0 has no I or B before it to send"):
+        check(from_csv_text("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1SEND_B0,1B0\n"))
