@@ -20,7 +20,7 @@ from pipescope.experiments.figure_formats import FORMATS, format_of
 if TYPE_CHECKING:
     from pipescope.simulator.training_cost import TrainingGoal
     from pipescope.simulator.result import SimResult
-from pipescope.simulator.ir import ScheduleError
+from pipescope.simulator.ir import Schedule, ScheduleError
 from pipescope.simulator.readers.units import counted, short_repr
 from pipescope.simulator.vocab import SHARDED
 
@@ -253,7 +253,7 @@ def _oom_exit(result: SimResult, allow_oom: bool) -> int:
     return EXIT_OOM
 
 
-def _csv_notes(schedule, path: str) -> list[str]:
+def _csv_notes(schedule: Schedule, path: str) -> list[str]:
     """What ``--csv`` cannot hold of ``schedule``: a CSV is one flush of its microbatches, without the weight update
     or the iterations of a schedule that steps without a flush (2BW, PipeDream)."""
     if schedule.iterations == 1 and schedule.weight_update == "flush":
