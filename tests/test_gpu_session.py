@@ -113,13 +113,18 @@ def test_a_step_past_its_timeout_is_stopped_with_its_children(tmp_path: Path) ->
     import time
 
     import psutil
-    started = time.time()
+    mark = {"GPU_SESSION_TEST_RUN": str(tmp_path)}  # inherited by every process the session starts, and only them
     done = subprocess.run([sys.executable, "-m", "pipescope.experiments.gpu_session", str(tmp_path), "--device", "cpu",
                            "--models", "tiny", "--step-timeout", "4"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env={**os.environ, **mark})
     assert done.returncode == 1
     assert "gpu_session: calibrate-tiny failed (exit 124): gpu_session: stopped after 4 s" in done.stderr
     time.sleep(1)
-    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline", "create_time"])
-            if p.info["create_time"] >= started and "pipescope" in " ".join(p.info["cmdline"] or [])]
-    assert left == []
+
+    def marked(process: psutil.Process) -> bool:
+        try:
+            return process.environ().get("GPU_SESSION_TEST_RUN") == mark["GPU_SESSION_TEST_RUN"]
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            return False
+
+    assert [p.cmdline() for p in psutil.process_iter() if marked(p)] == []
