@@ -35,6 +35,9 @@ def memory_figure(result: SimResult | RunData, title: str | None = None) -> Figu
     data = run_data(result)
     if not data.memory:
         raise ValueError("memory: the run holds no memory timeline, expected a simulated run or a Chrome trace")
+    if not data.counted_bytes:  # an empty chart would say nothing
+        raise ValueError("memory: the run counted no bytes (uniform costs have no model to count), expected a run "
+                         "under analytic or profile costs")
     origin = int(data.ops["start_ns"].min()) if len(data.ops) else 0
     unit, scale = time_unit(int(data.ops["end_ns"].max()) - origin if len(data.ops) else 0)
     fig, ax = plt.subplots(figsize=(12, 4.5))

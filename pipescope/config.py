@@ -439,6 +439,12 @@ def load_config(path: str | None = None, sets: list[str] = (), raw: dict | None 
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"path: got {short_repr(path)} ({type(path).__name__}), expected a file name or None "
                           f"(a mapping of keys goes in raw=)")
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"raw: got {short_repr(raw)} ({type(raw).__name__}), expected a mapping of sections, "
+                          f"e.g. {{'schedule': {{'stages': 8}}}}")
+    if raw is not None and path is not None:  # one of them would be dropped
+        raise ConfigError(f"raw: given beside path {short_repr(os.fspath(path))}, expected one of the two (sets= "
+                          f"changes either)")
     tree, spelled = _spelled_tree(path, sets, raw)
     try:
         return _check_combinations(_build(Config, tree, ""))
@@ -455,9 +461,14 @@ PARALLEL_SPELLINGS = {"parallel.pipeline": "schedule.stages", "parallel.data": "
                       "parallel.overlap_grad_sync": "cluster.overlap_grad_sync"}
 
 
+def _sections_copied(tree: dict) -> dict:
+    """``tree`` with every mapping in it copied (the values shared): what merging writes into is the copy's."""
+    return {key: _sections_copied(value) if isinstance(value, dict) else value for key, value in tree.items()}
+
+
 def _spelled_tree(path: str | None, sets: list[str], raw: dict | None) -> tuple[dict, dict[str, str]]:
     """``config_tree``, and for each key the parallel section's spelling set: that key -> the spelling used."""
-    tree = dict(raw or {}) if path is None else read_yaml(path)
+    tree = _sections_copied(raw or {}) if path is None else read_yaml(path)  # the sets merge in, not into the caller's
     spelled = _hold_at_home(tree)
     for item in sets:
         key, value = parse_set(item)
@@ -485,9 +496,14 @@ def _check_zero_spellings(tree: dict) -> None:
     except ValueError:
         return
     if older and zero != 1:
-        raise ConfigError(f"parallel.distributed_optimizer: got true beside parallel.zero {zero}, expected one of "
-                          f"them (distributed_optimizer is the older spelling of zero: 1)",
-                          key="parallel.distributed_optimizer")
+        raise _beside_zero(zero)
+
+
+def _beside_zero(zero: int) -> ConfigError:
+    """``distributed_optimizer: true`` beside another ZeRO stage: one of the two would be dropped."""
+    return ConfigError(f"parallel.distributed_optimizer: got true beside parallel.zero {zero}, expected one of them "
+                       f"(distributed_optimizer is the older spelling of zero: 1)",
+                       key="parallel.distributed_optimizer")
 
 
 def _hold_at_home(tree: dict) -> dict[str, str]:
@@ -572,4 +588,7 @@ def _check_combinations(config: Config) -> Config:
         check_iterations(config.schedule.name, config.iterations)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    p = config.parallel
+    if p.distributed_optimizer and p.zero > 1:  # a Config built in Python: zero 0 is its default, so only 2 and 3
+        raise _beside_zero(p.zero)
     return config

@@ -220,12 +220,15 @@ PARALLEL_KEYS = ("tensor", "sequence", "tp_comm_overlap", "context", "context_co
 
 def _what_ran(config: Any, seq: int | None, nodes: int) -> dict[str, Any]:
     """The model, machine and parallel layout a run's config gave it, as its text headline says them (empty for a
-    run built without a config): ``parallel.zero`` is the stage that ran (1 under ``distributed_optimizer``), the
-    nodes the machine's (``nodes``: a full graph's own count; 0, the config's)."""
+    run built without a config; ``model`` null under uniform costs, which simulate none): ``parallel.zero`` is the
+    stage that ran (1 under ``distributed_optimizer``), the nodes the machine's (``nodes``: a full graph's own count;
+    0, the config's)."""
     if config is None:
         return {}
     m, c, p = config.model, config.cluster, config.parallel
-    return {"model": {"name": m.label, "seq": seq, "microbatch_size": m.microbatch_size, "precision": m.precision},
+    uniform = getattr(getattr(config.costs, "kind", None), "value", None) == "uniform"  # no model simulated
+    model = {"name": m.label, "seq": seq, "microbatch_size": m.microbatch_size, "precision": m.precision}
+    return {"model": None if uniform else model,
             "cluster": {"topology": c.topology, "nodes": nodes or c.nodes},
             "parallel": {"zero": p.zero_stage, **{key: getattr(p, key) for key in PARALLEL_KEYS}}}
 

@@ -266,3 +266,26 @@ def test_the_result_says_which_recompute_ran_and_oom_is_false_when_everything_fi
     assert tight.oom and {row["device"] for row in tight.oom} == {d.device for d in tight.devices
                                                                  if d.peak_memory_bytes > 4 * 2**30}
     assert tight.summary()["oom"] == tight.oom and tight.summary()["recompute"] == "none"
+
+
+def test_load_config_leaves_the_callers_mapping_and_refuses_what_it_would_drop() -> None:
+    """The sets merged into the caller's raw mapping, so the next config built from it had them too; a raw beside a
+    path was dropped silently; a ZeRO stage beside the older distributed_optimizer in a Config built in Python ran
+    the stage and dropped the flag; a uniform run's memory picture was an empty chart."""
+    base = {"schedule": {"name": "1f1b", "stages": 4}, "cluster": {"topology": "dgx-h100"}}
+    assert pipescope.load_config(raw=base, sets=["cluster.data_parallel=2"]).cluster.data_parallel == 2
+    assert base == {"schedule": {"name": "1f1b", "stages": 4}, "cluster": {"topology": "dgx-h100"}}
+    with pytest.raises(pipescope.ConfigError, match=r"^raw: given beside path 'demo', expected one of the two"):
+        pipescope.load_config("demo", raw={"schedule": {"stages": 2}})
+    with pytest.raises(pipescope.ConfigError, match=r"^raw: got 'schedule: \{\}' \(str\), expected a mapping"):
+        pipescope.load_config(raw="schedule: {}")
+    config = pipescope.Config(cluster=pipescope.ClusterConfig(data_parallel=2),
+                              parallel=pipescope.ParallelConfig(zero=2, distributed_optimizer=True))
+    with pytest.raises(pipescope.ConfigError, match=r"^parallel.distributed_optimizer: got true beside parallel.zero"):
+        pipescope.run(config)
+    from pipescope.experiments.plots import memory_figure
+
+    uniform = pipescope.run(pipescope.load_config(None, ["costs.kind=uniform"]))
+    with pytest.raises(ValueError, match=r"^memory: the run counted no bytes"):
+        memory_figure(uniform)
+    assert uniform.summary()["model"] is None
