@@ -28,6 +28,7 @@ ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
 # bytes at the 234.89 GB/s bus bandwidth it plateaus at, over 16 MiB to 16 GiB (stas00/ml-engineering
 # network/README.md, "Real network throughput"); the ring's 14 steps of 1.5 us paths leave (185 - 21) / 14.
 NCCL_STEP_NS = 11_700
+FOR_A_COLLECTIVE = " for a collective"  # a route error's end where nothing says which (simulate names it)
 # LL, for small buffers, adds nothing per step but sends each 8 bytes of data in a 16-byte line with its flags:
 # twice the bytes on the wire (NCCL src/include/device.h's ncclLLFifoLine; its tuner takes busBw * .5 for LL).
 LL_WIRE_FACTOR = 2
@@ -181,7 +182,7 @@ class Collectives:
         if path is None:
             ends, device = self.fabric.endpoints, self.device_of
             raise NetworkError(f"no route from device {device.get(src, src)} ({ends[src]}) to device "
-                               f"{device.get(dst, dst)} ({ends[dst]}) for a collective", key)
+                               f"{device.get(dst, dst)} ({ends[dst]}){FOR_A_COLLECTIVE}", key)
         return path
 
     def run(self, clock: Clock, now: int, key: int, phases: list[Phase], done: Callable[[int], None]) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
-from pipescope.simulator.gpu_rates import FlashRates, Roofline, Tiling, power_limited_clock
+from pipescope.simulator.gpu_rates import FlashRates, Roofline, Tiling, bound_by, power_limited_clock
 from pipescope.simulator.measured_gemms import MeasuredGemms
 from pipescope.simulator.kernels import (
     PASSES,
@@ -331,9 +331,9 @@ class AnalyticCosts(PerStageCache):
             flops = compute = memory = 0.0
             for _, count, kernels, rates in self._parts(stage, num_stages, boost):
                 for kernel in (k for k in kernels if k.op != "optimizer" and rates is boost):
-                    compute_s, memory_s = boost.times(kernel)
+                    compute_s, memory_s = boost.times(kernel)  # once: ``bound`` would time it again
                     flops += count * boost.work(kernel)
-                    if kernel.flops and compute_s >= memory_s:  # ``Roofline.bound``
+                    if bound_by(kernel, compute_s, memory_s) == "compute":
                         compute += count * compute_s
                     else:
                         memory += count * memory_s

@@ -100,6 +100,12 @@ def power_limited_clock(flops: float, compute_s: float, memory_s: float, headroo
     return low
 
 
+def bound_by(kernel: Kernel, compute_s: float, memory_s: float) -> str:
+    """``compute`` or ``memory``: which of ``kernel``'s two times (``Roofline.times``) sets it; a kernel without
+    FLOPs is memory-bound."""
+    return "compute" if kernel.flops and compute_s >= memory_s else "memory"
+
+
 @dataclass(frozen=True)
 class Roofline:
     """A kernel's time is max(compute time, memory time): whichever of the two it waits for.
@@ -157,8 +163,7 @@ class Roofline:
 
     def bound(self, kernel: Kernel) -> str:
         """``compute`` or ``memory``: which term sets the kernel's time (a kernel without FLOPs: memory)."""
-        compute, memory = self.times(kernel)
-        return "compute" if kernel.flops and compute >= memory else "memory"
+        return bound_by(kernel, *self.times(kernel))
 
     def efficiency(self, kernel: Kernel) -> float | None:
         """The kernel's FLOPs per second over the peak (None for a kernel without FLOPs), in its own count: a flash

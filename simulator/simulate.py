@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from pipescope.simulator.check import structure_problems
+from pipescope.simulator.collectives import FOR_A_COLLECTIVE
 from pipescope.simulator.costs import CostModel, StageCost, check_stage_costs, stage_costs as costs_of
 from pipescope.simulator.engine import Engine, Progress, gc_paused
 from pipescope.simulator.faults import ComputeFaults
@@ -72,7 +73,7 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
             shared = SharedCores(len(program.device_steps), host_cores) if host_cores else None
             times = Engine(program, network, shared, progress).run()
         except NetworkError as err:
-            where = str(err).removesuffix(" for a collective")  # the flow says which
+            where = str(err).removesuffix(FOR_A_COLLECTIVE)  # the flow says which
             raise NetworkError(f"{where} for {_flow_name(program, err.flow)}", err.flow) from None
         samples = schedule.num_microbatches * samples_per_microbatch * data_parallel
         records = replay_timeline(program, times, schedule.num_devices * width, schedule.num_devices)
