@@ -79,7 +79,7 @@ def canonical_name(name: str) -> str:
     for known in SCHEDULE_NAMES:
         if known.lower() == bare.lower():
             return known
-    raise ValueError(f"schedule name(={name!r}) is not a torch schedule; expected one of {', '.join(SCHEDULE_NAMES)}")
+    raise ValueError(f"schedule.name: got {name!r}, expected a torch schedule, one of {', '.join(SCHEDULE_NAMES)}")
 
 
 def default_chunks(name: str) -> int:
@@ -90,14 +90,14 @@ def default_chunks(name: str) -> int:
 
 def _check_shape(name: str, stages: int, microbatches: int, chunks: int) -> None:
     if stages < 1:
-        raise ValueError(f"stages(={stages}) must be >= 1")
+        raise ValueError(f"schedule.stages: got {stages}, expected at least 1")
     if microbatches < 1:
-        raise ValueError(f"microbatches(={microbatches}) must be >= 1")
+        raise ValueError(f"schedule.microbatches: got {microbatches}, expected at least 1")
     needed = SCHEDULE_CHUNKS[name]
     if needed is not None and chunks != needed:
-        raise ValueError(f"chunks(={chunks}) for torch {name} must be {needed}")
+        raise ValueError(f"schedule.chunks: got {chunks}, expected {needed} for torch:{name}")
     if chunks < 1:
-        raise ValueError(f"chunks(={chunks}) must be >= 1")
+        raise ValueError(f"schedule.chunks: got {chunks}, expected at least 1")
 
 
 def _without_lowering(cls: type) -> type:
@@ -184,7 +184,7 @@ def schedule_from_torch_order(order: TorchOrder, microbatches: int, name: str) -
     """
     ranks = sorted(order)
     if ranks != list(range(len(ranks))):
-        raise ValueError(f"torch order ranks(={ranks}) must be 0..{len(ranks) - 1}")
+        raise ValueError(f"torch order ranks: got {ranks}, expected 0..{len(ranks) - 1}")
     device_actions = tuple(_device_actions(order[rank]) for rank in ranks)
     return Schedule(
         name=name,

@@ -16,6 +16,7 @@ import os
 import re
 import types
 import typing
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,9 +223,6 @@ def _build(cls: type, raw: Any, prefix: str, typed: bool = False) -> Any:
     values = {}
     for name, value in raw.items():
         key = _key(prefix, name)
-        if name not in fields and cls is Config and name in EXPERIMENT_KEYS:
-            raise ConfigError(f"{key}: a key of experiment files (a grid of runs), not of one config; run this file "
-                              f"with pipescope sweep (docs/sweeps.md)")
         if name not in fields:
             known = [prefix + f for f in fields] + [k for k in PARALLEL_SPELLINGS if k.startswith(prefix) and prefix]
             raise ConfigError(f"{key}: unknown key, expected one of {', '.join(known)}{did_you_mean(key, known)}")
@@ -469,6 +467,11 @@ def _sections_copied(tree: dict) -> dict:
 def _spelled_tree(path: str | None, sets: list[str], raw: dict | None) -> tuple[dict, dict[str, str]]:
     """``config_tree``, and for each key the parallel section's spelling set: that key -> the spelling used."""
     tree = _sections_copied(raw or {}) if path is None else read_yaml(path)  # the sets merge in, not into the caller's
+    tree, grid = without_grid(tree)
+    if grid:  # as simulate --config does (experiments.cli.config_file), with the note as a warning
+        where = "raw" if path is None else os.fspath(path)
+        warnings.warn(f"{where}: building its config without its {' and '.join(grid)} grid (pipescope sweep runs the "
+                      f"grid, docs/sweeps.md)", stacklevel=3)
     spelled = _hold_at_home(tree)
     for item in sets:
         key, value = parse_set(item)

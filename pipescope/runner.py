@@ -365,8 +365,9 @@ def _torch_schedule(name: str, stages: int, microbatches: int, chunks: int) -> S
 
     try:
         return torch_schedule(name, stages, microbatches, chunks)
-    except ValueError as err:
-        raise ConfigError(f"schedule.name: torch:{name}: {err}") from None
+    except ValueError as err:  # a shape error names its own key (schedule.chunks, ...)
+        raise ConfigError(str(err) if str(err).startswith("schedule.") else f"schedule.name: torch:{name}: {err}") \
+            from None
 
 
 def _cluster(config: Config, devices: int) -> Cluster:
@@ -696,8 +697,8 @@ def _chunks(config: Config) -> int:
         from pipescope.calibration.torch_schedules import default_chunks  # stdlib-only until a schedule is built
         try:
             return default_chunks(s.name)
-        except ValueError as err:
-            raise ConfigError(f"schedule.name: {err}") from None
+        except ValueError as err:  # canonical_name's, which names schedule.name
+            raise ConfigError(str(err)) from None
     known = s.name in GENERATORS or s.name in ALIASES
     return generator(s.name).default_chunks if known else 1
 

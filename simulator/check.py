@@ -167,7 +167,7 @@ def _order_problems(where: dict[Action, list[tuple[int, int]]]) -> Iterator[str]
 
 def structure_problems(schedule: Schedule) -> list[str]:
     """What is wrong with the schedule's shape, one line each (empty when well formed): the first
-    ``MAX_LISTED_PROBLEMS`` and ``... and N more`` (``ir.capped``), so a million bad rows print a few lines.
+    ``MAX_LISTED_PROBLEMS`` and ``... and N more lines`` (``ir.capped``), so a million bad rows print a few lines.
 
     A vectorised pass proves the common case (well formed) quickly; only a schedule it cannot prove runs the
     line-by-line checks that name each problem.
@@ -178,8 +178,9 @@ def structure_problems(schedule: Schedule) -> list[str]:
             not 0 <= d < schedule.num_devices for d in schedule.stage_to_device):
         return capped(_placement_problems(schedule))
     where = _positions(schedule)
+    # a stage's coverage may end in a "further microbatches not listed" note: N counts lines, not problems
     return capped(itertools.chain(_placement_problems(schedule), _coverage_problems(schedule, where),
-                                  _order_problems(where)))
+                                  _order_problems(where)), unit=" lines")
 
 
 def _well_formed(schedule: Schedule) -> bool:

@@ -157,8 +157,9 @@ ProgramAction = Action | Collective
 MAX_LISTED_PROBLEMS = 12  # findings a report lists before "... and N more" (a hostile file can hold millions)
 
 
-def capped(lines: Iterable[str], limit: int = MAX_LISTED_PROBLEMS) -> list[str]:
-    """All of ``lines`` if there are at most ``limit + 1``, else the first ``limit`` and ``... and N more``.
+def capped(lines: Iterable[str], limit: int = MAX_LISTED_PROBLEMS, unit: str = "") -> list[str]:
+    """All of ``lines`` if there are at most ``limit + 1``, else the first ``limit`` and ``... and N more`` (with
+    ``unit`` after it: " lines" where some lines are notes, not findings, so N is not a count of problems).
 
     The rest is counted, not kept, so a generator of millions of findings costs no memory; and capping a capped
     list changes nothing (``ScheduleError`` caps what ``check.structure_problems`` already capped).
@@ -168,7 +169,7 @@ def capped(lines: Iterable[str], limit: int = MAX_LISTED_PROBLEMS) -> list[str]:
     if len(shown) <= limit:
         return shown
     more = 1 + sum(1 for _ in rest)  # the extra line islice took, and the others
-    return shown[:limit] + ([shown[limit]] if more == 1 else [f"... and {more} more"])
+    return shown[:limit] + ([shown[limit]] if more == 1 else [f"... and {more} more{unit}"])
 
 
 class ScheduleError(ValueError):

@@ -156,7 +156,7 @@ PRESETS: dict[str, ModelSpec] = {
 def preset(name: str, **overrides: int) -> ModelSpec:
     """A preset, optionally with some fields replaced; KeyError naming the choices if unknown."""
     if name not in PRESETS:
-        raise KeyError(f"model.preset(={name!r}) is not one of {', '.join(PRESETS)}{did_you_mean(name, PRESETS)}")
+        raise KeyError(f"model.preset: got {name!r}, expected one of {', '.join(PRESETS)}{did_you_mean(name, PRESETS)}")
     return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
 
 

@@ -202,3 +202,13 @@ def test_a_send_before_its_backward_names_both_ops_that_could_feed_it() -> None:
     """The message said 'has no I before it' to a file written with B."""
     with pytest.raises(ScheduleError, match=r"device 1: 1SEND_B0 has no I or B before it to send"):
         check(from_csv_text("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1SEND_B0,1B0\n"))
+
+
+def test_the_count_of_hidden_findings_says_it_counts_lines() -> None:
+    """Past the first 12, '... and N more' counted a stage's 'further microbatches not listed' note as if it were a
+    problem; it now says it counts lines."""
+    with pytest.raises(ScheduleError) as gaps:
+        check(from_csv_text("0F0,0F40,0B0,0B40\n1F0,1B0,1F40,1B40\n"))
+    problems = gaps.value.problems
+    assert len(problems) == 13 and problems[-1].endswith(" more lines"), problems[-3:]
+    assert "stage 0: further microbatches not listed" in problems  # a note, among the lines counted

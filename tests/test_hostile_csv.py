@@ -162,7 +162,7 @@ def test_a_million_findings_print_a_few_lines(tmp_path, cli) -> None:
     lines = err.splitlines()
     assert lines[0] == f"{path}: invalid schedule" and len(lines) == 14, lines[:3]
     assert lines[1] == "  device 1 step 0: 0F0 but stage 0 is on device 0 (a stage on two devices)"
-    assert lines[-1] == "  ... and 3988 more"  # 2 x 1,999 misplaced ops and 2 repeated ones, less the 12 shown
+    assert lines[-1] == "  ... and 3988 more lines"  # 2 x 1,999 misplaced ops and 2 repeated ones, less the 12 shown
 
 
 def test_an_op_repeated_on_one_row_is_one_short_line(tmp_path, cli) -> None:

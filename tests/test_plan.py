@@ -203,7 +203,7 @@ def test_rejections_name_their_reason() -> None:
     reasons = [r["reason"] for r in report.rejected]
     assert any(r.startswith("OOM on device") and "bytes" in r for r in reasons)
     assert any("not divisible by width x microbatch size" in r for r in reasons)
-    assert any("must be >= schedule.stages" in r for r in reasons)
+    assert any("expected at least schedule.stages" in r for r in reasons)
     assert all("\n" not in r for r in reasons)
 
 

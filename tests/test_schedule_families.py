@@ -110,12 +110,12 @@ def test_split_families_run_i_and_w_fused_ones_run_b(name):
 
 
 @pytest.mark.parametrize(("name", "p", "m", "chunks", "message"), [
-    ("zb-h2", 4, 3, 1, "schedule.microbatches(=3) must be >= schedule.stages(=4) for zb-h2"),
-    ("2bw", 4, 3, 1, "schedule.microbatches(=3) must be >= schedule.stages(=4) for 2bw"),
-    ("interleaved", 4, 8, 1, "schedule.chunks(=1) must be >= 2 for interleaved"),
-    ("zb-v", 4, 8, 3, "schedule.chunks(=3) must be 2 for zb-v"),
-    ("zb-h1", 4, 8, 2, "schedule.chunks(=2) must be 1 for zb-h1"),
-    ("v-min", 0, 8, 2, "schedule.stages(=0) must be >= 1 for v-min"),
+    ("zb-h2", 4, 3, 1, "schedule.microbatches: got 3, expected at least schedule.stages (=4) for zb-h2"),
+    ("2bw", 4, 3, 1, "schedule.microbatches: got 3, expected at least schedule.stages (=4) for 2bw"),
+    ("interleaved", 4, 8, 1, "schedule.chunks: got 1, expected at least 2 for interleaved"),
+    ("zb-v", 4, 8, 3, "schedule.chunks: got 3, expected 2 for zb-v"),
+    ("zb-h1", 4, 8, 2, "schedule.chunks: got 2, expected 1 for zb-h1"),
+    ("v-min", 0, 8, 2, "schedule.stages: got 0, expected at least 1 for v-min"),
 ])
 def test_bad_arguments_name_key_value_and_expectation(name, p, m, chunks, message):
     """Bad sizes raise ValueError naming the config key, the value and what is expected."""
@@ -125,7 +125,7 @@ def test_bad_arguments_name_key_value_and_expectation(name, p, m, chunks, messag
 
 def test_iterations_must_be_positive():
     """iterations=0 is refused by name."""
-    with pytest.raises(ValueError, match=r"iterations\(=0\) must be >= 1 for pipedream"):
+    with pytest.raises(ValueError, match=r"iterations: got 0, expected at least 1 for pipedream"):
         build("pipedream", 4, 8, iterations=0)
 
 

@@ -154,7 +154,7 @@ def from_csv_text(text: str, num_microbatches: int | None = None, name: str = "c
     text = text.removeprefix("\ufeff")
     _check_size(text)
     if num_microbatches is not None and num_microbatches < 1:
-        raise ValueError(f"microbatches(={num_microbatches}) must be >= 1")
+        raise ValueError(f"microbatches: got {num_microbatches}, expected at least 1")
     device_actions, highest, pairs = _parse_rows(text)
     if not device_actions:
         raise ValueError("schedule CSV holds no compute actions")

@@ -24,8 +24,8 @@ def chimera(p: int, m: int, chunks: int = 1, recompute: bool = False) -> Schedul
     through the down pipeline (stages ``0..p-1``), the rest through the up one (stage ``p+k`` on device ``p-1-k``)."""
     check_two_pipelines("chimera", p, chunks)
     if m % p:
-        raise ValueError(f"schedule.microbatches(={m}) must be a multiple of schedule.stages(={p}) for chimera: it "
-                         f"runs units of p microbatches, p/2 in each direction")
+        raise ValueError(f"schedule.microbatches: got {m}, expected a multiple of schedule.stages (={p}) for "
+                         f"chimera: it runs units of p microbatches, p/2 in each direction")
     half, per = p // 2, m // 2
     steps: list[dict[int, Action]] = [{} for _ in range(p)]
     for unit in range(m // p):

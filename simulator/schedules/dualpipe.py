@@ -107,8 +107,8 @@ def dualpipe(p: int, m: int, chunks: int = 1, recompute: bool = False) -> Schedu
     least ``2p``, DeepSeek's bound); microbatches ``0..m/2-1`` take the first (``Schedule.pipeline_of``)."""
     check_two_pipelines("dualpipe", p, chunks)
     if m % 2 or m < 2 * p:
-        raise ValueError(f"schedule.microbatches(={m}) must be even and >= 2 x schedule.stages(={p}) = {2 * p} for "
-                         f"dualpipe: half of them feed each pipeline, whose warm-up needs p")
+        raise ValueError(f"schedule.microbatches: got {m}, expected an even number from 2 x schedule.stages (={p}) "
+                         f"= {2 * p} for dualpipe: half of them feed each pipeline, whose warm-up needs p")
     half, per = p // 2, m // 2
     orders, pairs = [], set()
     for r in range(p):
@@ -131,9 +131,9 @@ def dualpipev(p: int, m: int, chunks: int = 2, recompute: bool = False) -> Sched
     warm-up needs them)."""
     v_chunks("dualpipev", chunks)
     if p < 1:
-        raise ValueError(f"schedule.stages(={p}) must be >= 1 for dualpipev")
+        raise ValueError(f"schedule.stages: got {p}, expected at least 1 for dualpipev")
     if m < 2 * p:
-        raise ValueError(f"schedule.microbatches(={m}) must be >= 2 x schedule.stages(={p}) = {2 * p} for "
+        raise ValueError(f"schedule.microbatches: got {m}, expected at least 2 x schedule.stages (={p}) = {2 * p} for "
                          f"dualpipev: its warm-up feeds every one of its 2p stages before the steady state")
     devices = [device_order(r, p, m) for r in range(p)]
     return Schedule("dualpipev", p, m, v_placement(p), tuple(tuple(d.order) for d in devices), recompute=recompute,

@@ -59,7 +59,8 @@ def interleaved(p: int, m: int, chunks: int = 2, recompute: bool = False) -> Sch
     """
     check_sizes("interleaved", p, m, min_m=p)
     if chunks < 2:
-        raise ValueError(f"schedule.chunks(={chunks}) must be >= 2 for interleaved; use '1f1b' for one chunk")
+        raise ValueError(f"schedule.chunks: got {chunks}, expected at least 2 for interleaved; use '1f1b' for one "
+                         f"chunk")
     lists = tuple(tuple(device_order(r, p, m, chunks)) for r in range(p))
     return Schedule("interleaved", p, m, looped_placement(p, chunks), lists, recompute=recompute,
                     weight_versions=(1,) * p)

@@ -138,4 +138,4 @@ def zb_v(p: int, m: int, chunks: int = 2, recompute: bool = False) -> Schedule:
 def _single_stage_checks(name: str, p: int, m: int, chunks: int) -> None:
     check_sizes(name, p, m, min_m=p)
     if chunks != 1:
-        raise ValueError(f"schedule.chunks(={chunks}) must be 1 for {name}; use 'zb-v' for two chunks")
+        raise ValueError(f"schedule.chunks: got {chunks}, expected 1 for {name}; use 'zb-v' for two chunks")
