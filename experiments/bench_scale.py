@@ -4,7 +4,8 @@ One model and schedule, the GPT of issue 30's 16,384-GPU case (128 layers, hidde
 128,000; interleaved pipeline 16 x 2, 16 microbatches, tensor 8, dgx-h100 servers), with ever more data-parallel
 replicas: 1, 2, 8, 32 and 128, so 128 to 16,384 GPUs (a pipeline is 128 GPUs, so the ladder starts there). Each
 rung is a whole ``pipescope simulate --json`` in a child process, so that its wall time includes the start and
-its peak memory (the child's maximum resident set, from ``wait4``) is its own. Events are what the replay
+its peak memory (the child's maximum resident set, from ``wait4``) is its own; "replayed" is how many replicas it
+simulated, one of each kind where alike ones fold (``simulator.fold``). Events are what the replay
 scheduled: ops, flows started and fair-share rate updates (each a SimPy event). The exponent is the least-squares
 slope of log wall time against log GPUs: 1 means linear.
 
@@ -50,7 +51,9 @@ def run_case(replicas: int) -> dict:
     wall, rss, result = _child(case_args(replicas), f"{replicas} replicas")
     network = result["network"]
     events = result["ops"] + network.get("flows", 0) + network.get("rate_updates", 0)
-    return {"gpus": REPLICA_GPUS * replicas, "data_parallel": replicas, "wall_s": wall, "peak_rss_bytes": rss,
+    replayed = network.get("folding", {}).get("simulated", replicas)  # alike replicas folded (simulator.fold)
+    return {"gpus": REPLICA_GPUS * replicas, "data_parallel": replicas, "replayed": replayed, "wall_s": wall,
+            "peak_rss_bytes": rss,
             "simulated_s": result["sim_wall_s"], "ops": result["ops"], "flows": network.get("flows", 0),
             "rate_updates": network.get("rate_updates", 0), "events_per_s": events / wall,
             "iteration_time_s": result["iteration_time_s"]}
@@ -114,10 +117,11 @@ def run_scale(max_gpus: int, as_json: bool, plot: str | None) -> int:
         print(json.dumps({"cases": rows, "exponent": slope, "target": TARGET, "collectives": collectives,
                           "collective_target": COLLECTIVE_TARGET}))
         return 0
-    print(f"{'GPUs':>6} {'replicas':>8} {'wall':>8} {'peak RSS':>9} {'ops':>8} {'flows':>8} {'rate updates':>13} "
-          f"{'events/s':>9}")
+    print(f"{'GPUs':>6} {'replicas':>8} {'replayed':>8} {'wall':>8} {'peak RSS':>9} {'ops':>8} {'flows':>8} "
+          f"{'rate updates':>13} {'events/s':>9}")
     for r in rows:
-        print(f"{r['gpus']:>6} {r['data_parallel']:>8} {r['wall_s']:>7.1f}s {r['peak_rss_bytes'] / 2**30:>6.2f} GiB "
+        print(f"{r['gpus']:>6} {r['data_parallel']:>8} {r['replayed']:>8} {r['wall_s']:>7.1f}s "
+              f"{r['peak_rss_bytes'] / 2**30:>6.2f} GiB "
               f"{r['ops']:>8} {r['flows']:>8} {r['rate_updates']:>13} {r['events_per_s']:>9.0f}")
     print(f"exponent (wall ~ GPUs^k): {'n/a' if slope is None else f'{slope:.2f}'}; target at {TARGET['gpus']:,} "
           f"GPUs: {TARGET['wall_s']:g} s and {TARGET['peak_rss_bytes'] / 2**30:g} GiB (issue 30)")

@@ -105,6 +105,15 @@ def training_line(estimate: dict) -> str:
             f"{estimate['gpu_hours']:,.0f} GPU-hours{cost}")
 
 
+def _folded(result: SimResult) -> str:
+    """How many of the replicas ran, where alike ones were folded (``simulator.fold``)."""
+    folding = result.network.get("folding") or {}
+    if folding.get("simulated", 0) >= folding.get("replicas", 0):
+        return ""
+    return (f" ({folding['simulated']} of {folding['replicas']} replicas replayed, the others alike: docs/network.md, "
+            f"\"Folding identical replicas\")")
+
+
 def table(result: SimResult, max_rows: int = 16, estimate: dict | None = None) -> str:
     """Headline, totals (with the training estimate, when given) and a per-device table (elided in the middle past
     ``max_rows`` devices)."""
@@ -114,6 +123,6 @@ def table(result: SimResult, max_rows: int = 16, estimate: dict | None = None) -
         rows = rows[: half + 1] + [f"{'...':>6}  ({len(rows) - 1 - max_rows} devices not shown)"] + rows[-half:]
     warnings = [f"warning: {w}" for w in result.warnings]
     ops, transfers = result.records.mask(Role.COMPUTE).sum(), result.records.mask(Role.SEND).sum()
-    sim = f"simulated {ops} ops and {transfers} transfers in {result.sim_wall_s:.2f} s"
+    sim = f"simulated {ops} ops and {transfers} transfers in {result.sim_wall_s:.2f} s{_folded(result)}"
     goal = [training_line(estimate)] if estimate else []
     return "\n".join([_headline(result), *_totals(result), *goal, "", *rows, *warnings, sim])

@@ -215,7 +215,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
                           if analytic else None,
                           config=config, memory_runtime=config.memory.runtime,
                           memory_overheads=built.overheads,
-                          host_cores=config.cluster.host_cores, progress=progress)
+                          host_cores=config.cluster.host_cores, progress=progress, fold=config.cluster.fold)
     result.warnings.extend(_idle_settings(config))
     above = memory_above_gpu(config, cluster.graph)
     if above:

@@ -15,10 +15,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 from pipescope.simulator.flows import FlowFabric, NetworkError, max_min_rates, part_key
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.network import Clock
+
+if TYPE_CHECKING:
+    from pipescope.simulator.fold import Fold
 
 K = ActionKind
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
@@ -42,6 +47,12 @@ class Phase:
     transfers: tuple[tuple[int, int, int], ...]
     steps: int
     step_ns: int = 0
+
+    @cached_property
+    def largest(self) -> int:
+        """The bytes of its largest transfer, which set when the lockstep phase drains (a wide phase's transfers are
+        tens of thousands: found once, not at every bucket's start)."""
+        return max(nb for _, _, nb in self.transfers)
 
 
 def _ring_pairs(group: Sequence[int]) -> list[tuple[int, int]]:
@@ -134,6 +145,7 @@ class Collectives:
         self.device_of = {end: d for d, ends in enumerate(lanes or ()) for end in ends}  # a lane's GPU -> its device
         self.server_of = [fabric.graph.nodes[node].get("node", 0) for node in fabric.endpoints]
         self._chosen: dict[tuple, tuple[str, list[Phase]]] = {}
+        self.fold: Fold | None = None  # alike replicas folded (simulator.fold): phases over the replayed ones' edges
 
     def choose(self, kind: ActionKind, group: Sequence[int], nbytes: int) -> tuple[str, list[Phase]]:
         """(algorithm name, phases) for this collective: of the algorithms that apply (or the one forced), under
@@ -175,7 +187,7 @@ class Collectives:
         transfer's bytes take at the flow's rate, its slowest path's latency and its steps."""
         paths = [self._path(src, dst, 0, i) for i, (src, dst, _) in enumerate(phase.transfers)]
         rate = max_min_rates([[e for path, _ in paths for e in path]], self.fabric.capacity)[0]
-        return max(nb for _, _, nb in phase.transfers) / rate, max(p[1] for p in paths), phase.steps
+        return phase.largest / rate, max(p[1] for p in paths), phase.steps
 
     def _path(self, src: int, dst: int, key: int, index: int) -> tuple[tuple[int, ...], int]:
         path = self.fabric.route(src, dst, part_key(key, index))
@@ -196,9 +208,12 @@ class Collectives:
             done(now)
             return
         phase, rest = phases[0], phases[1:]
-        paths = [self._path(src, dst, key, i) for i, (src, dst, _) in enumerate(phase.transfers)]
-        hop = max(p[1] for p in paths)
-        edges = tuple(e for path, _ in paths for e in path)
+        if self.fold is not None:
+            edges, hop = self.fold.phase(phase)
+        else:
+            paths = [self._path(src, dst, key, i) for i, (src, dst, _) in enumerate(phase.transfers)]
+            hop = max(p[1] for p in paths)
+            edges = tuple(e for path, _ in paths for e in path)
 
         def arrived(time: int) -> None:
             end = time + (phase.steps - 1) * hop + phase.steps * phase.step_ns
@@ -207,4 +222,4 @@ class Collectives:
             else:
                 done(end)
 
-        self.fabric.start(clock, now, (edges, hop), max(nb for _, _, nb in phase.transfers), arrived)
+        self.fabric.start(clock, now, (edges, hop), phase.largest, arrived)

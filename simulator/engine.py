@@ -189,7 +189,7 @@ class Engine:
         """A member joins collective ``flow``; the last one to join starts it."""
         self.joined[flow] += 1
         collective = self.p.flow_collective[flow]
-        if self.joined[flow] == len(collective.group):
+        if self.joined[flow] == self.p.joiners.get(flow, len(collective.group)):
             self.times.flow_start[flow] = self.network.start_collective(self, self.env.now, flow, collective.kind,
                                                                         collective.group)
 

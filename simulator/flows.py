@@ -206,6 +206,11 @@ class FlowFabric:
         self.flows_started = 0
         self._in_flight: dict[Flow, None] = {}  # the flows in flight, in start order (which is ``seq`` order)
 
+    @property
+    def server_symmetry(self) -> ServerSymmetry | None:
+        """The graph's symmetry between its servers (``server_symmetry``), None where it has none."""
+        return self._servers
+
     # Routing -----------------------------------------------------------------------------------------------------
 
     def routes(self, src: int, dst: int) -> list[tuple[tuple[int, ...], int]]:

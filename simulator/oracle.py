@@ -57,7 +57,7 @@ class Oracle:
         def join(f: int, now: int) -> None:
             joined[f] += 1
             c = p.flow_collective[f]
-            if joined[f] == len(c.group):
+            if joined[f] == p.joiners.get(f, len(c.group)):
                 times.flow_start[f] = network.start_collective(self, now, f, c.kind, c.group)
 
         def advance(d: int, now: int) -> None:

@@ -36,6 +36,7 @@ class Lowering:
     faults: ComputeFaults | None = None
     lists: Schedule | None = None  # the lowered lists (the schedule's until the send/recv pass)
     program: Program | None = None
+    base: Program | None = None  # one replica's program, before the data-parallel pass replicates it
 
 
 def fsdp_actions(run: Lowering) -> None:
@@ -72,6 +73,7 @@ def vocab_overlap(run: Lowering) -> None:
 
 def data_parallel(run: Lowering) -> None:
     """The replicas over the mesh's data axis, with their gradient syncs and ZeRO's gathers (``replicas``)."""
+    run.base = run.program
     if run.width > 1:
         run.program = replicas.data_parallel(run.program, run.schedule, run.width, run.grad_bytes, run.sync,
                                              run.weight_bytes)

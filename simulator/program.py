@@ -73,6 +73,9 @@ class Program:
     # Members that join when another flow ends (HSDP's all-reduce of a shard after its group's reduce-scatter): per
     # flow, the flows it makes one member join
     flow_joins: dict[int, list[int]] = field(default_factory=dict)
+    # Collectives that start with fewer members than their group (replicas folded into one, simulator.fold): per
+    # flow, the members that join it in this program
+    joiners: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_entries(self) -> int:

@@ -23,6 +23,8 @@ docs/network.md has the rules and what they leave out.
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,7 +90,7 @@ class _Sync:
 
 
 def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: list[int], sync: GradSync,
-                  weight_bytes: list[int] | None = None) -> Program:
+                  weight_bytes: list[int] | None = None, held: Sequence[int] | None = None) -> Program:
     """The program of ``width`` replicas of ``base`` with bucketed gradient all-reduces (see the module doc).
 
     Args:
@@ -99,6 +101,8 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
         grad_bytes: per stage, the bytes of its gradients.
         sync: bucket size, overlap, and ZeRO's stage and shards.
         weight_bytes: per stage, the bytes of its weights, which a sharded optimizer all-gathers after its step.
+        held: the replicas whose entries and transfers the program holds, ascending (default: all ``width``); the
+            collectives still span every replica, and start with the members the program holds (``simulator.fold``).
     """
     mesh = DeviceMesh(schedule.num_devices, width, shard=sync.sharding.shards if sync.sharded else 0)
     weights = weight_bytes or [0] * len(grad_bytes)
@@ -121,7 +125,7 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
                         f"{schedule.num_microbatches * schedule.iterations} microbatches{groups}; expected at most "
                         f"{MAX_SYNCS:,} (ZeRO-2 and 3 reduce-scatter every bucket after every microbatch): larger "
                         f"buckets, fewer microbatches or stages, or larger shard groups")
-    return _replicate(base, mesh, syncs)
+    return _replicate(base, mesh, syncs, range(width) if held is None else held)
 
 
 def _hybrid(syncs: list[_Sync], mesh: DeviceMesh, base: Program) -> list[_Sync]:
@@ -307,12 +311,14 @@ def _split(nbytes: int, bucket: int) -> list[int]:
     return [bucket] * (count - 1) + [nbytes - bucket * (count - 1)]
 
 
-def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync]) -> Program:
-    """Entries: each replica's copy of the base entries, then each member entry of the syncs (one per member replica).
-    Flows: each replica's transfers, then one flow per sync shared by its members."""
-    n, flows, width = base.num_entries, base.num_flows, mesh.data
-    every = tuple(range(width))
-    members = [(c, r) for c, s in enumerate(syncs) for r in (s.replicas or every)]
+def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync], held: Sequence[int]) -> Program:
+    """Entries: each held replica's copy of the base entries (``held``, ascending: every replica, or those a folded run
+    simulates), then each member entry of the syncs (one per member replica held). Flows: the held replicas'
+    transfers, then one flow per sync shared by its members."""
+    n, flows, width = base.num_entries, base.num_flows, len(held)
+    every = tuple(range(mesh.data))
+    position = {r: j for j, r in enumerate(held)}
+    members = [(c, r) for c, s in enumerate(syncs) for r in (s.replicas or every) if r in position]
     total = width * n + len(members)
     first_sync_flow = width * flows
     homes = [_home(s, base) for s in syncs]
@@ -320,31 +326,31 @@ def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync]) -> Program:
     def moved(c: Collective | None, r: int) -> Collective | None:  # a base collective over replica r's devices
         return c if c is None or not r else c._replace(group=tuple(mesh.device(r, d) for d in c.group))
 
-    def signal(s: int, r: int) -> int:  # a base signal in replica r
-        return s + r * n if s < n else total + r * flows + (s - n)
+    def signal(s: int, j: int) -> int:  # a base signal in the j-th held replica
+        return s + j * n if s < n else total + j * flows + (s - n)
 
     out = Program(actions=[], device=[], role=[], device_steps=[], launches=[], duration=[], waits=[], flow_of=[],
                   columns=base.columns)
     # what each base entry waits for: in every replica (a sync over all of them), or in some (HSDP's groups)
     blocked: dict[int, list[int]] = {}
-    blocked_in: list[dict[int, list[int]]] = [{} for _ in range(width)]
+    blocked_in: list[dict[int, list[int]]] = [{} for _ in range(mesh.data)]
     for c, s in enumerate(syncs):
         for entry in s.blocks:
             if not s.replicas:
                 blocked.setdefault(entry, []).append(total + first_sync_flow + c)
             for r in s.replicas:
                 blocked_in[r].setdefault(entry, []).append(total + first_sync_flow + c)
-    for r in range(width):
+    for j, r in enumerate(held):
         out.actions += [moved(a, r) if role is Role.COLLECTIVE else a for a, role in zip(base.actions, base.role)]
         out.device += [mesh.device(r, d) for d in base.device]
         out.role += base.role
-        out.launches += [tuple(f + r * flows for f in fs) for fs in base.launches]
+        out.launches += [tuple(f + j * flows for f in fs) for fs in base.launches]
         out.duration += base.duration
         mine = blocked_in[r]  # merged once per replica, so the entries' loop looks up one table
         waits = {i: blocked.get(i, []) + mine.get(i, []) for i in blocked.keys() | mine.keys()} if mine else blocked
-        out.waits += [[signal(s, r) for s in w] + waits.get(i, []) for i, w in enumerate(base.waits)]
-        out.flow_of += [f + r * flows if f >= 0 else -1 for f in base.flow_of]
-        out.device_steps += [[i + r * n for i in steps] for steps in base.device_steps]
+        out.waits += [[signal(s, j) for s in w] + waits.get(i, []) for i, w in enumerate(base.waits)]
+        out.flow_of += [f + j * flows if f >= 0 else -1 for f in base.flow_of]
+        out.device_steps += [[i + j * n for i in steps] for steps in base.device_steps]
     out.actions += [syncs[c].collective for c, _ in members]
     out.device += [mesh.device(r, homes[c]) for c, r in members]
     out.role += [Role.COLLECTIVE] * len(members)
@@ -352,22 +358,24 @@ def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync]) -> Program:
     out.duration += [0] * len(members)
     out.waits += [[] for _ in members]
     out.flow_of += [first_sync_flow + c for c, _ in members]
-    out.joins = {i + r * n: [(f + r * flows, offset) for f, offset in joined]
-                 for r in range(width) for i, joined in base.joins.items()}
+    out.joins = {i + j * n: [(f + j * flows, offset) for f, offset in joined]
+                 for j in range(width) for i, joined in base.joins.items()}
     for c, r in members:
         s, flow = syncs[c], first_sync_flow + c
         if s.trigger == START:
             out.start_joins.append((flow, s.offset))
         elif s.trigger >= 0:
-            out.joins.setdefault(s.trigger + r * n, []).append((flow, s.offset))
+            out.joins.setdefault(s.trigger + position[r] * n, []).append((flow, s.offset))
     for c, s in enumerate(syncs):
         for earlier in s.after:  # each member of ``s`` joins when one of these ends
             out.flow_joins.setdefault(first_sync_flow + earlier, []).append(first_sync_flow + c)
-    for r in range(width):
+    if width < mesh.data:  # a folded run (simulator.fold): the members of the replicas not held are folded away
+        out.joiners = {first_sync_flow + c: count for c, count in Counter(c for c, _ in members).items()}
+    for j, r in enumerate(held):
         out.flow_src += [mesh.device(r, d) if d >= 0 else -1 for d in base.flow_src]
         out.flow_dst += [mesh.device(r, d) if d >= 0 else -1 for d in base.flow_dst]
         out.flow_bytes += base.flow_bytes
-        out.flow_producer += [i + r * n if i >= 0 else -1 for i in base.flow_producer]
+        out.flow_producer += [i + j * n if i >= 0 else -1 for i in base.flow_producer]
         out.flow_collective += [moved(c, r) for c in base.flow_collective]
     out.flow_src += [-1] * len(syncs)
     out.flow_dst += [-1] * len(syncs)

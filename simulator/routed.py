@@ -17,6 +17,7 @@ from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.network import Clock
 
 if TYPE_CHECKING:
+    from pipescope.simulator.fold import Fold
     from pipescope.simulator.result import SimResult
 
 
@@ -50,6 +51,16 @@ class RoutedNetwork:
         self._dst: list[int] = []
         self._bytes: list[int] = []
         self.algorithms_used: dict[str, int] = {}
+        self.fold: Fold | None = None  # alike replicas folded (``simulator.fold``), while such a replay runs
+
+    def folding(self, fold: Fold | None) -> None:
+        """Replay the replicas ``fold`` keeps, each collective over their edges alone (None: every replica's)."""
+        self.fold = self.collectives.fold = fold
+
+    def device_endpoints(self) -> list[list[int]]:
+        """Per device, its GPUs' fabric endpoints: its first GPU, then its lanes."""
+        return [list(lanes) for lanes in self.lanes] if self.lanes is not None else \
+            [[d] for d in range(len(self.fabric.endpoints))]
 
     def bind(self, src: Sequence[int], dst: Sequence[int], nbytes: Sequence[int]) -> None:
         """Forget the last replay; NetworkError naming the first transfer that has no route."""
@@ -110,6 +121,9 @@ class RoutedNetwork:
         """Start a transfer; with lanes, its GPUs' slices move in lockstep as one flow over all their edges (an edge
         two slices cross counts twice), as a collective's phase does."""
         src, dst = self._src[flow], self._dst[flow]
+        if self.fold is not None:
+            for a, b in self._lane_pairs(src, dst):
+                self.fold.transfer(a, b)
         if self.lanes is None:
             path = self.fabric.route(src, dst, flow)
         else:
@@ -122,7 +136,9 @@ class RoutedNetwork:
 
     def start_collective(self, clock: Clock, now: int, flow: int, kind: ActionKind, group: Sequence[int]) -> int:
         name, phases = self.collectives.choose(kind, group, self._bytes[flow])
-        self.algorithms_used[name] = self.algorithms_used.get(name, 0) + 1
+        # a folded run's collective inside one replica stands for one in each replica of its kind
+        runs = self.fold.runs_of(group) if self.fold is not None else 1
+        self.algorithms_used[name] = self.algorithms_used.get(name, 0) + runs
         self.collectives.run(clock, now, flow, phases, lambda end: clock.finish_at(flow, end))
         return now
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pipescope.simulator.check import structure_problems
 from pipescope.simulator.collectives import FOR_A_COLLECTIVE
 from pipescope.simulator.costs import CostModel, StageCost, check_stage_costs, stage_costs as costs_of
-from pipescope.simulator.engine import Engine, Progress, gc_paused
+from pipescope.simulator import replicas
+from pipescope.simulator.engine import Engine, Progress, RunTimes, gc_paused
 from pipescope.simulator.faults import ComputeFaults
+from pipescope.simulator.fold import Fold, NotFoldable, spanning_phases
 from pipescope.simulator.host_cores import SharedCores
 from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
@@ -21,13 +24,15 @@ from pipescope.simulator.network import FifoLinks, Network
 from pipescope.simulator.passes import ONE_REPLICA, Lowering, run_passes
 from pipescope.simulator.program import Program
 from pipescope.simulator.replicas import GradSync
+from pipescope.simulator.routed import RoutedNetwork
 from pipescope.simulator.result import SimResult, build_result, link_floor_ns
 from pipescope.simulator.timeline import replay_timeline
 
 
 def simulate(schedule: Schedule, costs: CostModel, network: Network | None = None, *, samples_per_microbatch: int = 1,
              data_parallel: int = 1, grad_sync: GradSync | None = None, faults: ComputeFaults | None = None,
-             host_cores: int | None = None, progress: Progress | None = None, **extra: Any) -> SimResult:
+             host_cores: int | None = None, progress: Progress | None = None, fold: bool = True,
+             **extra: Any) -> SimResult:
     """Check, lower, compile and replay ``schedule``.
 
     Args:
@@ -43,6 +48,8 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         host_cores: the devices are CPU ranks sharing this many cores of one host (``simulator.host_cores``);
             None: every device computes on its own.
         progress: called with (entries ended, entries) as the replay goes (``engine.Progress``): the CLI's bar.
+        fold: replay one replica of each kind where replicas are alike (``simulator.fold``), with the same result;
+            False: every replica, always.
         **extra: further ``SimResult`` fields: ``memory_capacity_bytes`` (to report OOM),
             ``model_flops_per_iteration`` and ``peak_flops_per_device`` (MFU), ``config`` (what it came from),
             ``memory_runtime`` (whose buffers the ledger counts: ``simulator.memory_runtime``).
@@ -69,9 +76,12 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
         lowered = run_passes(Lowering(schedule, stage_costs, deferred, width, grads, weights, sync, faults))
         schedule, program = lowered.schedule, lowered.program  # the schedule as it ran: with torch's FSDP actions
         network = network or FifoLinks.fixed_delay(0)
+        folding = _folding(network, lowered, faults, host_cores, fold) if width > 1 else None
         try:
             shared = SharedCores(len(program.device_steps), host_cores) if host_cores else None
-            times = Engine(program, network, shared, progress).run()
+            times = _folded(lowered, network, folding, progress) if folding and folding.fold else None
+            if times is None:
+                times = Engine(program, network, shared, progress).run()
         except NetworkError as err:
             where = str(err).removesuffix(FOR_A_COLLECTIVE)  # the flow says which
             raise NetworkError(f"{where} for {_flow_name(program, err.flow)}", err.flow) from None
@@ -84,9 +94,67 @@ def simulate(schedule: Schedule, costs: CostModel, network: Network | None = Non
                               sharding=sync.sharding if width > 1 else _unsharded(sync.sharding),
                               busiest_link_ns=busiest, **extra)
     network.report(result)
+    if folding is not None:
+        result.network["folding"] = folding.summary()
     result.warnings += _link_floor_note(result, busiest)
     result.sim_wall_s = time.perf_counter() - wall
     return result
+
+
+@dataclass
+class _Folding:
+    """Whether a run with replicas is folded (``simulator.fold``): the fold while it may be, and why not."""
+
+    replicas: int
+    fold: Fold | None
+    why_not: str = ""
+
+    def summary(self) -> dict:
+        """What the result says: the replicas, how many were replayed, and why every one was where it was."""
+        if self.fold is not None:
+            return {"replicas": self.replicas, "simulated": len(self.fold.simulated)}
+        return {"replicas": self.replicas, "simulated": self.replicas, "why_not": self.why_not}
+
+
+def _folding(network: Network, lowered: Lowering, faults: ComputeFaults | None, host_cores: int | None,
+             wanted: bool) -> _Folding | None:
+    """The fold of a run's replicas where nothing breaks their symmetry (``simulator.fold``); None without a routed
+    network (its replicas are not simulated apart)."""
+    if not isinstance(network, RoutedNetwork):
+        return None
+    width, sharding = lowered.width, lowered.sync.sharding
+    why = ("cluster.fold is false" if not wanted else
+           "stragglers or jitter" if faults is not None and (faults.slowdown or faults.jitter) else
+           "ranks sharing a host's cores" if host_cores else
+           "HSDP's shard groups" if lowered.sync.sharded and 0 < sharding.shards < width else "")
+    fold = None if why else Fold.of(network.fabric, network.device_endpoints(), lowered.schedule.num_devices, width)
+    if fold is None and not why:
+        why = "the replicas' servers or the fabric are not the same for every replica"
+    return _Folding(width, fold, why)
+
+
+def _folded(lowered: Lowering, network: RoutedNetwork, folding: _Folding, progress: Progress | None
+            ) -> RunTimes | None:
+    """The whole run's times from a replay of one replica of each kind, with the collectives over their edges alone,
+    and the network's edge statistics those of every replica; None (and why, in ``folding``) where the run turned
+    out not to be symmetric, or a flow has no route (the caller then replays every replica, and names that flow in
+    the whole run's numbering)."""
+    fold, base, program = folding.fold, lowered.base, lowered.program
+    network.folding(fold)
+    try:
+        spanning = (c for c in program.flow_collective[lowered.width * base.num_flows:] if c is not None)
+        fold.classify(spanning_phases(((c.kind, c.group, c.nbytes) for c in spanning), network.collectives.choose,
+                                      lowered.schedule.num_devices))
+        some = replicas.data_parallel(base, lowered.schedule, lowered.width, lowered.grad_bytes, lowered.sync,
+                                      lowered.weight_bytes, held=fold.simulated)
+        times = Engine(some, network, None, progress).run()
+    except (NotFoldable, NetworkError) as why:
+        folding.fold, folding.why_not = None, str(why)
+        return None
+    finally:
+        network.folding(None)
+    fold.expand_stats(network.fabric.stats)
+    return fold.expand_times(times, base.num_entries, base.num_flows)
 
 
 def _flow_name(program: Program, flow: int) -> str:

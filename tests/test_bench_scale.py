@@ -19,7 +19,7 @@ def test_the_smallest_rung_runs_in_its_own_process_and_reports_its_memory_and_ev
     assert main(["bench", "--scale", "--max-gpus", "255", "--json", "--plot", str(plot)]) == 0
     report = json.loads(capsys.readouterr().out)
     [rung] = report["cases"]  # 255 GPUs hold one pipeline of 128, not two
-    assert rung["gpus"] == 128 and rung["data_parallel"] == 1
+    assert rung["gpus"] == 128 and rung["data_parallel"] == 1 and rung["replayed"] == 1
     # a child's own peak: more than an interpreter with numpy, less than this test process could hide
     assert 50 * 2**20 < rung["peak_rss_bytes"] < 4 * 2**30
     assert rung["ops"] == 16 * 2 * (16 * 2 + 1) and rung["flows"] > 0  # per chunk-stage: F, B per microbatch, OPT

@@ -49,7 +49,8 @@ class ClusterConfig:
     ``bucket_size`` and ``overlap_grad_sync`` shape the data-parallel gradient all-reduce. ``host_cores``: the
     devices are CPU ranks on one host sharing this many cores (``simulator.host_cores``; unset: each computes on
     its own). ``host_memory`` and ``host_memory_bandwidth`` override a node's host memory and the rate a streaming
-    pass reaches in it (``topologies/hosts.py``), which an offloaded optimizer uses.
+    pass reaches in it (``topologies/hosts.py``), which an offloaded optimizer uses. ``fold``: simulate one of
+    replicas that are alike and copy its times (``simulator.fold``; the same result); false simulates every one.
     """
 
     topology: str = "dgx-h100"
@@ -65,6 +66,7 @@ class ClusterConfig:
     bucket_size: int = field(default=DDP_BUCKET_BYTES, metadata={"unit": "size"})
     overlap_grad_sync: bool = True
     host_cores: int | None = None
+    fold: bool = True
     host_memory: int | None = field(default=None, metadata={"unit": "size"})
     host_memory_bandwidth: float | None = field(default=None, metadata={"unit": "bandwidth"})
 
