@@ -57,6 +57,9 @@ class Clock(Protocol):
 class Network(Protocol):
     """Starts transfers and collectives; flows are numbered by the caller, transfers and collectives alike."""
 
+    final_answers: bool  # True: a transfer's first ``finish_at`` is never revised (FIFO links), so a replay needs
+    # no event for its arrival until something waits for it (``engine.Engine._event_for``)
+
     def bind(self, src: Sequence[int], dst: Sequence[int], nbytes: Sequence[int]) -> None:
         """Before a replay: the flows it will start (transfers: sender, receiver, bytes; collectives: -1, -1, bytes).
         Forgets every link's state from an earlier replay."""
@@ -106,6 +109,7 @@ class FifoLinks:
     """
 
     timing: TransferTiming
+    final_answers = True  # a transfer's end is known when it starts: its link's queue and its own duration
     _cache: dict[tuple[int, int, int], tuple[int, int]] = field(default_factory=dict, repr=False)
     _free_at: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
     _link: list[tuple[int, int]] = field(default_factory=list, repr=False)  # per flow, from bind()

@@ -39,6 +39,8 @@ class RoutedNetwork:
             GPUs share a link (one NIC for a server) they share its bandwidth (docs/network.md).
     """
 
+    final_answers = False  # a flow's end moves whenever the fair share is re-planned
+
     def __init__(self, graph: nx.DiGraph, endpoints: Sequence[str], seed: int = 0, algorithm: str = "auto",
                  lanes: Sequence[Sequence[str]] = (), step_ns: int = NCCL_STEP_NS):
         devices, width = len(endpoints), 1 + (len(lanes[0]) if lanes else 0)
