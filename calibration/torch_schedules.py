@@ -98,6 +98,9 @@ def _check_shape(name: str, stages: int, microbatches: int, chunks: int) -> None
         raise ValueError(f"schedule.chunks: got {chunks}, expected {needed} for torch:{name}")
     if chunks < 1:
         raise ValueError(f"schedule.chunks: got {chunks}, expected at least 1")
+    if name == "DualPipeV" and microbatches < stages * chunks:  # torch's own bound, checked before torch words it
+        raise ValueError(f"schedule.microbatches: got {microbatches}, expected at least schedule.stages x 2 = "
+                         f"{stages * chunks} for torch:DualPipeV (torch's bound: one for each stage of its V)")
 
 
 def _without_lowering(cls: type) -> type:

@@ -455,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ConfigError, ScheduleError) as err:
         if isinstance(err, ScheduleError):
-            print(f"pipescope: invalid schedule: {err}", file=sys.stderr)
+            named = getattr(args, "schedule", None)  # a csv: file's name says which file
+            print(f"pipescope: invalid schedule{f' {named}' if named else ''}: {err}", file=sys.stderr)
             return EXIT_INVALID_SCHEDULE
         return usage_error(str(err))
     except KeyboardInterrupt:

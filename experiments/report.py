@@ -106,12 +106,14 @@ def training_line(estimate: dict) -> str:
 
 
 def _folded(result: SimResult) -> str:
-    """How many of the replicas ran, where alike ones were folded (``simulator.fold``)."""
-    folding = result.network.get("folding") or {}
-    if folding.get("simulated", 0) >= folding.get("replicas", 0):
+    """How many of the replicas ran: where alike ones were folded (``simulator.fold``), or why all of them ran."""
+    folding = result.network.get("folding")
+    if not folding:
         return ""
-    return (f" ({folding['simulated']} of {folding['replicas']} replicas replayed, the others alike: docs/network.md, "
-            f"\"Folding identical replicas\")")
+    if folding["simulated"] < folding["replicas"]:
+        return (f" ({folding['simulated']} of {folding['replicas']} replicas replayed, the others alike: "
+                f"docs/network.md, \"Folding identical replicas\")")
+    return f" (all {folding['replicas']} replicas replayed: {folding['why_not']})"
 
 
 def table(result: SimResult, max_rows: int = 16, estimate: dict | None = None) -> str:

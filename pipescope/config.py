@@ -223,6 +223,9 @@ def _build(cls: type, raw: Any, prefix: str, typed: bool = False) -> Any:
     values = {}
     for name, value in raw.items():
         key = _key(prefix, name)
+        if name not in fields and cls is Config and name in EXPERIMENT_KEYS:  # a --set of one: the file's are dropped
+            raise ConfigError(f"{key}: a key of experiment files (a grid of runs), not of one config; pipescope sweep "
+                              f"runs the grid (docs/sweeps.md)")
         if name not in fields:
             known = [prefix + f for f in fields] + [k for k in PARALLEL_SPELLINGS if k.startswith(prefix) and prefix]
             raise ConfigError(f"{key}: unknown key, expected one of {', '.join(known)}{did_you_mean(key, known)}")

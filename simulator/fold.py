@@ -57,7 +57,8 @@ class Fold:
     def of(cls, fabric: FlowFabric, endpoints: Sequence[Sequence[int]], devices: int, replicas: int) -> Fold | None:
         """The fold of ``replicas`` replicas of ``devices`` devices each (device ``r * devices + d``), whose GPUs are
         the fabric endpoints ``endpoints[device]``; None where the servers or the fabric are not the same for every
-        replica."""
+        replica (``ServerSymmetry`` compares the servers' links by their latency, which routing needs: their
+        bandwidths are compared here)."""
         symmetry = fabric.server_symmetry
         if symmetry is None or replicas < 2:
             return None
@@ -77,6 +78,9 @@ class Fold:
                     return None
         equivalent = np.array([[e for k in base_servers for e in symmetry.server_edges[k + r * shift]]
                                for r in range(replicas)], dtype=np.int64)
+        capacity = np.asarray(fabric.capacity)[equivalent]
+        if (capacity != capacity[0]).any():
+            return None  # a link of some replica's servers degraded, or a file's servers that differ in bandwidth
         replica_of_edge = np.full(len(fabric.names), -1, dtype=np.int64)
         replica_of_edge[equivalent] = np.arange(replicas)[:, None]
         return cls(fabric, devices, equivalent, replica_of_edge)
@@ -121,7 +125,8 @@ class Fold:
         if (src, dst) in self._pairs:
             return
         edges, _ = self._edges([(src, dst, 0)])
-        if len(set(self.replica_of_edge[edges].tolist())) != 1 or self.replica_of_edge[edges[0]] < 0:
+        owners = set(self.replica_of_edge[edges].tolist())
+        if len(owners) > 1 or -1 in owners:
             raise NotFoldable(f"the path from {self.fabric.endpoints[src]} to {self.fabric.endpoints[dst]} leaves "
                               f"its replica's servers")
         self._pairs.add((src, dst))

@@ -129,7 +129,7 @@ def _folding(network: Network, lowered: Lowering, faults: ComputeFaults | None, 
            "HSDP's shard groups" if lowered.sync.sharded and 0 < sharding.shards < width else "")
     fold = None if why else Fold.of(network.fabric, network.device_endpoints(), lowered.schedule.num_devices, width)
     if fold is None and not why:
-        why = "the replicas' servers or the fabric are not the same for every replica"
+        why = "the replicas' servers, their links' bandwidths or the fabric are not the same for every replica"
     return _Folding(width, fold, why)
 
 

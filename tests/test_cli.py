@@ -225,7 +225,7 @@ def test_csv_schedule_honours_given_sizes_and_recompute(tmp_path, capsys) -> Non
     path.write_text("0F0,0B0\n1F0,1B0\n")
     base = ["simulate", "--json", "--schedule", f"csv:{path}", "--set", "costs.kind=uniform"]
     assert main([*base, "--stages", "4"]) == 2
-    assert "schedule.stages: got 4, but" in capsys.readouterr().err
+    assert "schedule.stages: got 4, expected 2: the devices" in capsys.readouterr().err
     assert main([*base, "--microbatches", "2"]) == 1
     assert "stage 0 microbatch 1: missing F (0F1)" in capsys.readouterr().err
     assert main(base) == 0

@@ -34,11 +34,15 @@ def test_an_experiment_file_given_to_load_config_builds_its_config_and_says_so()
     """load_config refused an experiment file that simulate --config runs; both now run its config without the
     grid and say so (a warning in Python, a note on stderr from the command line)."""
     from pipescope import load_config
+    from pipescope.config import ConfigError
     grid = next(path for path in CONFIGS if path.endswith("zero-bubble-paper.yaml"))
     with pytest.warns(UserWarning, match=r"zero-bubble-paper.yaml: building its config without its sweep grid "
                                          r"\(pipescope sweep runs the grid"):
         config = load_config(grid, ["schedule.name=zb-v"])
     assert config.schedule.name == "zb-v" and config.schedule.stages == 8
+    refused = r"^sweep: a key of experiment files .* pipescope sweep runs"  # not "unknown key (did you mean seed?)"
+    with pytest.warns(UserWarning), pytest.raises(ConfigError, match=refused):
+        load_config(grid, ["sweep.schedule.name=[1f1b]"])
 
 
 def test_simulate_runs_an_experiment_files_config_without_its_grid(cli) -> None:

@@ -177,6 +177,7 @@ def test_an_op_repeated_on_one_row_is_one_short_line(tmp_path, cli) -> None:
     code, _, err = cli(["simulate", "--schedule", f"csv:{path}", "--set", "costs.kind=uniform"])
     assert code == 1 and err.count("\n") == 1 and len(err) < 1000, len(err)
     assert "0B0 appears 5000 times (device 0 step 1, " in err and "... and 4988 more)" in err
+    assert err.startswith(f"pipescope: invalid schedule csv:{path}: ")  # which file, as check names it
 
 
 def test_good_files_still_read(tmp_path) -> None:

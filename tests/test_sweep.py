@@ -432,7 +432,8 @@ def test_a_key_inside_a_swept_section_that_its_values_leave_unset_applies_to_eac
     ({"sweep": {"schedule.stages": [1, 2], "schedule": [{"stages": 3}]}},
      "sweep.schedule.stages: also set by a value of sweep.schedule, expected each config key in one place"),  # 3 won
     ({"sweep": {"seed": [1, 2]}, "zip": {"seed": [1, 2]}}, "zip.seed: also in sweep"),
-    ({"iterations": 4, "sweep": {"schedule.name": ["2bw", "1f1b"]}}, "iterations: got 4, but 1f1b has a flush"),
+    ({"iterations": 4, "sweep": {"schedule.name": ["2bw", "1f1b"]}},
+     "iterations: got 4, expected none: 1f1b has a flush"),
     ({"zip": {"schedule.stages": [2, 4], "seed": [1]}}, "zip: lists of different lengths"),
     ({"sweep": {"seed": list(range(1000)), "schedule.microbatches": list(range(1, 102))}},
      "sweep: 1000 x 101 = 101,000 runs, expected at most 100,000"),

@@ -86,6 +86,9 @@ def test_v_schedules_need_two_chunks_and_take_them_by_default() -> None:
     assert torch_schedule("ZBVZeroBubble", 4, 8).chunks == 2
     with pytest.raises(ValueError, match=r"chunks: got 2, expected 1"):
         torch_schedule("GPipe", 4, 8, chunks=2)
+    # torch's own words named neither the key nor the stages given (4 ranks, "8 stages")
+    with pytest.raises(ValueError, match=r"^schedule.microbatches: got 4, expected at least schedule.stages x 2 = 8"):
+        torch_schedule("DualPipeV", 4, 4)
 
 
 @pytest.mark.parametrize(("name", "chunks"), [*WELL_FORMED, ("1F1B", 1)])

@@ -144,15 +144,15 @@ def check_iterations(name: str, iterations: int | None) -> None:
     if iterations is None or iterations == 1:
         return
     if name.startswith(("csv:", "torch:")):
-        raise ValueError(f"iterations: got {iterations}, but {name.split(':')[0]}: schedules run the one iteration "
-                         f"they hold; expected no iterations key")
+        raise ValueError(f"iterations: got {iterations}, expected none: {name.split(':')[0]}: schedules run the one "
+                         f"iteration they hold")
     try:
         gen = generator(name)
     except KeyError:  # the name's own check says what is wrong with it
         return
     if "iterations" not in gen.options:
-        raise ValueError(f"iterations: got {iterations}, but {gen.name} has a flush and simulates one iteration; "
-                         f"iterations applies to schedules without a flush")
+        raise ValueError(f"iterations: got {iterations}, expected none: {gen.name} has a flush and simulates one "
+                         f"iteration (iterations applies to schedules without a flush)")
 
 
 def build_schedule(config: ScheduleConfig, iterations: int | None = None) -> Schedule:
@@ -188,7 +188,9 @@ def _csv_schedule(config: ScheduleConfig) -> Schedule:
     except ValueError as err:
         raise ValueError(f"schedule.name: csv file {path!r}: {err}") from None
     if config.stages is not None and config.stages != schedule.num_devices:
-        raise ValueError(f"schedule.stages: got {config.stages}, but {path!r} has {schedule.num_devices} devices")
+        raise ValueError(f"schedule.stages: got {config.stages}, expected {schedule.num_devices}: the devices "
+                         f"{path!r} holds (or leave it unset)")
     if config.chunks is not None and config.chunks != schedule.chunks:
-        raise ValueError(f"schedule.chunks: got {config.chunks}, but {path!r} has {schedule.chunks} per device")
+        raise ValueError(f"schedule.chunks: got {config.chunks}, expected {schedule.chunks}: the stages per device "
+                         f"{path!r} holds (or leave it unset)")
     return replace(schedule, recompute=config.recompute == "full")
