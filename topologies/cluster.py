@@ -16,7 +16,7 @@ from pipescope.simulator.routed import RoutedNetwork
 from pipescope.simulator.readers.units import short_repr
 from pipescope.topologies.devices import DEVICES, DeviceSpec
 from pipescope.topologies.graphs import MAX_NODES, MAX_OVERSUBSCRIPTION
-from pipescope.topologies.topology_io import load_topology, machine_device
+from pipescope.topologies.topology_io import machine_device, shared_topology
 
 PLACEMENTS = ("linear", "spread")
 COLLECTIVE_ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
@@ -85,7 +85,7 @@ class ClusterConfig:
         if total * per_device > MAX_GPUS:
             raise ValueError(f"cluster.data_parallel: {_product(tensor, context)} = {total * per_device:,} GPUs, "
                              f"expected at most {MAX_GPUS:,}")
-        graph = load_topology(self.topology, self.nodes, self.fabric, self.oversubscription)
+        graph = shared_topology(self.topology, self.nodes, self.fabric, self.oversubscription)  # read, not changed
         return Cluster(graph, self.placement, total, tensor, context)
 
 

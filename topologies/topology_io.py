@@ -50,17 +50,27 @@ def load_topology(name_or_path: str, nodes: int = 1, fabric: str | None = None,
     Raises:
         ValueError: one line naming the key, the file and the offending entry, node or edge.
     """
+    graph = shared_topology(name_or_path, nodes, fabric, oversubscription)
+    return graph.copy() if nx.is_frozen(graph) else graph
+
+
+def shared_topology(name_or_path: str, nodes: int = 1, fabric: str | None = None,
+                    oversubscription: float | None = None) -> nx.DiGraph:
+    """``load_topology``'s graph for a caller that only reads it: a built-in machine's is the process's one, frozen
+    (``nx.freeze``: adding or removing a node or an edge raises), not a copy. Copying a 128-server graph took half
+    of the planner's screening of each candidate on it; what changes a graph (``faults.apply_link_faults``) copies
+    it first."""
     _check_arguments(nodes, fabric, oversubscription)
     if isinstance(name_or_path, str) and builtin(name_or_path) is not None:
-        return _built_in_cluster(name_or_path, nodes, fabric, oversubscription).copy()
+        return _built_in_cluster(name_or_path, nodes, fabric, oversubscription)
     return _load(name_or_path, nodes, fabric, oversubscription)
 
 
 @functools.lru_cache(maxsize=16)
 def _built_in_cluster(name: str, nodes: int, fabric: str | None, oversubscription: float | None) -> nx.DiGraph:
     """A built-in machine's cluster, built and validated once per process (the planner builds thousands of runs
-    on one cluster); ``load_topology`` hands out copies, so no caller can change it."""
-    return _load(name, nodes, fabric, oversubscription)
+    on one cluster), frozen: ``load_topology`` hands out copies, and ``shared_topology`` the graph to read."""
+    return nx.freeze(_load(name, nodes, fabric, oversubscription))
 
 
 def _load(name_or_path: str, nodes: int, fabric: str | None, oversubscription: float | None) -> nx.DiGraph:
