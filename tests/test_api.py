@@ -206,7 +206,7 @@ BAD_PYTHON_CONFIGS = [
     pytest.param(pipescope.Config(cluster=pipescope.ClusterConfig(memory=16)), "cluster.memory",
                  "got 16 B, expected a size from 1.00 MiB", id="memory-without-unit"),
     pytest.param(pipescope.Config(schedule=pipescope.ScheduleConfig("1f1b"), iterations=3), "iterations",
-                 "got 3, but 1f1b has a flush", id="iterations-of-a-flush"),
+                 "got 3, expected none: 1f1b has a flush", id="iterations-of-a-flush"),
 ]
 
 
