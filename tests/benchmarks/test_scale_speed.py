@@ -28,7 +28,7 @@ def test_one_all_reduce_over_32768_gpus_takes_seconds() -> None:
 
 @pytest.mark.benchmark
 def test_16384_gpus_in_30_seconds_and_2_gib() -> None:
-    """Issue 30's first row, folded (simulator/fold.py): measured 23.8 s and 1.55 GB on a 2-core machine, where
+    """Issue 30's first row, folded (simulator/fold.py): measured 23.8 s and 1.47 GiB on a 2-core machine, where
     every replica took 9 min 32 s and 2.8 GiB (README, "Speed")."""
     rung = run_case(LADDER[-1])
     assert rung["gpus"] == TARGET["gpus"] and rung["replayed"] < rung["data_parallel"]
