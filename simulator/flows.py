@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -173,17 +174,10 @@ class FlowFabric:
     names: list[tuple[str, str]] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.names = list(self.graph.edges)
-        self.edge_ids = {edge: i for i, edge in enumerate(self.names)}
-        # what NCCL's transfers reach of each link (its line rate times its efficiency, docs/topologies.md)
-        self.capacity = [self.graph.edges[e]["bandwidth"] * self.graph.edges[e].get("efficiency", 1.0) / 1e9
-                         for e in self.names]
-        self._capacity = np.asarray(self.capacity, dtype=np.float64)
-        self.latency = [float(self.graph.edges[e]["latency_ns"]) for e in self.names]
-        # Every node is routable, a GPU whose links all failed too: it is just unreachable.
-        weights = [routing_weight(lat) for lat in self.latency]
-        self._router = EqualCostRouter(self.graph, self.names, weights)
-        self._servers = ServerSymmetry.of(self.graph, self.names, self.latency, MAX_ECMP_PATHS)  # None: none
+        arrays = _graph_arrays(self.graph)
+        self.names, self.edge_ids, self.capacity, self.latency = arrays.names, arrays.edge_ids, arrays.capacity, \
+            arrays.latency
+        self._capacity, self._router, self._servers = arrays.capacity_array, arrays.router, arrays.servers
         # per device pair: its routes, or its class's and their renaming (a shared list and a small dict)
         self._routes: dict[tuple[int, int], tuple[Routes, Renaming | None]] = {}
         self.reset()
@@ -399,6 +393,45 @@ class FlowFabric:
         # the flows left on its edges are what its leaving re-plans (no edge left in use still takes its turn)
         self._replan(clock, now, edges=self._shared(flow, others=0))
         flow.arrived(now + flow.latency_ns)
+
+
+@dataclass(frozen=True)
+class _GraphArrays:
+    """What a fabric reads off its graph alone, whatever its endpoints: the edges in id order, their capacity and
+    latency, the router and the servers' symmetry."""
+
+    names: list[tuple[str, str]]
+    edge_ids: dict[tuple[str, str], int]
+    capacity: list[float]  # bytes per ns
+    capacity_array: np.ndarray
+    latency: list[float]
+    router: EqualCostRouter
+    servers: ServerSymmetry | None
+
+    @classmethod
+    def of(cls, graph: nx.DiGraph) -> _GraphArrays:
+        names = list(graph.edges)
+        # what NCCL's transfers reach of each link (its line rate times its efficiency, docs/topologies.md)
+        capacity = [graph.edges[e]["bandwidth"] * graph.edges[e].get("efficiency", 1.0) / 1e9 for e in names]
+        latency = [float(graph.edges[e]["latency_ns"]) for e in names]
+        # Every node is routable, a GPU whose links all failed too: it is just unreachable.
+        router = EqualCostRouter(graph, names, [routing_weight(lat) for lat in latency])
+        return cls(names, {edge: i for i, edge in enumerate(names)}, capacity, np.asarray(capacity, dtype=np.float64),
+                   latency, router, ServerSymmetry.of(graph, names, latency, MAX_ECMP_PATHS))
+
+
+_OF_FROZEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # frozen graph -> its _GraphArrays
+
+
+def _graph_arrays(graph: nx.DiGraph) -> _GraphArrays:
+    """``_GraphArrays.of(graph)``, once per frozen graph (``topology_io.shared_topology``'s: the planner builds a
+    network or two per candidate on one, and at 128 servers reading the graph was 70 ms of each)."""
+    if not nx.is_frozen(graph):
+        return _GraphArrays.of(graph)
+    known = _OF_FROZEN.get(graph)
+    if known is None:
+        known = _OF_FROZEN[graph] = _GraphArrays.of(graph)
+    return known
 
 
 def routing_weight(latency_ns: float) -> int:
