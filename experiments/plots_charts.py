@@ -43,7 +43,8 @@ def memory_figure(result: SimResult | RunData, title: str | None = None) -> Figu
     fig, ax = plt.subplots(figsize=(12, 4.5))
     draw_memory(ax, data, origin, scale)
     ax.set_xlabel(f"time ({unit})")
-    fig.suptitle(plain(title or data.title), fontsize=10)  # the axes title says what is drawn
+    drawn = "" if title or data.replicas < 2 else f"  (replica 0 of {data.replicas}: each holds the same)"
+    fig.suptitle(plain((title or data.title) + drawn), fontsize=10)  # the axes title says what is drawn
     fig.tight_layout()
     return fig
 

@@ -573,3 +573,15 @@ def test_a_steps_gantt_counts_what_check_counts_without_the_optimizer_steps() ->
         assert f"  {steps} unit steps" in fig.axes[0].get_title() and steps == 54
     finally:
         plt.close(fig)
+
+
+def test_the_memory_figure_of_replicas_says_it_draws_replica_0() -> None:
+    """A helper's 64-device trace drew 4 devices with nothing saying the other 60 are replicas of them (the Gantt
+    says so)."""
+    replicas = run("schedule.stages=4", "schedule.microbatches=4", "cluster.nodes=2", "cluster.data_parallel=4")
+    fig = memory_figure(replicas)
+    try:
+        assert len(fig.axes[0].lines) == 4
+        assert fig.get_suptitle().endswith("(replica 0 of 4: each holds the same)")
+    finally:
+        plt.close(fig)
