@@ -18,7 +18,7 @@ from pipescope.simulator.flows import NetworkError
 from pipescope.simulator.ir import Schedule, ScheduleError, WeightUpdate
 from pipescope.simulator.lowering import defers_steps, gradient_buffers
 from pipescope.simulator.memory_runtime import grad_bytes
-from pipescope.simulator.mesh import Sharding
+from pipescope.simulator.mesh import DeviceMesh, Sharding
 from pipescope.simulator.models import PRECISIONS
 from pipescope.simulator.network import FifoLinks, Network
 from pipescope.simulator.passes import ONE_REPLICA, Lowering, run_passes
@@ -126,7 +126,8 @@ def _folding(network: Network, lowered: Lowering, faults: ComputeFaults | None, 
     why = ("cluster.fold is false" if not wanted else
            "stragglers or jitter" if faults is not None and (faults.slowdown or faults.jitter) else
            "ranks sharing a host's cores" if host_cores else
-           "HSDP's shard groups" if lowered.sync.sharded and 0 < sharding.shards < width else "")
+           "HSDP's shard groups" if DeviceMesh(lowered.schedule.num_devices, width,
+                                               shard=sharding.shards if lowered.sync.sharded else 0).hybrid else "")
     fold = None if why else Fold.of(network.fabric, network.device_endpoints(), lowered.schedule.num_devices, width)
     if fold is None and not why:
         why = "the replicas' servers, their links' bandwidths or the fabric are not the same for every replica"
