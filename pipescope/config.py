@@ -109,7 +109,7 @@ MAX_LIST_ENTRIES = 100_000  # one entry per stage, and stages x chunks <= model.
 # Inclusive (low, high) of every float key that is not a time.
 FLOAT_RANGES = {**_in_section("cluster", CLUSTER_FLOAT_RANGES), "faults.jitter": (0.0, 1.0)}
 # Fractions of a datasheet number a kernel reaches: in (0, 1].
-FRACTION_KEYS = {"costs.efficiency", "costs.memory_efficiency", "costs.sustained"}
+FRACTION_KEYS = {"costs.efficiency", "costs.memory_efficiency", "costs.eager_efficiency", "costs.sustained"}
 
 
 def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:

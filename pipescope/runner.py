@@ -553,6 +553,7 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
                              c.efficiency or gpu.gemm_efficiency, layers_per_stage=m.layers_per_stage,
                              memory_bandwidth=config.cluster.memory_bandwidth or gpu.memory_bandwidth,
                              memory_efficiency=c.memory_efficiency or gpu.memory_efficiency, attention=m.attention,
+                             eager_efficiency=c.eager_efficiency or gpu.eager_efficiency,
                              split=_tensor_split(config, cluster, model, schedule), tiling=Tiling(gpu.sms),
                              flash=gpu.flash, gemms=gemms, warnings=_gemms_note(gemms, cluster),
                              misaligned_gemm=gpu.misaligned_gemm, sustained=c.sustained or gpu.sustained,

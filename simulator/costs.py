@@ -184,6 +184,7 @@ class AnalyticCostsConfig:
     kind: CostKind = CostKind.ANALYTIC
     efficiency: float | None = None
     memory_efficiency: float | None = None
+    eager_efficiency: float | None = None
     sustained: float | None = None
     gemms: str | None = None
 
@@ -292,6 +293,7 @@ class AnalyticCosts(PerStageCache):
     layers_per_stage: tuple[int, ...] | None = None
     memory_bandwidth: float | None = None  # the device's datasheet bytes/s; None: memory traffic not timed
     memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
+    eager_efficiency: float | None = None  # eager attention's score kernels' share of the bandwidth (None: streaming)
     attention: str = "flash"
     split: TensorSplit = TensorSplit()
     vocab: VocabShards | None = None  # None: naive placement; else vocabulary parallelism (simulator/vocab.py)
@@ -317,8 +319,9 @@ class AnalyticCosts(PerStageCache):
         """The rates at the fixed ``sustained`` fraction (at the boost clock where a power headroom is given)."""
         memory = self.memory_bandwidth * self.memory_efficiency if self.memory_bandwidth else None
         sustained = 1.0 if self.power_headroom else self.sustained
+        scores = self.memory_bandwidth * self.eager_efficiency if memory and self.eager_efficiency else None
         return Roofline(self.peak_flops, self.efficiency, memory, self.tiling, self.flash, self.gemms,
-                        self.misaligned_gemm, sustained)
+                        self.misaligned_gemm, sustained, scores)
 
     def rates(self, stage: int, num_stages: int) -> Roofline:
         """The rates the stage's GPU runs at: with a power headroom, the compute rates at the clock its F, I and W

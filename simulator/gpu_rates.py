@@ -118,6 +118,8 @@ class Roofline:
     bytes (``kernels.is_aligned``); a pass it does not name runs at the aligned rate. ``sustained`` is the fraction
     of those short-benchmark compute rates a GPU holds under a training step's continuous load, at its power limit
     (docs/costs.md, "Under continuous load"); streaming rates come from long copies and do not take it.
+    ``scores_rate`` (None: ``memory_rate``) is the bytes/s eager attention's kernels over the s x s scores reach
+    (``Kernel.scores``; docs/costs.md, "Eager attention").
     """
 
     peak_flops: float
@@ -128,6 +130,7 @@ class Roofline:
     gemms: MeasuredGemms | None = None
     misaligned: tuple[tuple[str, float], ...] = ()
     sustained: float = 1.0
+    scores_rate: float | None = None
 
     @property
     def compute_rate(self) -> float:
@@ -154,7 +157,8 @@ class Roofline:
 
     def times(self, kernel: Kernel) -> tuple[float, float]:
         """(compute seconds, memory seconds) of ``kernel``."""
-        memory = kernel.nbytes / self.memory_rate if self.memory_rate else 0.0
+        rate = self.scores_rate if kernel.scores and self.scores_rate else self.memory_rate
+        memory = kernel.nbytes / rate if rate else 0.0
         flops = self.work(kernel)
         return (flops / self.flop_rate(kernel) if flops else 0.0), memory
 

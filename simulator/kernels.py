@@ -52,6 +52,7 @@ class Kernel:
     nbytes: float
     gemm: Gemm | None = None
     flash: Flash | None = None
+    scores: bool = False  # moves eager attention's s x s scores, at the GPU's measured eager rate (gpu_rates.Roofline)
 
 
 @dataclass(frozen=True)
@@ -162,15 +163,16 @@ def _attention(x: _Shape, op: str, attention: str) -> list[Kernel]:
                        flash=Flash(2.5 * forward, x.seq, x.head_dim))]
     s, d, batch = x.seq, x.head_dim, x.samples_heads
     if op == "F":  # Q K^T; the fused scale-mask-softmax; its dropout; P V
-        return [Kernel("attention scores", "F", core, 2 * sbh + scores, Gemm(batch, s, s, d)),
-                Kernel("softmax", "F", 0, 2 * scores),
-                Kernel("attention dropout", "F", 0, 2 * scores + mask),
-                Kernel("attention times V", "F", core, scores + 2 * sbh, Gemm(batch, s, d, s))]
-    return [Kernel("attention times V (probabilities)", "I", core, 2 * sbh + scores, Gemm(batch, s, s, d)),
-            Kernel("attention times V (values)", "I", core, scores + 2 * sbh, Gemm(batch, s, d, s)),
-            Kernel("attention dropout", "I", 0, 2 * scores + mask),
-            Kernel("softmax", "I", 0, 3 * scores),
-            Kernel("attention scores", "I", 2 * core, scores + 4 * sbh, Gemm(2 * batch, s, d, s))]
+        return [Kernel("attention scores", "F", core, 2 * sbh + scores, Gemm(batch, s, s, d), scores=True),
+                Kernel("softmax", "F", 0, 2 * scores, scores=True),
+                Kernel("attention dropout", "F", 0, 2 * scores + mask, scores=True),
+                Kernel("attention times V", "F", core, scores + 2 * sbh, Gemm(batch, s, d, s), scores=True)]
+    # dQ = dS K and dK = dS^T Q are two products, each reading the scores' gradient dS
+    return [Kernel("attention times V (probabilities)", "I", core, 2 * sbh + scores, Gemm(batch, s, s, d), scores=True),
+            Kernel("attention times V (values)", "I", core, scores + 2 * sbh, Gemm(batch, s, d, s), scores=True),
+            Kernel("attention dropout", "I", 0, 2 * scores + mask, scores=True),
+            Kernel("softmax", "I", 0, 3 * scores, scores=True),
+            Kernel("attention scores", "I", 2 * core, 2 * scores + 4 * sbh, Gemm(2 * batch, s, d, s), scores=True)]
 
 
 def _layer_forward(x: _Shape, attention: str) -> list[Kernel]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -15,9 +16,9 @@ from pipescope import load_config, run
 from pipescope.config import ConfigError
 from pipescope.calibration.profile_io import write_table
 from pipescope.simulator.costs import AnalyticCosts, UniformCostsConfig, seconds_to_ns
-from pipescope.simulator.gpu_rates import Roofline
+from pipescope.simulator.gpu_rates import Roofline, Tiling
 from pipescope.simulator.kernels import PASSES, Kernel, layer_kernels, optimizer_kernels, output_kernels
-from pipescope.simulator.models import ATTENTIONS, layer_work, output_layer_flops, preset
+from pipescope.simulator.models import ATTENTIONS, ModelSpec, layer_work, output_layer_flops, preset
 from pipescope.simulator.readers.profile_schema import ProfileError
 from pipescope.simulator.profiled import ProfiledCosts
 from pipescope.topologies.devices import DEVICES
@@ -129,6 +130,46 @@ def test_eager_materialises_score_matrices_that_flash_keeps_on_chip() -> None:
     assert eager.stage_cost(1, 4, 1).weight_grad_ns == flash.stage_cost(1, 4, 1).weight_grad_ns
 
 
+# FlashAttention (arXiv 2205.14135) Appendix E, Table 11, row "Megatron": its eager attention, forward + backward,
+# fp16, 16 samples x 8 heads of 64, dropout 0.1, on an A100 40GB (1,555 GB/s): ms at sequence 1,024 and 2,048.
+FA1_MEGATRON_A100_MS = {1024: 4.21, 2048: 16.50}
+
+
+def fa1_benchmark_model(seq: int) -> ModelSpec:
+    return ModelSpec("fa1-benchmark", layers=1, hidden=512, heads=8, seq=seq, vocab=8)
+
+
+@pytest.mark.parametrize("seq", sorted(FA1_MEGATRON_A100_MS))
+def test_the_a100_eager_rate_gives_back_the_published_megatron_attention(seq: int) -> None:
+    """The A100's eager fraction (topologies/devices.py) is the bytes kernels.py counts for Megatron's attention
+    core over FlashAttention's measured times, on the A100 40GB it was measured on: the model gives them back."""
+    a100 = DEVICES["a100"]
+    costs = AnalyticCosts(fa1_benchmark_model(seq), a100.peak_flops["fp16"], 16, "fp16", a100.gemm_efficiency,
+                          memory_bandwidth=1555e9, memory_efficiency=a100.memory_efficiency, attention="eager",
+                          eager_efficiency=a100.eager_efficiency, tiling=Tiling(a100.sms))
+    core = [k for k in layer_kernels(costs.model, 16, "fp16", "eager") if k.scores]
+    assert {k.name for k in core} == {"attention scores", "softmax", "attention dropout", "attention times V",
+                                      "attention times V (probabilities)", "attention times V (values)"}
+    seconds = sum(costs.roofline.seconds(k) for k in core)
+    assert seconds * 1e3 == pytest.approx(FA1_MEGATRON_A100_MS[seq], rel=0.005)
+    streaming = replace(costs, eager_efficiency=None).roofline  # at a copy's rate the model was 13% fast
+    assert sum(streaming.seconds(k) for k in core) < 0.9 * seconds
+
+
+def test_the_eager_rate_moves_only_the_score_kernels_and_is_a_config_key(cli) -> None:
+    """``costs.eager_efficiency`` replaces the GPU's for eager attention's s x s kernels; flash attention and every
+    other kernel keep theirs."""
+    eager, half = h100_costs("eager"), h100_costs("eager", eager_efficiency=0.4)
+    for kernel in layer_kernels(MODEL, 1, "bf16", "eager"):
+        slower = half.roofline.seconds(kernel) > eager.roofline.seconds(kernel)
+        assert slower == (kernel.scores and eager.roofline.bound(kernel) == "memory"), kernel.name
+    assert not any(k.scores for k in layer_kernels(MODEL, 1, "bf16", "flash"))
+    sets = ["--set", "cluster.topology=dgx-a100", "--set", "model.attention=eager", "--json"]
+    default = json.loads(cli(["simulate", *sets])[1])["iteration_time_s"]
+    faster = json.loads(cli(["simulate", *sets, "--set", "costs.eager_efficiency=0.79"])[1])["iteration_time_s"]
+    assert faster < default
+
+
 def test_the_activation_memory_of_a_run_follows_model_attention() -> None:
     """1F1B, p = 4: device 1 stashes 3 microbatches of 6 layers, so eager needs 18 times the per-layer
     difference more (the p2p buffers at the peak may differ by at most two boundary tensors)."""
@@ -218,6 +259,7 @@ def test_kernels_are_listed_only_under_analytic_costs(cli) -> None:
     ("model.attention=sdpa", "model.attention: got 'sdpa', expected one of flash, eager"),
     ("costs.memory_efficiency=0", "costs.memory_efficiency: got 0.0, expected a number in (0, 1]"),
     ("costs.memory_efficiency=1.5", "costs.memory_efficiency: got 1.5, expected a number in (0, 1]"),
+    ("costs.eager_efficiency=0", "costs.eager_efficiency: got 0.0, expected a number in (0, 1]"),
     ("costs.optimizer=-1", "costs.optimizer: got -1, expected a non-negative time"),
 ])
 def test_bad_values_are_one_line_errors(setting: str, message: str, cli) -> None:

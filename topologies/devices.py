@@ -25,7 +25,9 @@ class DeviceSpec:
     ``power_headroom``, the FLOP rate at which the GPU at its boost clock draws its power limit, from which a
     step's compute rates under continuous load follow (``gpu_rates.power_limited_clock``; None: not known);
     without it, ``sustained``, a fixed fraction of the short benchmarks' compute rates held under load (1: the
-    benchmark was already a long one)."""
+    benchmark was already a long one); ``eager_efficiency``, of the HBM bandwidth, what Megatron's eager attention
+    kernels over the s x s scores reach (``Kernel.scores``; None: not measured, they stream at
+    ``memory_efficiency``)."""
 
     name: str
     peak_flops: dict[str, float]
@@ -39,6 +41,7 @@ class DeviceSpec:
     misaligned_gemm: tuple[tuple[str, float], ...] = ()
     sustained: float = 1.0
     power_headroom: float | None = None
+    eager_efficiency: float | None = None
 
     @property
     def gemm_efficiency(self) -> float:
@@ -94,6 +97,12 @@ H200_POWER_HEADROOM = 463.2e12
 # 3 s back to back against 271.2 at their best: a pure matmul's rate falls with the clock, as the clock cubed
 # falls with the power, so the headroom is 271.2 x (230 / 271.2)^3.
 A100_POWER_HEADROOM = 230e12**3 / 271.2e12**2
+# Megatron's eager attention on an A100 (FlashAttention, Dao et al. 2022, arXiv 2205.14135, Appendix E, Table 11,
+# row "Megatron": its fused scale-mask-softmax, dropout 0.1 and batched matmuls, forward + backward, fp16, 16
+# samples x 8 heads of 64, on an A100 40GB of 1,555 GB/s): 4.21 ms at sequence 1,024 and 16.50 ms at 2,048. The
+# bytes kernels.py counts for those kernels (16 score matrices and 12 activations) over those times are 0.687 and
+# 0.685 of the bandwidth (tests/test_roofline.py); the mean, as a fraction of the datasheet, for the A100 80GB.
+EAGER_A100 = 0.686
 
 DEVICES: dict[str, DeviceSpec] = {
     # GEMM: 95 of 125 TFLOP/s fp16, the best of square matmuls up to n = 8192 (mli/transformers-benchmarks, README
@@ -107,7 +116,7 @@ DEVICES: dict[str, DeviceSpec] = {
     # (mli/transformers-benchmarks VectorMul).
     "a100": DeviceSpec("A100-SXM4-80GB", {"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, 2039e9, 80 * GiB,
                        sms=108, gemm_measured=271.2 / 312, gemm_shape=(1024, 10240, 5120), memory_efficiency=0.79,
-                       flash=FLASH_A100, power_headroom=A100_POWER_HEADROOM),
+                       flash=FLASH_A100, power_headroom=A100_POWER_HEADROOM, eager_efficiency=EAGER_A100),
     # GEMM: 794.5 of 989 TFLOP/s bf16 at 2048 x 2048 x 13312 (the same table, "H200 is the same"); HBM: 3.98 TB/s of
     # 4.8 on H200 (NVIDIA/cccl PR #2086, babelstream mul over 2^28 bytes); no H100 measurement found: the H200's.
     # (The H200's own entry now takes its probes' measurements; H100 keeps these sources, not measured here.)
