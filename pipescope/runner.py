@@ -555,7 +555,8 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
                              memory_efficiency=c.memory_efficiency or gpu.memory_efficiency, attention=m.attention,
                              eager_efficiency=c.eager_efficiency or gpu.eager_efficiency,
                              split=_tensor_split(config, cluster, model, schedule), tiling=Tiling(gpu.sms),
-                             flash=gpu.flash, gemms=gemms, warnings=_gemms_note(gemms, cluster),
+                             flash=gpu.flash, gemms=gemms,
+                             warnings=_gemms_note(gemms, cluster) + _eager_note(m.attention, c.eager_efficiency, gpu),
                              misaligned_gemm=gpu.misaligned_gemm, sustained=c.sustained or gpu.sustained,
                              power_headroom=None if c.sustained else _power_headroom(gpu, peak, m.precision),
                              vocab_runtime=config.memory.runtime,
@@ -601,6 +602,17 @@ def _gemms_note(gemms: MeasuredGemms | None, cluster: Cluster) -> tuple[str, ...
         return ()
     return (f"costs.gemms: measured on {short_repr(gemms.device_name)}, the cluster's GPUs are {gpu}s: matmuls run "
             "at the table's rates",)
+
+
+def _eager_note(attention: str, eager_efficiency: float | None, gpu: DeviceSpec) -> tuple[str, ...]:
+    """A warning when eager attention runs on a GPU whose eager rate was never measured: its score kernels then
+    stream at a copy's rate, which on the A100, where it was measured, was 13% fast (docs/costs.md, "Eager
+    attention")."""
+    if attention != "eager" or eager_efficiency or gpu.eager_efficiency:
+        return ()
+    return (f"model.attention: eager on {gpu.name}, where no measurement of Megatron's eager attention was found: "
+            f"its kernels over the s x s scores stream at a copy's rate, which made them 13% fast on the A100 that "
+            f"was measured (costs.eager_efficiency sets a fraction; docs/costs.md, \"Eager attention\")",)
 
 
 def _device_note(costs: ProfiledCosts, cluster: Cluster) -> list[str]:

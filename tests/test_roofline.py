@@ -165,9 +165,20 @@ def test_the_eager_rate_moves_only_the_score_kernels_and_is_a_config_key(cli) ->
         assert slower == (kernel.scores and eager.roofline.bound(kernel) == "memory"), kernel.name
     assert not any(k.scores for k in layer_kernels(MODEL, 1, "bf16", "flash"))
     sets = ["--set", "cluster.topology=dgx-a100", "--set", "model.attention=eager", "--json"]
-    default = json.loads(cli(["simulate", *sets])[1])["iteration_time_s"]
-    faster = json.loads(cli(["simulate", *sets, "--set", "costs.eager_efficiency=0.79"])[1])["iteration_time_s"]
-    assert faster < default
+    default = json.loads(cli(["simulate", *sets])[1])
+    faster = json.loads(cli(["simulate", *sets, "--set", "costs.eager_efficiency=0.79"])[1])
+    assert faster["iteration_time_s"] < default["iteration_time_s"]
+    assert default["warnings"] == faster["warnings"] == []  # the A100's rate was measured
+
+
+def test_eager_attention_on_a_gpu_never_measured_says_so(cli) -> None:
+    """On an H100 no measurement of Megatron's eager attention exists: the run says its score kernels stream at a
+    copy's rate; naming a fraction, or flash attention, says nothing."""
+    eager = json.loads(cli(["simulate", "--set", "model.attention=eager", "--json"])[1])["warnings"]
+    assert len(eager) == 1 and eager[0].startswith("model.attention: eager on H100-SXM5-80GB") and \
+        "costs.eager_efficiency" in eager[0]
+    named = ["simulate", "--set", "model.attention=eager", "--set", "costs.eager_efficiency=0.7", "--json"]
+    assert json.loads(cli(named)[1])["warnings"] == json.loads(cli(["simulate", "--json"])[1])["warnings"] == []
 
 
 def test_the_activation_memory_of_a_run_follows_model_attention() -> None:
