@@ -17,7 +17,7 @@ from typing import Any
 from pipescope.config import ConfigError
 from pipescope.simulator.readers.safe_yaml import YamlError, read_yaml_file
 from pipescope.simulator.memory_runtime import RUNTIMES
-from pipescope.simulator.readers.units import parse_size, short_repr
+from pipescope.simulator.readers.units import did_you_mean, parse_size, short_repr
 
 CORPUS = Path(__file__).resolve().parent / "published" / "runs.yaml"
 GIB = 1 << 30
@@ -130,7 +130,7 @@ def select(runs: list[PublishedRun], names: list[str]) -> list[PublishedRun]:
         if name not in known:
             sources = sorted({run.source.name for run in runs})
             raise ConfigError(f"--published: got {short_repr(name)}, expected a run or a source of the corpus "
-                              f"(sources: {', '.join(sources)})", key="--published")
+                              f"(sources: {', '.join(sources)}){did_you_mean(name, known)}", key="--published")
     return [run for run in runs if run.name in names or run.source.name in names]
 
 

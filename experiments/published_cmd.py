@@ -84,7 +84,7 @@ def simulate_chunk(chunk: list) -> list[dict[str, Any]]:
         rows.append({"run_id": item.run_id, "status": "ok", "iteration_time_s": result.iteration_time_s,
                      "peak_memory_bytes": result.peak_memory_bytes, "oom": bool(result.oom), "mfu": result.mfu,
                      "hfu": result.hfu, "device_peaks": [d.peak_memory_bytes for d in result.devices],
-                     "overheads": result.memory_overheads.as_dict(),
+                     "overheads": result.memory_overheads.as_dict(), "warnings": list(result.warnings),
                      "wall_s": time.perf_counter() - started})
     return rows
 
@@ -101,7 +101,8 @@ def _best(run: PublishedRun, tried: list[tuple[dict[str, int], dict]]) -> dict[s
     predicted = best["iteration_time_s"] if run.quantity == "time" else _memory(run, best)
     return {**row, "status": "ok", "predicted": predicted, "error_rel": relative_error(predicted, row["measured"]),
             "chosen": chosen, "oom": best["oom"], "mfu": best["mfu"], "hfu": best["hfu"],
-            "iteration_time_s": best["iteration_time_s"], "wall_s": sum(r.get("wall_s", 0) for _, r in ok)}
+            "iteration_time_s": best["iteration_time_s"], "warnings": best["warnings"],
+            "wall_s": sum(r.get("wall_s", 0) for _, r in ok)}
 
 
 def _memory(run: PublishedRun, row: dict) -> int:
@@ -155,6 +156,7 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     lines += [_summary_line("all", quantity, summary[quantity]) for quantity in ("time", "memory") if summary[quantity]]
     if summary["failed"]:
         lines.append(f"failed: {', '.join(summary['failed'])}")
+    lines += [f"warning: {row['name']}: {warning}" for row in rows for warning in row.get("warnings", ())]
     return "\n".join(lines)
 
 

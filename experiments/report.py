@@ -20,7 +20,8 @@ def _headline(result: SimResult) -> str:
     costs = config.costs.kind
     uniform = costs is CostKind.UNIFORM
     seq = f" s={result.tokens_per_sample}" if result.tokens_per_sample else ""  # a from_hf file's own length too
-    model = "uniform costs" if uniform else f"{m.label}{seq} mb={m.microbatch_size} {m.precision} ({costs})"
+    eager = " eager" if costs is CostKind.ANALYTIC and m.attention == "eager" else ""  # flash: the default
+    model = "uniform costs" if uniform else f"{m.label}{seq} mb={m.microbatch_size} {m.precision}{eager} ({costs})"
     return (f"{s.name}: p={s.num_devices} m={s.num_microbatches} v={s.chunks}"
             f"{_options(config)}  weight update {s.weight_update}  {model}  "
             f"on {_cluster(result)} x{result.cluster_nodes or c.nodes}")

@@ -64,7 +64,9 @@ METRIC_KINDS: dict[str, tuple[type, bool]] = {
     "iteration_time_s": (float, False), "throughput_samples_per_s": (float, False), "bubble_rate": (float, False),
     "peak_memory_bytes": (int, False), "memory_capacity_bytes": (int, True), "oom": (bool, False),
     "mfu": (float, True), "hfu": (float, True), "tokens_per_s": (float, True), "tokens_per_s_per_gpu": (float, True),
-    "tflops_per_gpu": (float, True), "gpus": (int, False), "exposed_allreduce_s": (float, False)}
+    "tflops_per_gpu": (float, True), "gpus": (int, False), "exposed_allreduce_s": (float, False),
+    "warnings": (str, False)}
+WARNINGS_SEPARATOR = " | "  # a row's warnings in one cell (the tables hold scalars)
 METRICS = tuple(METRIC_KINDS)
 ROW_FIELDS = ("run_id", "status", "error", *METRICS, "run_wall_s")  # every row's columns besides its config's
 ROW_FIELD_SET = frozenset(ROW_FIELDS)
@@ -308,7 +310,7 @@ def _metrics(result: SimResult) -> dict[str, Any]:
             "memory_capacity_bytes": result.memory_capacity_bytes, "oom": bool(result.oom), "mfu": result.mfu,
             "hfu": result.hfu, "tokens_per_s": result.tokens_per_s, "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu,
             "tflops_per_gpu": result.tflops_per_gpu, "gpus": result.gpus,
-            "exposed_allreduce_s": result.exposed_allreduce_s}
+            "exposed_allreduce_s": result.exposed_allreduce_s, "warnings": WARNINGS_SEPARATOR.join(result.warnings)}
 
 
 def _ignore_sigint() -> None:

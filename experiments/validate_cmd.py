@@ -79,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", metavar="FILE", help="the first measured iteration as a Chrome trace (.json or "
                    ".json.gz), beside simulate --trace; its memory counters are the ledger over the measured times")
     p.add_argument("--max-error", help="exit 1 when |iteration_time_error| is above this (e.g. 0.1); with "
-                   "--published, when the worst run's |error| is")
+                   "--published, when the worst run's |error| is above it, or a run failed")
     published = p.add_argument_group("published runs", "score the simulator on runs measured on real clusters "
                                      "(docs/validation.md, \"Published runs\"); none of the flags above but --json "
                                      "and --max-error apply")

@@ -555,8 +555,8 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
                              memory_efficiency=c.memory_efficiency or gpu.memory_efficiency, attention=m.attention,
                              eager_efficiency=c.eager_efficiency or gpu.eager_efficiency,
                              split=_tensor_split(config, cluster, model, schedule), tiling=Tiling(gpu.sms),
-                             flash=gpu.flash, gemms=gemms,
-                             warnings=_gemms_note(gemms, cluster) + _eager_note(m.attention, c.eager_efficiency, gpu),
+                             flash=gpu.flash, gemms=gemms, warnings=_gemms_note(gemms, cluster)
+                             + _attention_note(m.attention, c.eager_efficiency, gpu),
                              misaligned_gemm=gpu.misaligned_gemm, sustained=c.sustained or gpu.sustained,
                              power_headroom=None if c.sustained else _power_headroom(gpu, peak, m.precision),
                              vocab_runtime=config.memory.runtime,
@@ -604,10 +604,14 @@ def _gemms_note(gemms: MeasuredGemms | None, cluster: Cluster) -> tuple[str, ...
             "at the table's rates",)
 
 
-def _eager_note(attention: str, eager_efficiency: float | None, gpu: DeviceSpec) -> tuple[str, ...]:
-    """A warning when eager attention runs on a GPU whose eager rate was never measured: its score kernels then
-    stream at a copy's rate, which on the A100, where it was measured, was 13% fast (docs/costs.md, "Eager
-    attention")."""
+def _attention_note(attention: str, eager_efficiency: float | None, gpu: DeviceSpec) -> tuple[str, ...]:
+    """A warning when the attention's rate on this GPU is not a measurement: flash attention where FlashAttention
+    does not run (V100), or eager attention where its rate was never measured, whose score kernels then stream at a
+    copy's rate, 13% fast on the A100 where it was (docs/costs.md, "Rates")."""
+    if attention == "flash" and not gpu.flash_runs:
+        return (f"model.attention: flash on {gpu.name}, where FlashAttention does not run (it needs sm80 or newer): "
+                f"its rate here is the A100's measured one scaled by the two peaks, an estimate; "
+                f"model.attention=eager is what a run there does (docs/costs.md, \"Rates\")",)
     if attention != "eager" or eager_efficiency or gpu.eager_efficiency:
         return ()
     return (f"model.attention: eager on {gpu.name}, where no measurement of Megatron's eager attention was found: "

@@ -131,7 +131,8 @@ def check_stage_costs(costs: list[StageCost]) -> None:
 def seconds_to_ns(seconds: float) -> int:
     if not math.isfinite(seconds) or seconds > MAX_OP_SECONDS:
         raise CostError(f"an op would take {seconds:g} s (at most {MAX_OP_SECONDS:g} s); "
-                        f"check the model size, costs.efficiency and costs.memory_efficiency")
+                        f"check the model size and the rate keys costs.efficiency, costs.memory_efficiency, "
+                        f"costs.eager_efficiency and costs.sustained")
     ns = int(round(seconds * 1e9))
     return 1 if ns == 0 and seconds > 0 else ns  # a positive time never rounds to nothing: 1 ns is the resolution
 

@@ -226,8 +226,10 @@ def _what_ran(config: Any, seq: int | None, nodes: int) -> dict[str, Any]:
     if config is None:
         return {}
     m, c, p = config.model, config.cluster, config.parallel
-    uniform = getattr(getattr(config.costs, "kind", None), "value", None) == "uniform"  # no model simulated
-    model = {"name": m.label, "seq": seq, "microbatch_size": m.microbatch_size, "precision": m.precision}
+    costs = getattr(getattr(config.costs, "kind", None), "value", None)
+    uniform = costs == "uniform"  # no model simulated
+    model = {"name": m.label, "seq": seq, "microbatch_size": m.microbatch_size, "precision": m.precision,
+             "attention": m.attention if costs == "analytic" else None}  # a profile timed what calibrate ran
     return {"model": None if uniform else model,
             "cluster": {"topology": c.topology, "nodes": nodes or c.nodes},
             "parallel": {"zero": p.zero_stage, **{key: getattr(p, key) for key in PARALLEL_KEYS}}}

@@ -15,7 +15,7 @@ import yaml
 
 from pipescope.config import ConfigError
 from pipescope.experiments.published import CORPUS, choices, config_of, load_corpus, measured_value, select
-from pipescope.experiments.published_cmd import TARGETS, run_published, summarize
+from pipescope.experiments.published_cmd import TARGETS, run_published, summarize, table
 from pipescope.experiments.sweep import validated_config
 
 RUNS = load_corpus()
@@ -59,6 +59,8 @@ def test_names_select_runs_and_sources() -> None:
     assert select(RUNS, []) == RUNS
     with pytest.raises(ConfigError, match=r"^--published: got 'nosuch', expected a run or a source of the corpus"):
         select(RUNS, ["nosuch"])
+    with pytest.raises(ConfigError, match=r"\(did you mean narayanan2021-1.7b\?\)$"):
+        select(RUNS, ["narayanan2021-1.7B"])
 
 
 def corpus_with(tmp_path: Path, edit) -> Path:
@@ -131,6 +133,20 @@ def test_an_unstated_setting_is_chosen_as_the_fastest_that_fits(tmp_path: Path) 
     assert choices(runs[0]) == [{"microbatch_size": 1}, {"microbatch_size": 2}, {"microbatch_size": 4}]
     [row] = run_published(runs, workers=1, progress=False)
     assert row["status"] == "ok" and row["chosen"] == {"microbatch_size": 4} and not row["oom"]
+
+
+def test_a_runs_warnings_are_in_its_row_and_under_the_table(tmp_path: Path) -> None:
+    """Narayanan et al.'s 1.7B (eager attention) moved to DGX H100s, where no eager rate was measured: the run's
+    warning is in its row (--json) and under the table, naming the run."""
+    def on_h100(raw: dict) -> None:
+        run = by_entry(raw, "narayanan2021-1.7b")
+        run["machine"] = "dgx-h100"
+        raw["runs"] = [run]
+
+    [row] = run_published(load_corpus(corpus_with(tmp_path, on_h100)), workers=1, progress=False)
+    assert len(row["warnings"]) == 1 and row["warnings"][0].startswith("model.attention: eager on H100-SXM5-80GB")
+    assert table([row], summarize([row])).splitlines()[-1] == f"warning: narayanan2021-1.7b: {row['warnings'][0]}"
+    assert run_published(select(RUNS, ["narayanan2021-1.7b"]), workers=1, progress=False)[0]["warnings"] == []
 
 
 @pytest.fixture(scope="module")

@@ -174,11 +174,24 @@ def test_the_eager_rate_moves_only_the_score_kernels_and_is_a_config_key(cli) ->
 def test_eager_attention_on_a_gpu_never_measured_says_so(cli) -> None:
     """On an H100 no measurement of Megatron's eager attention exists: the run says its score kernels stream at a
     copy's rate; naming a fraction, or flash attention, says nothing."""
-    eager = json.loads(cli(["simulate", "--set", "model.attention=eager", "--json"])[1])["warnings"]
+    report = json.loads(cli(["simulate", "--set", "model.attention=eager", "--json"])[1])
+    eager = report["warnings"]
+    assert report["model"]["attention"] == "eager"  # and the headline says it
+    assert " bf16 eager (analytic)" in cli(["simulate", "--set", "model.attention=eager"])[1].splitlines()[0]
     assert len(eager) == 1 and eager[0].startswith("model.attention: eager on H100-SXM5-80GB") and \
         "costs.eager_efficiency" in eager[0]
     named = ["simulate", "--set", "model.attention=eager", "--set", "costs.eager_efficiency=0.7", "--json"]
     assert json.loads(cli(named)[1])["warnings"] == json.loads(cli(["simulate", "--json"])[1])["warnings"] == []
+
+
+def test_flash_attention_on_a_v100_says_flash_does_not_run_there(cli) -> None:
+    """FlashAttention needs sm80: on a V100 its rate is an estimate of something no run there does, and the run
+    says so; eager attention there says its own rate was never measured instead."""
+    v100 = ["simulate", "--set", "cluster.topology=p3.16xlarge", "--json"]
+    [flash] = json.loads(cli(v100)[1])["warnings"]
+    assert flash.startswith("model.attention: flash on V100-SXM2-32GB, where FlashAttention does not run")
+    [eager] = json.loads(cli([*v100, "--set", "model.attention=eager"])[1])["warnings"]
+    assert eager.startswith("model.attention: eager on V100-SXM2-32GB")
 
 
 def test_the_activation_memory_of_a_run_follows_model_attention() -> None:
@@ -271,6 +284,8 @@ def test_kernels_are_listed_only_under_analytic_costs(cli) -> None:
     ("costs.memory_efficiency=0", "costs.memory_efficiency: got 0.0, expected a number in (0, 1]"),
     ("costs.memory_efficiency=1.5", "costs.memory_efficiency: got 1.5, expected a number in (0, 1]"),
     ("costs.eager_efficiency=0", "costs.eager_efficiency: got 0.0, expected a number in (0, 1]"),
+    ("costs.sustained=1e-9", "check the model size and the rate keys costs.efficiency, costs.memory_efficiency, "
+                             "costs.eager_efficiency and costs.sustained"),
     ("costs.optimizer=-1", "costs.optimizer: got -1, expected a non-negative time"),
 ])
 def test_bad_values_are_one_line_errors(setting: str, message: str, cli) -> None:

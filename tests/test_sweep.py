@@ -75,6 +75,18 @@ def test_a_file_without_grid_is_one_run(tmp_path) -> None:
     assert plan.runs[0].config.schedule.stages == 2
 
 
+def test_a_runs_warnings_are_a_column(tmp_path) -> None:
+    """What simulate prints as warnings is each row's ``warnings`` cell: eager attention on an H100 (no measured
+    eager rate) says so, flash says nothing."""
+    path = tmp_path / "experiment.yaml"
+    path.write_text(yaml.safe_dump({"schedule": {"name": "1f1b", "stages": 2, "microbatches": 4},
+                                    "model": {"preset": "tiny"}, "sweep": {"model.attention": ["flash", "eager"]}}))
+    run_sweep(expand(str(path)), tmp_path / "out", workers=1, progress=False)
+    table = pd.read_parquet(tmp_path / "out" / "results.parquet").set_index("model.attention")
+    assert table.loc["flash", "warnings"] == ""
+    assert table.loc["eager", "warnings"].startswith("model.attention: eager on H100-SXM5-80GB")
+
+
 def test_a_line_torn_by_a_kill_is_dropped_and_its_run_runs_again(tmp_path) -> None:
     """A last line without its newline (the process died mid-write) is not a finished run: the next sweep cuts it,
     runs that run again, and leaves a log whose every line is a whole JSON object."""

@@ -27,7 +27,8 @@ class DeviceSpec:
     without it, ``sustained``, a fixed fraction of the short benchmarks' compute rates held under load (1: the
     benchmark was already a long one); ``eager_efficiency``, of the HBM bandwidth, what Megatron's eager attention
     kernels over the s x s scores reach (``Kernel.scores``; None: not measured, they stream at
-    ``memory_efficiency``)."""
+    ``memory_efficiency``); ``flash_runs``, False where FlashAttention does not run at all (sm70), so ``flash`` is
+    an estimate of something no run there does."""
 
     name: str
     peak_flops: dict[str, float]
@@ -42,6 +43,7 @@ class DeviceSpec:
     sustained: float = 1.0
     power_headroom: float | None = None
     eager_efficiency: float | None = None
+    flash_runs: bool = True
 
     @property
     def gemm_efficiency(self) -> float:
@@ -110,7 +112,7 @@ DEVICES: dict[str, DeviceSpec] = {
     # least 3 s of back-to-back calls (micro_bench.ipynb, `walltime`): already under continuous load.
     "v100": DeviceSpec("V100-SXM2-32GB", {"fp16": 125e12, "fp32": 15.7e12}, 900e9, 32 * GiB, sms=80,
                        gemm_measured=95 / 125, gemm_shape=(8192, 8192, 8192), memory_efficiency=0.87,
-                       flash=FLASH_V100),
+                       flash=FLASH_V100, flash_runs=False),
     # GEMM: 271.2 of 312 TFLOP/s bf16 at 1024 x 10240 x 5120 (M x N x K), Stas Bekman's maximum achievable matmul
     # FLOPS (stas00/ml-engineering, compute/accelerator/README.md); HBM: 1.616 TB/s of 2.039
     # (mli/transformers-benchmarks VectorMul).
