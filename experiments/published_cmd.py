@@ -166,7 +166,10 @@ def _summary_line(name: str, quantity: str, errors: dict) -> str:
 
 
 def _value(row: dict, value: float) -> str:
-    return f"{value:.3f} s" if row["quantity"] == "time" else format_bytes(int(value))
+    """Seconds, or bytes in the source's own unit (the zero-bubble paper's GB of 10^9 bytes, nvidia-smi's GiB)."""
+    if row["quantity"] == "time":
+        return f"{value:.3f} s"
+    return f"{value / 1e9:.2f} GB" if row["measure"] == "peak_memory_gb" else format_bytes(int(value))
 
 
 def as_json(rows: list[dict[str, Any]], summary: dict[str, Any], wall_s: float) -> str:

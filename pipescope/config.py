@@ -130,6 +130,11 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
     is_enum = isinstance(kind, type) and issubclass(kind, enum.Enum)
     if isinstance(value, bool) and (is_enum or kind is str):
         raise ValueError(_boolean_for_text(key, value, [m.value for m in kind] if is_enum else None))
+    if isinstance(value, (list, tuple, dict)) and (is_enum or kind is str):  # str() would make "['eager']" of it
+        choices = [m.value for m in kind] if is_enum else list(CHOICES.get(key, ()))
+        shape = "a mapping" if isinstance(value, dict) else "a list"
+        raise ValueError(f"got {shape}, {short_repr(value)}, expected "
+                         f"{'one of ' + ', '.join(choices) if choices else 'one value'}")
     if is_enum:
         if str(value) not in {m.value for m in kind}:
             choices = [m.value for m in kind]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 import typing
 
@@ -243,3 +244,19 @@ def test_a_word_yaml_reads_as_a_boolean_is_named_as_one(key: str, word: str, exp
     path.write_text(f"{section}:\n  {name}: '{word}'\n")  # quoted, it is the word, and the usual error names it
     with pytest.raises(ConfigError, match=rf"^{key}: got '{word}'"):
         run(load_config(str(path)))
+
+
+@pytest.mark.parametrize(("key", "value", "expected"), [
+    ("model.attention", "[eager]", "got a list, ['eager'], expected one of flash, eager"),
+    ("schedule.name", "{a: 1}", "got a mapping, {'a': 1}, expected one value"),
+    ("faults.stragglers", "['3:1.5']", "got a list, ['3:1.5'], expected one value"),
+])
+def test_a_list_or_mapping_where_one_value_belongs_is_named_as_one(key: str, value: str, expected: str,
+                                                                   tmp_path) -> None:
+    """A YAML list or mapping given to a text key was read as its Python text (``"['eager']"``, with a 'did you
+    mean eager?'); it is named as what it is."""
+    section, name = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key + ': ' + expected)}$"):
+        load_config(str(path))

@@ -180,6 +180,8 @@ def test_validate_published_prints_the_table_json_and_picture(cli, tmp_path: Pat
     code, out, err = cli(["validate", "--published", *names, "--workers", "2", "--plot", str(plot)])
     assert code == 0, err
     assert "qi2024-1.5b-1f1b-m24" in out and "qi2024" in out.split("source")[-1] and "%" in out
+    memory = next(line for line in out.splitlines() if line.startswith("qi2024-1.5b-1f1b-memory"))
+    assert memory.split()[2:4] == ["30.00", "GB"]  # the paper's own GB (10^9 bytes), as it printed them
     assert plot.read_bytes().startswith(b"\x89PNG")
     code, out, err = cli(["validate", "--published", *names, "--workers", "2", "--json", "--max-error", "0.001",
                           "--no-progress"])
