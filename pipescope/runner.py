@@ -574,6 +574,9 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
         message = str(err).removeprefix("costs.profile: ")
         raise ConfigError(f"costs.profile: {c.profile!r}: {message}") from None
     costs.warnings += _device_note(costs, cluster)
+    if m.attention == "eager":  # the key is not read here (docs/cli.md): say so rather than time flash-like kernels
+        costs.warnings.append("model.attention: eager is not read under a profile's costs, which timed what "
+                              "'pipescope calibrate' ran (torch's scaled_dot_product_attention)")
     return costs
 
 

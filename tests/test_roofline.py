@@ -184,6 +184,17 @@ def test_eager_attention_on_a_gpu_never_measured_says_so(cli) -> None:
     assert json.loads(cli(named)[1])["warnings"] == json.loads(cli(["simulate", "--json"])[1])["warnings"] == []
 
 
+def test_eager_attention_under_a_profile_says_it_is_not_read(cli) -> None:
+    """A profile timed what calibrate ran (torch's scaled_dot_product_attention): model.attention=eager changes
+    nothing there, and the run says so instead of passing it over."""
+    profile = ["simulate", "--set", "costs.kind=profile", "--set",
+               f"costs.profile={Path(__file__).resolve().parents[1] / 'calibration/profiles/h200/gpt-355m'}", "--json"]
+    plain, eager = (json.loads(cli([*profile, *extra])[1]) for extra in ([], ["--set", "model.attention=eager"]))
+    assert eager["iteration_time_s"] == plain["iteration_time_s"] and eager["model"]["attention"] is None
+    assert eager["warnings"] == [*plain["warnings"], "model.attention: eager is not read under a profile's costs, "
+                                 "which timed what 'pipescope calibrate' ran (torch's scaled_dot_product_attention)"]
+
+
 def test_flash_attention_on_a_v100_says_flash_does_not_run_there(cli) -> None:
     """FlashAttention needs sm80: on a V100 its rate is an estimate of something no run there does, and the run
     says so; eager attention there says its own rate was never measured instead."""
