@@ -121,7 +121,7 @@ def check_output_names(args: argparse.Namespace) -> None:
             continue
         if not path.lower().endswith(suffixes):
             raise ConfigError(f"--{flag}: got {path!r}, expected a file name ending in {' or '.join(suffixes)}")
-        other = named.setdefault(os.path.abspath(path), flag)
+        other = named.setdefault(os.path.realpath(path), flag)  # a symlinked folder is still the same file
         if other != flag:
             raise ConfigError(f"--{flag}: got {path!r}, the file --{other} writes; expected another name")
         _check_writable(flag, path)

@@ -138,8 +138,8 @@ def _gantt(args: argparse.Namespace) -> Figure:
     data = _run(args)
     memory = not args.no_memory and args.mode == "time"
     if memory and not data.memory:
-        print("pipescope plot: a timeline file holds no memory: no memory panel (a Chrome trace from simulate "
-              "--trace has one)", file=sys.stderr)
+        print(f"pipescope plot: {args.inputs[0][:200]!r} holds no memory counters: no memory panel (a timeline file "
+              f"has none; a Chrome trace from simulate --trace has them)", file=sys.stderr)
     return gantt_figure(data, args.title, mode=args.mode, comm_lanes=not args.compute_only, memory=memory)
 
 

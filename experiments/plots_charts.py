@@ -25,6 +25,7 @@ GPUS = "gpus"  # a sweep's table: every GPU the run used (pipeline devices x ten
 SPLITS = (STAGES, REPLICAS, "parallel.tensor", "parallel.context")  # the ways one GPU count is split
 SWEEP_TABLE = "a sweep's table (pipescope sweep's results)"
 MAX_LINES = 40  # a legend beyond this is unreadable
+MAX_PLOT_GPUS = 10**7  # GPUs on the throughput chart's axis: far beyond any cluster, short of float trouble
 MODEL_KEYS = ("model.preset", "model.layers", "model.hidden", "model.heads", "model.seq", "model.vocab")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 LINESTYLES = ("-", "--", ":", "-.")
@@ -76,12 +77,23 @@ def sweep_lines(frame: pd.DataFrame, x: str, y: str, folded: tuple[str, ...], ho
         raise ValueError(f"{y}: {groups} lines (schedules x {', '.join(keys) or 'nothing else'}), expected at most "
                          f"{MAX_LINES}: filter the table first")
     lines = {}
-    for name, group in frame.groupby([labels[SCHEDULE], *(labels[k] for k in keys)], sort=True):
+    grouped = frame.groupby([labels[SCHEDULE], *(labels[k] for k in keys)], sort=False)
+    for name, group in sorted(grouped, key=lambda item: _in_order(item[0])):
         values = name if isinstance(name, tuple) else (name,)
         extra = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values[1:]))
         label = plain(values[0] + (f" ({extra})" if extra else ""))
         lines[values[0], label] = group.groupby(x)[y].agg(how).sort_index()
     return lines
+
+
+def _in_order(name: str | tuple[str, ...]) -> tuple:
+    """A line's key values in reading order: numbers by value (4, 8, 16, not '16', '4', '8'), then words."""
+    def one(value: str) -> tuple:
+        try:
+            return 0, float(value), ""
+        except ValueError:
+            return 1, 0.0, value
+    return tuple(one(v) for v in (name if isinstance(name, tuple) else (name,)))
 
 
 def _varies(column: pd.Series, within: list[pd.Series]) -> bool:
@@ -177,11 +189,16 @@ def _gpus(frame: pd.DataFrame) -> pd.Series:
     """Each run's GPUs: the table's own ``gpus`` where every row has it, else (a table without the column) the
     product of the parallel widths it has."""
     if GPUS in frame and frame[GPUS].notna().all():
-        return frame[GPUS].astype(int)
-    gpus = frame[STAGES]
-    for column in SPLITS[1:]:
-        if column in frame:
-            gpus = gpus * frame[column].fillna(1)
+        gpus, named = pd.to_numeric(frame[GPUS], errors="coerce"), GPUS
+    else:
+        gpus, named = pd.to_numeric(frame[STAGES], errors="coerce"), " x ".join(c for c in SPLITS if c in frame)
+        for column in SPLITS[1:]:
+            if column in frame:
+                gpus = gpus * pd.to_numeric(frame[column], errors="coerce").fillna(1)
+    bad = ~(gpus.between(1, MAX_PLOT_GPUS) & (gpus == gpus.round()))  # 0 GPUs would divide the ideal line by 0
+    if bad.any():
+        raise ValueError(f"INPUT: {named}: got {str(gpus[bad].iloc[0])[:40]!r}, expected a whole number of GPUs "
+                         f"from 1 to {MAX_PLOT_GPUS:,}")
     return gpus.astype(int)
 
 

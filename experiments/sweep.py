@@ -67,6 +67,10 @@ METRIC_KINDS: dict[str, tuple[type, bool]] = {
     "tflops_per_gpu": (float, True), "gpus": (int, False), "exposed_allreduce_s": (float, False),
     "warnings": (str, False)}
 WARNINGS_SEPARATOR = " | "  # a row's warnings in one cell (the tables hold scalars)
+# What an ok row's numbers can be at all (default: at least 0): a log edited to a negative time or a bubble of 5 is
+# damage, and its run runs again rather than reaching the tables and the plots, which refuse such values.
+METRIC_RANGES: dict[str, tuple[float, float]] = {"bubble_rate": (0, 1), "mfu": (0, 1), "hfu": (0, 1),
+                                                 "gpus": (1, math.inf)}
 METRICS = tuple(METRIC_KINDS)
 ROW_FIELDS = ("run_id", "status", "error", *METRICS, "run_wall_s")  # every row's columns besides its config's
 ROW_FIELD_SET = frozenset(ROW_FIELDS)
@@ -634,9 +638,17 @@ def row_ok(row: dict[str, Any], run: Run | None) -> bool:
     if row["status"] == "error":  # an error row has its error and no metrics
         valid = _scalar_ok(row["error"], str) and all(row[key] is None for key in METRICS)
     else:
-        valid = row["error"] is None and all(_scalar_ok(row[key], kind) or nullable and row[key] is None
+        valid = row["error"] is None and all(_metric_ok(key, row[key], kind) or nullable and row[key] is None
                                              for key, (kind, nullable) in METRIC_KINDS.items())
     return valid and _scalar_ok(row["run_wall_s"], float) and _columns_ok(row, run)
+
+
+def _metric_ok(key: str, value: Any, kind: type) -> bool:
+    """An ok row's metric: a scalar of its kind and, a number, within what it can be (``METRIC_RANGES``)."""
+    if not _scalar_ok(value, kind):
+        return False
+    low, high = METRIC_RANGES.get(key, (0, math.inf))
+    return kind not in (int, float) or low <= value <= high
 
 
 def _columns_ok(row: dict[str, Any], run: Run | None) -> bool:

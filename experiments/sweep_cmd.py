@@ -95,6 +95,8 @@ def _options(args: argparse.Namespace) -> SweepOptions:
     check_pool_flags(workers, args.dask)
     if importlib.util.find_spec("pyarrow") is None:
         raise ValueError("--out: results.parquet needs pyarrow: pip install 'pipescope[sweep]'")
+    if args.out is not None and not args.out.strip():  # Path("") is the working folder: not what anyone asked for
+        raise ValueError(f"--out: got {args.out!r}, expected a folder name (made if missing)")
     out = Path(args.out) if args.out is not None else Path("sweeps") / re.sub(r"\.ya?ml$", "", Path(args.file).name)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {str(out)!r} is a file, expected a folder (made if missing)")

@@ -611,13 +611,14 @@ def _attention_note(attention: str, eager_efficiency: float | None, gpu: DeviceS
     """A warning when the attention's rate on this GPU is not a measurement: flash attention where FlashAttention
     does not run (V100), or eager attention where its rate was never measured, whose score kernels then stream at a
     copy's rate, 13% fast on the A100 where it was (docs/costs.md, "Rates")."""
+    model = gpu.name.split("-")[0]  # V100, not the spec's V100-SXM2-32GB: a p3.16xlarge's have 16 GB
     if attention == "flash" and not gpu.flash_runs:
-        return (f"model.attention: flash on {gpu.name}, where FlashAttention does not run (it needs sm80 or newer): "
+        return (f"model.attention: flash on {model}, where FlashAttention does not run (it needs sm80 or newer): "
                 f"its rate here is the A100's measured one scaled by the two peaks, an estimate; "
                 f"model.attention=eager is what a run there does (docs/costs.md, \"Rates\")",)
     if attention != "eager" or eager_efficiency or gpu.eager_efficiency:
         return ()
-    return (f"model.attention: eager on {gpu.name}, where no measurement of Megatron's eager attention was found: "
+    return (f"model.attention: eager on {model}, where no measurement of Megatron's eager attention was found: "
             f"its kernels over the s x s scores stream at a copy's rate, which made them 13% fast on the A100 that "
             f"was measured (costs.eager_efficiency sets a fraction; docs/costs.md, \"Eager attention\")",)
 

@@ -90,6 +90,9 @@ def test_outputs_must_be_named_and_distinct(cli, tmp_path) -> None:
     same = str(tmp_path / "a.csv")
     code, _, err = cli(["simulate", *UNIFORM, "--csv", same, "--timeline", same])
     assert code == 2 and "the file --csv writes" in err and not (tmp_path / "a.csv").exists()
+    (tmp_path / "here").symlink_to(tmp_path)  # the same file through a symlinked folder
+    code, _, err = cli(["simulate", *UNIFORM, "--csv", same, "--timeline", str(tmp_path / "here" / "a.csv")])
+    assert code == 2 and "the file --csv writes" in err and not (tmp_path / "a.csv").exists()
 
 
 def test_csv_schedules_count_against_the_run_limit(cli, tmp_path) -> None:

@@ -542,6 +542,28 @@ def test_throughput_counts_every_gpu_a_run_used_and_an_unset_key_reads_unset() -
         plt.close(fig)
 
 
+def test_lines_of_a_number_come_in_its_order_not_as_text() -> None:
+    """A sweep over microbatches 4, 8 and 16 at one GPU count drew its bars 16, 4, 8 (their labels sorted as text)."""
+    frame = pd.DataFrame({"schedule.name": ["1f1b"] * 3, "schedule.stages": [2, 2, 2], "gpus": [4, 4, 4],
+                          "schedule.microbatches": [16, 4, 8], "throughput_samples_per_s": [3.0, 1.0, 2.0]})
+    fig = throughput_figure(frame)
+    try:
+        labels = [tick.get_text() for tick in fig.axes[0].get_yticklabels()]
+        assert labels == [f"1f1b (microbatches={m})" for m in (4, 8, 16)]
+    finally:
+        plt.close(fig)
+
+
+@pytest.mark.parametrize("gpus", [0, -1, 10**15])
+def test_a_throughput_table_with_impossible_gpus_is_refused_at_once(gpus: int) -> None:
+    """0 GPUs divided the ideal line by zero and the chart never finished (a helper's edited results.csv); a
+    negative or absurd count drew an image a million pixels wide. Each is one error naming the column."""
+    frame = pd.DataFrame({"schedule.name": ["1f1b"] * 2, "schedule.stages": [2, 2], "gpus": [gpus, 8],
+                          "throughput_samples_per_s": [50.0, 90.0]})
+    with pytest.raises(ValueError, match=rf"^INPUT: gpus: got '{gpus}', expected a whole number of GPUs from 1 to "):
+        throughput_figure(frame)
+
+
 def test_a_gantt_names_the_collectives_it_draws_and_only_the_panels_it_has() -> None:
     """A run without replicas reduces only clipping's norm, which the legend called a gradient all-reduce; a
     summarised Gantt's subtitle spoke of a memory panel it did not draw."""

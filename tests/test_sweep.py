@@ -84,7 +84,7 @@ def test_a_runs_warnings_are_a_column(tmp_path) -> None:
     run_sweep(expand(str(path)), tmp_path / "out", workers=1, progress=False)
     table = pd.read_parquet(tmp_path / "out" / "results.parquet").set_index("model.attention")
     assert table.loc["flash", "warnings"] == ""
-    assert table.loc["eager", "warnings"].startswith("model.attention: eager on H100-SXM5-80GB")
+    assert table.loc["eager", "warnings"].startswith("model.attention: eager on H100")
 
 
 def test_a_line_torn_by_a_kill_is_dropped_and_its_run_runs_again(tmp_path) -> None:
@@ -140,9 +140,10 @@ def _without(key: str):
     _set("bubble_rate", -math.inf), _set("iteration_time_s", None), _set("status", "error"), _set("error", "x"),
     _set("iterations", 2**64), _set("a", 1), _without("gpus"),
     lambda row: json.dumps({**row, "pad": "x" * 100_000}).encode(),
+    _set("iteration_time_s", -1.0), _set("bubble_rate", 5), _set("gpus", 0), _set("warnings", None),
 ], ids=["str-metric", "dict", "list", "int-oom", "int-overflow", "nested", "other-schedule", "other-costs", "nan",
         "-inf", "null-time", "error-with-metrics", "ok-with-error", "filled-overflow",
-        "extra-key", "missing-key", "too-long"])
+        "extra-key", "missing-key", "too-long", "negative-time", "bubble-above-1", "no-gpus", "null-warnings"])
 def test_a_logged_row_that_is_not_its_run_is_damaged(logged, tmp_path, damage) -> None:
     """A row changed after it was logged, keeping its run_id (a value of another type, beyond int64, NaN, a
     config that is not the run's, a key added or dropped, a line nested past the parser's recursion limit) is
@@ -207,6 +208,15 @@ def test_a_log_that_is_no_file_or_too_big_is_refused(cli, tmp_path, kind: str) -
     assert (code, out) == (2, "") and err.count("\n") == 1, err
     shown = f"{sweep.MAX_LOG_BYTES + 1:,} bytes, expected at most" if kind == "bytes" else f"is a {kind}, expected"
     assert err.startswith(f"pipescope: error: --out: '{log}' ") and shown in err, err
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_out_folder_name_is_refused(name: str, cli, tmp_path) -> None:
+    """``--out ""`` wrote runs.jsonl and the results into the working folder (Path("") is "."), unlike every other
+    empty file name, which is refused."""
+    code, out, err = cli(["sweep", experiment(tmp_path), "--out", name, "--workers", "1"])
+    assert (code, out, err) == (2, "", f"pipescope: error: --out: got {name!r}, expected a folder name (made if "
+                                       f"missing)\n")
 
 
 def test_long_lines_and_torn_tails_are_read_in_bounded_memory(logged, tmp_path) -> None:
