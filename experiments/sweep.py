@@ -69,8 +69,7 @@ METRIC_KINDS: dict[str, tuple[type, bool]] = {
 WARNINGS_SEPARATOR = " | "  # a row's warnings in one cell (the tables hold scalars)
 # What an ok row's numbers can be at all (default: at least 0): a log edited to a negative time or a bubble of 5 is
 # damage, and its run runs again rather than reaching the tables and the plots, which refuse such values.
-METRIC_RANGES: dict[str, tuple[float, float]] = {"bubble_rate": (0, 1), "mfu": (0, 1), "hfu": (0, 1),
-                                                 "gpus": (1, math.inf)}
+METRIC_RANGES: dict[str, tuple[float, float]] = {"bubble_rate": (0, 1), "gpus": (1, math.inf)}
 METRICS = tuple(METRIC_KINDS)
 ROW_FIELDS = ("run_id", "status", "error", *METRICS, "run_wall_s")  # every row's columns besides its config's
 ROW_FIELD_SET = frozenset(ROW_FIELDS)
