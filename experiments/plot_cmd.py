@@ -53,6 +53,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     try:
         if args.title is not None and len(args.title) > MAX_TITLE:
             raise ValueError(f"--title: got {len(args.title):,} characters, expected at most {MAX_TITLE}")
+        _flags_fit(args)
         fmt, out = _output(args)
         fig = FIGURES[args.figure](args)
     except ScheduleError:
@@ -66,6 +67,17 @@ def cmd_plot(args: argparse.Namespace) -> int:
         return usage_error(f"-o: cannot write {err.filename or out!r}: {err.strerror}")
     print(f"wrote {args.figure}: {out}")
     return 0
+
+
+def _flags_fit(args: argparse.Namespace) -> None:
+    """A flag of another kind of figure is refused, not passed over (``plot bubble --mode steps`` drew the bubble)."""
+    given = {"--mode": args.mode != "time", "--compute-only": args.compute_only, "--no-memory": args.no_memory,
+             "--microbatches": args.microbatches is not None, "--set": bool(args.sets)}
+    kinds = {"--mode": ("gantt",), "--compute-only": ("gantt",), "--no-memory": ("gantt",),
+             "--microbatches": ("gantt", "memory"), "--set": ("gantt", "memory")}
+    for flag, used in given.items():
+        if used and args.figure not in kinds[flag]:
+            raise ValueError(f"{flag}: only with {' or '.join(kinds[flag])}, not {args.figure}")
 
 
 def _output(args: argparse.Namespace) -> tuple[str, str]:

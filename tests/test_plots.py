@@ -431,6 +431,11 @@ BAD = [
     (["gantt", "{t.json.gz}", "-o", "g.png", "--format", "svg"],
      "-o: got 'g.png', but the format asked for is svg; expected a .svg name"),
     (["gantt", "{t.json.gz}", "-o", "{t.csv}/g.png"], "-o: cannot write"),
+    (["bubble", "{sweep.csv}", "--mode", "steps"], "--mode: only with gantt, not bubble"),
+    (["memory", "{t.json.gz}", "--compute-only"], "--compute-only: only with gantt, not memory"),
+    (["memory", "{t.json.gz}", "--no-memory"], "--no-memory: only with gantt, not memory"),
+    (["throughput", "{sweep.csv}", "--microbatches", "4"], "--microbatches: only with gantt or memory, not throughput"),
+    (["bubble", "{sweep.csv}", "--set", "schedule.stages=2"], "--set: only with gantt or memory, not bubble"),
 ]
 
 
