@@ -71,13 +71,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def _flags_fit(args: argparse.Namespace) -> None:
     """A flag of another kind of figure is refused, not passed over (``plot bubble --mode steps`` drew the bubble)."""
-    given = {"--mode": args.mode != "time", "--compute-only": args.compute_only, "--no-memory": args.no_memory,
-             "--microbatches": args.microbatches is not None, "--set": bool(args.sets)}
-    kinds = {"--mode": ("gantt",), "--compute-only": ("gantt",), "--no-memory": ("gantt",),
-             "--microbatches": ("gantt", "memory"), "--set": ("gantt", "memory")}
-    for flag, used in given.items():
-        if used and args.figure not in kinds[flag]:
-            raise ValueError(f"{flag}: only with {' or '.join(kinds[flag])}, not {args.figure}")
+    runs = ("gantt", "memory")  # the figures of one run: a trace, a timeline or a config
+    flags = [("--mode", args.mode != "time", ("gantt",)), ("--compute-only", args.compute_only, ("gantt",)),
+             ("--no-memory", args.no_memory, ("gantt",)), ("--microbatches", args.microbatches is not None, runs),
+             ("--set", bool(args.sets), runs)]  # (flag, given, the figures it is for)
+    for flag, used, kinds in flags:
+        if used and args.figure not in kinds:
+            raise ValueError(f"{flag}: only with {' or '.join(kinds)}, not {args.figure}")
 
 
 def _output(args: argparse.Namespace) -> tuple[str, str]:

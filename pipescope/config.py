@@ -128,16 +128,15 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
     if unit == "ranks" and isinstance(value, (list, tuple)):  # [0, 8, 1, 9] in YAML or Python: '0,8,1,9'
         return ",".join(str(rank) for rank in _convert_ints(key, value))
     is_enum = isinstance(kind, type) and issubclass(kind, enum.Enum)
+    choices = [m.value for m in kind] if is_enum else list(CHOICES.get(key, ()))  # a text key's words, if known
     if isinstance(value, bool) and (is_enum or kind is str):
-        raise ValueError(_boolean_for_text(key, value, [m.value for m in kind] if is_enum else None))
+        raise ValueError(_boolean_for_text(value, choices))
     if isinstance(value, (list, tuple, dict)) and (is_enum or kind is str):  # str() would make "['eager']" of it
-        choices = [m.value for m in kind] if is_enum else list(CHOICES.get(key, ()))
         shape = "a mapping" if isinstance(value, dict) else "a list"
         raise ValueError(f"got {shape}, {short_repr(value)}, expected "
                          f"{'one of ' + ', '.join(choices) if choices else 'one value'}")
     if is_enum:
-        if str(value) not in {m.value for m in kind}:
-            choices = [m.value for m in kind]
+        if str(value) not in choices:
             raise ValueError(f"got {short_repr(value)}, expected one of {', '.join(choices)}"
                              f"{did_you_mean(value, choices)}")
         return kind(str(value))
@@ -166,9 +165,8 @@ def _convert_scalar(key: str, kind: type, value: Any, unit: str | None) -> Any:
     return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
 
 
-def _boolean_for_text(key: str, value: bool, choices: list[str] | None) -> str:
+def _boolean_for_text(value: bool, choices: list[str]) -> str:
     """The message for a boolean where a word belongs: YAML 1.1 reads an unquoted no, off or yes as one."""
-    choices = choices or list(CHOICES.get(key, ()))
     expected = f"one of {', '.join(choices)}" if choices else "text"
     return (f"got {str(value).lower()}, a boolean (YAML reads an unquoted yes, no, on, off, true or false as one; "
             f"quote the word), expected {expected}")

@@ -549,14 +549,15 @@ def _costs(config: Config, cluster: Cluster, model: ModelSpec | None, schedule: 
     if isinstance(c, AnalyticCostsConfig):
         gpu, p, peak = cluster.device_spec, config.parallel, _peak(config, cluster)
         gemms = _measured_gemms(c, m.precision, peak, cluster) if c.gemms else None
+        eager = c.eager_efficiency or gpu.eager_efficiency  # None: never measured on this GPU
         return AnalyticCosts(model, peak, m.microbatch_size, m.precision,
                              c.efficiency or gpu.gemm_efficiency, layers_per_stage=m.layers_per_stage,
                              memory_bandwidth=config.cluster.memory_bandwidth or gpu.memory_bandwidth,
                              memory_efficiency=c.memory_efficiency or gpu.memory_efficiency, attention=m.attention,
-                             eager_efficiency=c.eager_efficiency or gpu.eager_efficiency,
+                             eager_efficiency=eager,
                              split=_tensor_split(config, cluster, model, schedule), tiling=Tiling(gpu.sms),
                              flash=gpu.flash, gemms=gemms, warnings=_gemms_note(gemms, cluster)
-                             + _attention_note(m.attention, c.eager_efficiency, gpu),
+                             + _attention_note(m.attention, eager, gpu),
                              misaligned_gemm=gpu.misaligned_gemm, sustained=c.sustained or gpu.sustained,
                              power_headroom=None if c.sustained else _power_headroom(gpu, peak, m.precision),
                              vocab_runtime=config.memory.runtime,
@@ -609,14 +610,15 @@ def _gemms_note(gemms: MeasuredGemms | None, cluster: Cluster) -> tuple[str, ...
 
 def _attention_note(attention: str, eager_efficiency: float | None, gpu: DeviceSpec) -> tuple[str, ...]:
     """A warning when the attention's rate on this GPU is not a measurement: flash attention where FlashAttention
-    does not run (V100), or eager attention where its rate was never measured, whose score kernels then stream at a
-    copy's rate, 13% fast on the A100 where it was (docs/costs.md, "Rates")."""
+    does not run (V100), or eager attention without an eager rate (``eager_efficiency``: the config's or the
+    GPU's), whose score kernels then stream at a copy's rate, 13% fast on the A100 where it was measured
+    (docs/costs.md, "Rates")."""
     model = gpu.name.split("-")[0]  # V100, not the spec's V100-SXM2-32GB: a p3.16xlarge's have 16 GB
     if attention == "flash" and not gpu.flash_runs:
         return (f"model.attention: flash on {model}, where FlashAttention does not run (it needs sm80 or newer): "
                 f"its rate here is the A100's measured one scaled by the two peaks, an estimate; "
                 f"model.attention=eager is what a run there does (docs/costs.md, \"Rates\")",)
-    if attention != "eager" or eager_efficiency or gpu.eager_efficiency:
+    if attention != "eager" or eager_efficiency:
         return ()
     return (f"model.attention: eager on {model}, where no measurement of Megatron's eager attention was found: "
             f"its kernels over the s x s scores stream at a copy's rate, which made them 13% fast on the A100 that "
