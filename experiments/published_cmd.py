@@ -107,13 +107,15 @@ def _best(run: PublishedRun, tried: list[tuple[dict[str, int], dict]]) -> dict[s
 
 def _memory(run: PublishedRun, row: dict) -> int:
     """The predicted peak of the device the source measured (the largest when it names none), as its source
-    measured it: ``nvidia-smi`` sees the whole process, torch's ``allocated`` only what its allocator handed out
-    (not the CUDA context or NCCL's buffers)."""
-    peaks = row["device_peaks"]
+    measured it: torch's ``allocated`` only what its allocator handed out (not the CUDA context or NCCL's buffers),
+    ``nvidia-smi`` the whole process with the allocator's reserve (``memory_overheads.nvidia_smi_bytes``)."""
+    from pipescope.simulator.memory_overheads import Overheads, nvidia_smi_bytes
+
+    peaks, overheads = row["device_peaks"], Overheads(**row["overheads"])
     peak = max(peaks) if run.device is None else peaks[run.device]  # the loader checked it is a pipeline device
     if run.source.memory_measure == "allocated":
-        peak -= row["overheads"]["cuda_context"] + row["overheads"]["nccl"]
-    return peak
+        return peak - overheads.cuda_context - overheads.nccl
+    return nvidia_smi_bytes(peak, overheads)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Each is a named measurement; the ``memory`` section's keys replace them for anot
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GIB = 1 << 30
@@ -22,6 +23,13 @@ NCCL_COMMUNICATOR_BYTES = 688 * 10**6
 HOPPER_WORKSPACE_BYTES = 32 << 20
 WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
 HOPPER = ("h100", "h200")
+# What nvidia-smi sees beyond torch's counters: the caching allocator keeps freed blocks for reuse and cannot merge
+# blocks across its segments, so the memory it has reserved from CUDA runs above the most it handed out at once. The
+# median of max reserved / max allocated over the 587 rank reports ("(after N iterations) memory (MB)") in the
+# Megatron-LM and Megatron-DeepSpeed training logs of bigscience-workshop/bigscience (commit 9e64ede,
+# experiments/gpt2-meg*/*.out: Jean Zay, 2021, tensor 4 and pipeline 4-64): quartiles 1.199 and 1.235, range
+# 1.061-1.397 (docs/memory.md, "What nvidia-smi sees").
+ALLOCATOR_RESERVE = 1.209
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,14 @@ class Overheads:
 
     def as_dict(self) -> dict[str, int]:
         return {"cuda_context": self.cuda_context, "nccl": self.nccl, "workspace": self.workspace}
+
+
+def nvidia_smi_bytes(peak: int, overheads: Overheads) -> int:
+    """What nvidia-smi would show of a device whose ledger peaks at ``peak`` (overheads included): the CUDA context
+    and NCCL's buffers as they are, the tensors at the caching allocator's reserve (``ALLOCATOR_RESERVE``; the
+    cuBLAS workspace is the allocator's too)."""
+    outside = overheads.cuda_context + overheads.nccl
+    return outside + math.ceil((peak - outside) * ALLOCATOR_RESERVE)
 
 
 NO_OVERHEADS = Overheads()  # a run that models no GPU process (uniform or profiled costs)

@@ -5,15 +5,22 @@ all-reduce, per-block recompute, HFU, and the links' NCCL efficiency in topology
 
 from __future__ import annotations
 
+import csv
+import statistics
+from pathlib import Path
+
 import pytest
 
 from pipescope import ConfigError, load_config, run
 from pipescope.runner import prepare
 from pipescope.simulator.memory_overheads import (
+    ALLOCATOR_RESERVE,
     CUDA_CONTEXT_BYTES,
     HOPPER_WORKSPACE_BYTES,
     NCCL_COMMUNICATOR_BYTES,
+    Overheads,
     communicators,
+    nvidia_smi_bytes,
 )
 from pipescope.simulator.memory_runtime import grad_bytes
 from pipescope.simulator.models import PRECISIONS
@@ -100,6 +107,23 @@ def test_every_gpu_holds_its_cuda_context_nccl_communicators_and_workspace() -> 
     assert run(load_config(None, ["cluster.topology=dgx-h100"])).memory_overheads.workspace == HOPPER_WORKSPACE_BYTES
     assert run(load_config(None, ["costs.kind=uniform"])).memory_overheads.total == 0  # no GPU process modelled
     assert (communicators(1, 1, 1), communicators(8, 1, 1), communicators(8, 4, 2)) == (0, 2, 4)
+
+
+def test_nvidia_smi_sees_the_allocators_reserve_measured_in_megatron_logs() -> None:
+    """The reserve is the median of max reserved / max allocated over every rank report of the logs the CSV copies
+    (docs/memory.md, "What nvidia-smi sees"), and applies to what the caching allocator holds: the tensors and
+    cuBLAS's workspace, not the CUDA context or NCCL's buffers."""
+    reserve_csv = Path(__file__).parents[1] / "experiments" / "published" / "allocator-reserve.csv"
+    with reserve_csv.open() as rows:
+        reports = list(csv.DictReader(line for line in rows if not line.startswith("#")))
+    ratios = [float(r["max_reserved_mb"]) / float(r["max_allocated_mb"]) for r in reports]
+    assert len(reports) == 587 and round(statistics.median(ratios), 3) == ALLOCATOR_RESERVE
+    assert 1 < min(ratios) and max(ratios) < 1.4
+    overheads = Overheads(cuda_context=1 << 30, nccl=2 << 30, workspace=8 << 20)
+    tensors = 40 << 30
+    peak = overheads.total + tensors
+    assert nvidia_smi_bytes(peak, overheads) == (3 << 30) + -(-((tensors + (8 << 20)) * 1209) // 1000)
+    assert nvidia_smi_bytes(overheads.cuda_context + overheads.nccl, overheads) == 3 << 30
 
 
 def test_megatron_keeps_fp32_gradients_for_bf16_only_and_the_all_reduce_moves_them() -> None:

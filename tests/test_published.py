@@ -164,7 +164,7 @@ def test_the_fast_subset_holds_its_errors(fast_rows: list[dict]) -> None:
     errors = {row["name"]: row["error_rel"] for row in fast_rows}
     assert all(row["status"] == "ok" for row in fast_rows)
     bounds = {"qi2024-1.5b-1f1b-m24": 0.05, "qi2024-6.2b-zb1p-m32": 0.11, "qi2024-6.2b-1f1b-memory": 0.01,
-              "korthikanti2022-22b-full": 0.05, "korthikanti2022-22b-selective": 0.06, "bloom2022-176b-memory": 0.16}
+              "korthikanti2022-22b-full": 0.05, "korthikanti2022-22b-selective": 0.06, "bloom2022-176b-memory": 0.02}
     for name, bound in bounds.items():
         assert abs(errors[name]) <= bound, (name, errors[name])
     summary = summarize(fast_rows)
