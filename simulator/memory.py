@@ -115,8 +115,10 @@ class DeviceMemory:
     peak_activations: float
 
 
-def device_timelines(events: MemoryEvents, static: list[int]) -> list[DeviceMemory]:
-    """Cumulative bytes per device; at equal times frees come before allocations."""
+def device_timelines(events: MemoryEvents, static: list[int], origin: int | None = None) -> list[DeviceMemory]:
+    """Cumulative bytes per device; at equal times frees come before allocations. With ``origin`` (the run's start,
+    ns), each timeline first holds its static bytes there: a device holds its weights and optimizer state before its
+    first op (a later stage's line started at that op)."""
     dev, time, delta, units = events.device, events.time, events.delta, events.units
     order = np.lexsort((units, delta, time, dev))
     dev, time, delta, units = dev[order], time[order], delta[order], units[order]
@@ -127,7 +129,10 @@ def device_timelines(events: MemoryEvents, static: list[int]) -> list[DeviceMemo
         stash = np.cumsum(units[mask])
         peak = int(used.max()) if used.size else base
         peak_units = float(np.round(stash.max(), 9)) if stash.size else 0.0
-        out.append(DeviceMemory(time[mask], used, max(peak, base), max(peak_units, 0.0)))
+        times = time[mask]
+        if origin is not None:
+            times, used = np.insert(times, 0, origin), np.insert(used, 0, base)
+        out.append(DeviceMemory(times, used, max(peak, base), max(peak_units, 0.0)))
     return out
 
 
@@ -174,7 +179,8 @@ def ledger(schedule: Schedule, records: Timeline, stage_costs: list[StageCost], 
              _held(*buffer_events(records, boundary, runtime)), _vocab_events(records, stage_costs)]
     if sharding.zero >= 2 and sharding.shards > 1:
         parts.append(sharded_events(records, stage_costs, precision, runtime, sharding, schedule))
-    return device_timelines(concat(parts), static), static
+    origin = int(records.start.min()) if len(records) else 0
+    return device_timelines(concat(parts), static, origin), static
 
 
 def sharded_events(records: Timeline, stage_costs: list[StageCost], precision: str, runtime: str, sharding: Sharding,

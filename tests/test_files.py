@@ -21,6 +21,16 @@ def test_write_atomic_creates_folders_replaces_and_shares(tmp_path: Path) -> Non
     assert os.listdir(path.parent) == ["out.txt"]
 
 
+def test_write_atomic_makes_the_folders_a_path_walks_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sub/../x.csv`` with no ``sub`` is written where the OS resolves it (it failed with ENOENT at the rename);
+    a bare file name goes in the working folder."""
+    monkeypatch.chdir(tmp_path)
+    write_atomic(os.path.join("sub", "..", "x.csv"), "x")
+    write_atomic("y.csv", "y")
+    assert (tmp_path / "x.csv").read_text() == "x" and (tmp_path / "sub").is_dir()
+    assert (tmp_path / "y.csv").read_text() == "y"
+
+
 def test_write_atomic_error_names_the_target(tmp_path: Path) -> None:
     """An OSError names the path asked for, not the temporary file."""
     blocker = tmp_path / "file"

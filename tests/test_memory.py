@@ -78,10 +78,14 @@ def test_deferred_w_holds_m_w() -> None:
     assert zb.devices[0].peak_activations == flush.devices[0].peak_activations == 4
 
 
-def test_memory_timeline_returns_to_static() -> None:
-    """After the last op every stash is freed: each device's timeline ends at its static bytes."""
+def test_memory_timeline_starts_and_ends_at_static() -> None:
+    """Each device's timeline holds its static bytes from the run's start (a later stage's first op comes later: its
+    line started there) and is back at them after the last op, every stash freed."""
     result = simulate(build("1f1b", 4, 8), COSTS)
+    first_ops = result.timeline.groupby("device")["start_ns"].min()
+    assert first_ops.iloc[-1] > 0
     for device, memory in zip(result.devices, result.memory):
+        assert (memory.times[0], memory.bytes_in_use[0]) == (0, device.static_memory_bytes)
         assert memory.bytes_in_use[-1] == device.static_memory_bytes
         assert memory.bytes_in_use.min() >= device.static_memory_bytes
 

@@ -51,7 +51,8 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
 
 
 def _write_then_rename(path: str, data: bytes) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
+    # the folder as the OS resolves it: ``sub/../x.csv`` needs ``sub`` made, which normalising the path would skip
+    folder = os.path.dirname(path) or os.curdir
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
