@@ -33,6 +33,24 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class FsdpUnit:
+    """One unit ZeRO-3 gathers at a time (a transformer block, the embedding, the output layer: as torchtitan wraps
+    a model; docs/parallelism.md, "Units"): one GPU's parameters and its share of each pass of its stage."""
+
+    params: int
+    forward_ns: int
+    input_grad_ns: int
+    weight_grad_ns: int
+    recompute_ns: int = 0
+
+    def pass_ns(self, kind: str, recompute: bool) -> int:
+        """Its share of an F, I or B op (a backward runs its recompute first)."""
+        extra = self.recompute_ns if recompute else 0
+        return {"F": self.forward_ns, "I": self.input_grad_ns + extra,
+                "B": self.input_grad_ns + self.weight_grad_ns + extra}[kind]
+
+
+@dataclass(frozen=True)
 class StageCost:
     """What one stage costs for one microbatch.
 
@@ -73,6 +91,7 @@ class StageCost:
     vocab_bytes: int = 0
     backward_ns: int | None = None
     rebuilt_bytes: int | None = None
+    units: tuple[FsdpUnit, ...] = ()  # FSDP's units of the stage in forward order (empty: the stage is one)
 
     @property
     def rebuilt(self) -> int:
@@ -122,6 +141,8 @@ def check_stage_costs(costs: list[StageCost]) -> None:
     (whatever cost model made them: the engine and the ledger sum them in int64)."""
     for stage, cost in enumerate(costs):
         for name, value in vars(cost).items():
+            if name == "units":  # parts of the stage's own numbers, checked with them
+                continue
             limit = MAX_OP_SECONDS * 1e9 if name.endswith("_ns") else MAX_BYTES
             if value is not None and not 0 <= value <= limit:  # None: an unmeasured fused B (I + W)
                 raise CostError(f"stage {stage}: {name} would be {value:,}, expected 0 to {limit:,.0f}; check the "
@@ -349,6 +370,7 @@ class AnalyticCosts(PerStageCache):
         n = self._layers_of(stage, num_stages, self.model.layers)
         work = self.split.layer_work(self.model, self.microbatch_size, self.precision, self.attention)
         seconds, layers_forward = dict.fromkeys(PASSES, 0.0), 0.0
+        edges: dict[str, dict[str, float]] = {}  # the embedding's and the output layer's passes, for their units
         gpu = self.rates(stage, num_stages)
         for component, count, kernels, roofline in self._parts(stage, num_stages, gpu):
             passes = roofline.pass_seconds(kernels)
@@ -356,6 +378,8 @@ class AnalyticCosts(PerStageCache):
                 seconds[op] += count * value
             if component == "layer":
                 layers_forward = count * passes["F"]
+            elif component in ("embedding", "output"):
+                edges[component] = passes
         stash = n * work.activation_bytes
         output = self.split.output_bytes(self.model, self.microbatch_size, self.precision) \
             if stage == num_stages - 1 and self.vocab is None else 0
@@ -370,14 +394,16 @@ class AnalyticCosts(PerStageCache):
         comm_f, comm_i = self.split.comm_ns(stage, n, stage == 0, stage == num_stages - 1, gemm_ns)
         context_f, context_i = self._context_ns(stage, n, gpu)
         vocab = self._vocab_passes(stage, gpu)
+        totals = (seconds_to_ns(seconds["F"]) + comm_f + context_f, seconds_to_ns(seconds["I"]) + comm_i + context_i,
+                  seconds_to_ns(seconds["W"]),
+                  # full recompute re-runs the blocks' forwards with their collectives, not the output layer
+                  # (Megatron checkpoints the transformer blocks only)
+                  seconds_to_ns(layers_forward) + self.split.comm_ns(stage, n, False, False, gemm_ns)[0] + context_f)
         return StageCost(
-            forward_ns=seconds_to_ns(seconds["F"]) + comm_f + context_f,
-            input_grad_ns=seconds_to_ns(seconds["I"]) + comm_i + context_i,
-            weight_grad_ns=seconds_to_ns(seconds["W"]),
-            # full recompute re-runs the blocks' forwards with their collectives, not the output layer (Megatron
-            # checkpoints the transformer blocks only)
-            recompute_ns=seconds_to_ns(layers_forward) + self.split.comm_ns(stage, n, False, False, gemm_ns)[0]
-            + context_f,
+            forward_ns=totals[0],
+            input_grad_ns=totals[1],
+            weight_grad_ns=totals[2],
+            recompute_ns=totals[3],
             boundary_bytes=work.boundary_bytes,
             activation_bytes=stash,
             weight_grad_bytes=n * work.weight_grad_bytes,
@@ -385,8 +411,40 @@ class AnalyticCosts(PerStageCache):
             rebuilt_bytes=work.activation_bytes if self.checkpoint_layers else None,
             params=self._params(stage, num_stages, n),
             optimizer_ns=seconds_to_ns(seconds["optimizer"]) + self._context_grad_ns(stage),
+            units=self._units(stage, num_stages, n, totals, edges),
             **vocab,
         )
+
+    def _units(self, stage: int, num_stages: int, blocks: int, totals: tuple[int, int, int, int],
+               edges: dict[str, dict[str, float]]) -> tuple[FsdpUnit, ...]:
+        """The stage's FSDP units in forward order: the embedding's on the first stage (its parameters beside the
+        blocks', with its layer norm's passes), one per block (the passes' rest, shared equally; the last takes what
+        rounding leaves), the output layer's on the last (its kernels' passes; on a stage that is also the first,
+        its parameters are the embedding unit's, gathered first). None under vocabulary parallelism, whose shards
+        run passes of their own."""
+        if self.vocab is not None or blocks < 1:
+            return ()
+        first, last = stage == 0, stage == num_stages - 1
+        block = self.split.params(self.model, 1, False, False)
+        edge_params = self.split.params(self.model, blocks, first, last) - blocks * block
+        front = self._edge_unit(edges.get("embedding"), edge_params if first else 0) if first else None
+        back = self._edge_unit(edges.get("output"), 0 if first else edge_params) if last else None
+        rest = [total - sum(self._unit_times(u)[k] for u in (front, back) if u is not None)
+                for k, total in enumerate(totals)]
+        share = [max(0, r) // blocks for r in rest]
+        blocks_ = [FsdpUnit(block, *share)] * (blocks - 1)
+        blocks_.append(FsdpUnit(block, *(max(0, r) - (blocks - 1) * s for r, s in zip(rest, share))))
+        return tuple(u for u in (front, *blocks_, back) if u is not None)
+
+    @staticmethod
+    def _edge_unit(passes: dict[str, float] | None, params: int) -> FsdpUnit:
+        """The embedding's or the output layer's unit: its parameters and its kernels' passes (none: 0)."""
+        passes = passes or {}
+        return FsdpUnit(params, *(seconds_to_ns(passes.get(op, 0.0)) for op in ("F", "I", "W")))
+
+    @staticmethod
+    def _unit_times(unit: FsdpUnit) -> tuple[int, int, int, int]:
+        return unit.forward_ns, unit.input_grad_ns, unit.weight_grad_ns, unit.recompute_ns
 
     def _embedding_norm_bytes(self, norm_input: int) -> int:
         """What the embedding's layer norm keeps for its backward: its input and two fp32 numbers a token."""

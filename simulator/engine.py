@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import simpy
@@ -49,12 +49,14 @@ def gc_paused() -> Iterator[None]:
 @dataclass
 class RunTimes:
     """What a replay measured (ns): each compute and collective entry's start and end (-1 for the others, which
-    take no stream time), and each flow's (a transfer, or a collective from its last member's join)."""
+    take no stream time), and each flow's (a transfer, or a collective from its last member's join); ``stalls``:
+    per op run unit by unit (``Program.segments``), the (from, to) of each wait between its segments."""
 
     entry_start: list[int]
     entry_end: list[int]
     flow_start: list[int]
     flow_end: list[int]
+    stalls: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 Progress = Callable[[int, int], None]  # (entries ended, entries): told every PROGRESS_EVERY events and at the end
@@ -177,7 +179,7 @@ class Engine:
         env, p, fired, times, pending, waiter = self.env, self.p, self.fired, self.times, self.pending, self.waiter
         role, waits, duration, launches, flow_of = p.role, p.waits, p.duration, p.launches, p.flow_of
         start_transfer, cores = self.network.start_transfer, self.cores
-        compute, joins = Role.COMPUTE, p.joins
+        compute, joins, segments = Role.COMPUTE, p.joins, p.segments
         for i in steps:
             if role[i] is compute:
                 for signal in waits[i]:
@@ -190,12 +192,13 @@ class Engine:
                 if i in joins:
                     for flow, offset in joins[i]:
                         self.call_at(env.now + offset, lambda f=flow: self.join(f))
-                if cores is None:
+                if i in segments:
+                    yield from self._segments(i, device)
+                elif cores is None:  # the common case, inlined: this runs once per op
                     pending[i] = timeout = env.timeout(duration[i])
-                else:  # the op's work at the share of a core the host gives it (simulator.host_cores)
-                    pending[i] = timeout = env.event()
-                    cores.run(self, env.now, device, duration[i], lambda t, e=timeout: self.call_at(t, e.succeed))
-                yield timeout
+                    yield timeout
+                else:
+                    yield self._hold(i, device, duration[i])
                 fired[i], pending[i] = True, None  # _fire, inlined: this runs once per op
                 if waiter[i] is not None:
                     waiter[i].succeed()
@@ -206,6 +209,35 @@ class Engine:
             self.ended += 1
             for f in launches[i]:  # the SENDs after it: torch's isend, the stream goes on
                 times.flow_start[f] = start_transfer(self, now, f)
+
+    def _hold(self, i: int, device: int, ns: int) -> simpy.Event:
+        """The event that ends ``ns`` of entry ``i``'s work from now, which its consumers wait on (``pending``)."""
+        if self.cores is None:
+            self.pending[i] = timeout = self.env.timeout(ns)
+        else:  # the op's work at the share of a core the host gives it (simulator.host_cores)
+            self.pending[i] = timeout = self.env.event()
+            self.cores.run(self, self.env.now, device, ns, lambda t, e=timeout: self.call_at(t, e.succeed))
+        return timeout
+
+    def _segments(self, i: int, device: int):
+        """An op run unit by unit: each segment after its own signals (a wait between two is a stall of the op),
+        its device's members joining what its start launches."""
+        env, p = self.env, self.p
+        for j, ns in enumerate(p.segments[i]):
+            if j:
+                waited = env.now
+                for signal in p.segment_waits.get((i, j), ()):
+                    while not self.fired[signal]:
+                        event = self._event_for(signal)
+                        if event is None:
+                            break
+                        yield event
+                if env.now > waited:
+                    self.times.stalls.setdefault(i, []).append((waited, env.now))
+                for flow, offset in p.segment_joins.get((i, j), ()):
+                    self.call_at(env.now + offset, lambda f=flow: self.join(f))
+            yield self._hold(i, device, ns)
+            self.pending[i] = None  # consumers waiting across a stall wait on ``waiter``, not an event gone by
 
     def join(self, flow: int) -> None:
         """A member joins collective ``flow``; the last one to join starts it."""

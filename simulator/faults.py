@@ -54,7 +54,16 @@ class ComputeFaults:
             factor *= np.random.default_rng(self.seed).lognormal(-sigma * sigma / 2, sigma, len(compute))
         scaled = np.where(duration > 0, np.maximum(1, np.rint(duration * factor)), 0).astype(np.int64)
         for i, ns in zip(compute.tolist(), scaled.tolist()):
+            if i in program.segments:  # an op run unit by unit: each unit by the same factor, the sum kept
+                program.segments[i] = _rescaled(program.segments[i], ns)
             program.duration[i] = ns
+
+
+def _rescaled(parts: list[int], total: int) -> list[int]:
+    """``parts`` scaled to add up to ``total``, each in proportion (the last takes what rounding leaves)."""
+    whole = sum(parts) or 1
+    head = [part * total // whole for part in parts[:-1]]
+    return head + [total - sum(head)]
 
 
 def _items(key: str, text: str) -> list[str]:

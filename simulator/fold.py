@@ -185,8 +185,10 @@ class Fold:
             rest = array[k * per_replica:]
             return np.concatenate([own, rest.reshape(-1, k)[:, slot].reshape(-1) if members else rest]).tolist()
 
+        stalls = {r * entries + i % entries: spans for r in range(self.replicas)
+                  for i, spans in times.stalls.items() if i < k * entries and i // entries == slot[r]}
         return RunTimes(whole(times.entry_start, entries, True), whole(times.entry_end, entries, True),
-                        whole(times.flow_start, flows, False), whole(times.flow_end, flows, False))
+                        whole(times.flow_start, flows, False), whole(times.flow_end, flows, False), stalls)
 
 
 def spanning_phases(collectives: Iterable[tuple], choose: Callable, devices: int) -> list[Transfers]:

@@ -76,7 +76,7 @@ def data_parallel(run: Lowering) -> None:
     run.base = run.program
     if run.width > 1:
         run.program = replicas.data_parallel(run.program, run.schedule, run.width, run.grad_bytes, run.sync,
-                                             run.weight_bytes)
+                                             run.weight_bytes, units=[c.units for c in run.stage_costs])
 
 
 def compute_faults(run: Lowering) -> None:

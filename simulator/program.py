@@ -76,6 +76,12 @@ class Program:
     # Collectives that start with fewer members than their group (replicas folded into one, simulator.fold): per
     # flow, the members that join it in this program
     joiners: dict[int, int] = field(default_factory=dict)
+    # Ops run unit by unit (ZeRO-3's gathers, docs/parallelism.md, "Units"): per compute entry, its segments' ns (their
+    # sum is its duration); before segment j > 0 it waits for ``segment_waits[i, j]``, and as segment j starts its
+    # device's members join ``segment_joins[i, j]`` (flow, ns after that start), as ``joins`` do at the entry's start
+    segments: dict[int, list[int]] = field(default_factory=dict)
+    segment_waits: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    segment_joins: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def num_entries(self) -> int:

@@ -12,9 +12,11 @@ is applied one iteration late, the stage's first forward of iteration k+2; for P
 Under ZeRO (``GradSync.zero``, docs/parallelism.md) the all-reduce is a reduce-scatter (stages 2 and 3: after every
 microbatch's backward, into each replica's accumulated shard); stages 1 and 2 all-gather the updated weights after
 the step, and stage 3 all-gathers a stage's weights before the ops that need them instead: before each forward and
-each input-gradient backward (``reshard_after_forward``, FSDP's default), each gather prefetched: issued when the
-device's op ``prefetch`` before starts (FSDP's default: the one before; the device's first ops have none, so their
-gathers start with the run). Without resharding, stage 3 runs torch.distributed.pipelining's FSDP actions instead
+each input-gradient backward (``reshard_after_forward``, FSDP's default), unit by unit where the stage's costs have
+FSDP's units (each op then runs its units one after another, each after its own gather, and a fused backward
+reduce-scatters each unit's gradients as its part ends), each gather prefetched: issued when the unit ``prefetch``
+before it in the device's order of need starts (FSDP's default: the one before; the device's first have none, so
+they start with the run). Without resharding, stage 3 runs torch.distributed.pipelining's FSDP actions instead
 (``_fsdp_syncs``): a gather at each UNSHARD, one reduce-scatter of the iteration's gradients at each REDUCE_GRAD
 (Llama 3's choice).
 docs/network.md has the rules and what they leave out.
@@ -25,10 +27,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from pipescope.simulator.costs import FsdpUnit
 from pipescope.simulator.ir import ActionKind, Collective, Role, Schedule, WeightUpdate
 from pipescope.simulator.lowering import LAG_WITHOUT_FLUSH, has_fsdp_actions, step_group, step_microbatch
 from pipescope.simulator.mesh import NO_SHARDING, DeviceMesh, Sharding
@@ -87,10 +90,13 @@ class _Sync:
     device: int = -1  # -1: the trigger's
     replicas: tuple[int, ...] = ()  # the replicas whose copies join it (empty: all)
     after: tuple[int, ...] = ()  # AFTER: the syncs (indices) whose end makes one member join
+    segment: int = 0  # the segment of ``blocks`` that waits for it (an op run unit by unit: ``Program.segments``)
+    trigger_segment: int = 0  # the segment of ``trigger`` whose start launches it
 
 
 def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: list[int], sync: GradSync,
-                  weight_bytes: list[int] | None = None, held: Sequence[int] | None = None) -> Program:
+                  weight_bytes: list[int] | None = None, held: Sequence[int] | None = None,
+                  units: Sequence[tuple[FsdpUnit, ...]] = ()) -> Program:
     """The program of ``width`` replicas of ``base`` with bucketed gradient all-reduces (see the module doc).
 
     Args:
@@ -103,20 +109,26 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
         weight_bytes: per stage, the bytes of its weights, which a sharded optimizer all-gathers after its step.
         held: the replicas whose entries and transfers the program holds, ascending (default: all ``width``); the
             collectives still span every replica, and start with the members the program holds (``simulator.fold``).
+        units: per stage, FSDP's units (``StageCost.units``): ZeRO-3 gathers them one at a time, and each op that
+            reads the weights runs unit by unit (``_param_gathers``); none: a stage's weights at once.
     """
     mesh = DeviceMesh(schedule.num_devices, width, shard=sync.sharding.shards if sync.sharded else 0)
     weights = weight_bytes or [0] * len(grad_bytes)
+    segments: dict[int, list[int]] = {}
     if sync.zero >= 3 and width > 1 and not sync.sharding.reshard_after_forward:  # torch's UNSHARD, REDUCE_GRAD run
         if not has_fsdp_actions(schedule):
             raise ValueError("ZeRO-3 without resharding runs torch's FSDP actions: expected a schedule that holds "
                              "them (lowering.add_fsdp_actions)")
-        syncs = _fsdp_syncs(base, mesh, grad_bytes, weights, sync.bucket_bytes, _fetch_ns(weights, sync.sharding))
+        syncs = _fsdp_syncs(base, mesh, grad_bytes, weights, sync.bucket_bytes,
+                            [_fetch_ns(nbytes, sync.sharding) for nbytes in weights])
     else:
-        syncs = _syncs(base, schedule, mesh, grad_bytes, sync)
+        orders = _unit_orders(base, weights, units, schedule.recompute) if sync.zero >= 3 and width > 1 else {}
+        segments = {entry: [ns for _, _, ns in order] for entry, order in orders.items()}
+        syncs = _syncs(base, schedule, mesh, grad_bytes, sync, orders)
         if sync.sharded and sync.zero < 3 and not sync.overlap and width > 1:
             syncs += _weight_gathers(base, schedule, mesh, weights, sync)
         if sync.zero >= 3 and width > 1:
-            syncs += _param_gathers(base, mesh, weights, sync.sharding.prefetch, _fetch_ns(weights, sync.sharding))
+            syncs += _param_gathers(base, mesh, weights, sync.sharding, orders)
     syncs = _hybrid(syncs, mesh, base) if mesh.hybrid else syncs
     if len(syncs) > MAX_SYNCS:
         groups = f" and {len(mesh.shard_replicas())} shard groups" if mesh.hybrid else ""
@@ -125,7 +137,7 @@ def data_parallel(base: Program, schedule: Schedule, width: int, grad_bytes: lis
                         f"{schedule.num_microbatches * schedule.iterations} microbatches{groups}; expected at most "
                         f"{MAX_SYNCS:,} (ZeRO-2 and 3 reduce-scatter every bucket after every microbatch): larger "
                         f"buckets, fewer microbatches or stages, or larger shard groups")
-    return _replicate(base, mesh, syncs, range(width) if held is None else held)
+    return _replicate(base, mesh, syncs, range(width) if held is None else held, segments)
 
 
 def _hybrid(syncs: list[_Sync], mesh: DeviceMesh, base: Program) -> list[_Sync]:
@@ -138,8 +150,8 @@ def _hybrid(syncs: list[_Sync], mesh: DeviceMesh, base: Program) -> list[_Sync]:
         home, c = _home(s, base), s.collective
         scattered = []
         for replicas in mesh.shard_replicas():
-            part = _Sync(s.trigger, s.offset, c._replace(group=mesh.ranks(replicas, home)),
-                         [] if c.kind is K.REDUCE_SCATTER else s.blocks, home, replicas)
+            part = replace(s, collective=c._replace(group=mesh.ranks(replicas, home)),
+                           blocks=[] if c.kind is K.REDUCE_SCATTER else s.blocks, device=home, replicas=replicas)
             scattered.append(len(out))
             out.append(part)
         if c.kind is K.REDUCE_SCATTER:
@@ -174,33 +186,71 @@ def _weight_gathers(base: Program, schedule: Schedule, mesh: DeviceMesh, weight_
 GATHERED_KINDS = (K.F, K.I, K.B)  # the ops that read a stage's weights (W reads activations and output gradients)
 
 
-def _fetch_ns(weight_bytes: list[int], sharding: Sharding) -> list[int]:
-    """Per stage, ns before a member of its weight gather joins: with the weight shards on the host (ZeRO-Infinity,
+def _fetch_ns(weight_bytes: int, sharding: Sharding) -> int:
+    """ns before a member of a gather of ``weight_bytes`` joins: with the weight shards on the host (ZeRO-Infinity,
     ``parallel.offload: parameters``), the copy of its shard up at its PCIe share; else 0."""
     if not sharding.offload_params:
-        return [0] * len(weight_bytes)
+        return 0
     if sharding.host_rate <= 0:
         raise ValueError(f"Sharding.host_rate: got {sharding.host_rate}, expected the positive bytes/s of a GPU's "
                          f"copies from its host (the weight shards are there)")
-    return [copy_ns(sharding.part(nbytes, "weights"), sharding.host_rate) for nbytes in weight_bytes]
+    return copy_ns(sharding.part(weight_bytes, "weights"), sharding.host_rate)
 
 
-def _param_gathers(base: Program, mesh: DeviceMesh, weight_bytes: list[int], prefetch: int,
-                   fetch_ns: list[int]) -> list[_Sync]:
-    """ZeRO-3's all-gathers of a stage's weights before each op that reads them (``reshard_after_forward``, the
-    module doc), in each device's op order; each member joins ``fetch_ns`` of the stage after its trigger."""
-    cols = base.columns
-    codes = [KIND_CODE[kind] for kind in GATHERED_KINDS]
+UnitOrder = list[tuple[int, FsdpUnit, int]]  # an op's units in the order it runs them: (forward place, unit, its ns)
+
+
+def _unit_orders(base: Program, weight_bytes: list[int], units: Sequence[tuple[FsdpUnit, ...]], recompute: bool
+                 ) -> dict[int, UnitOrder]:
+    """Per op that reads a stage's weights (F, I, B) where the stage has FSDP's units (docs/parallelism.md,
+    "Units"): its units in the order it runs them, forward order in F and reversed in a backward, each with its
+    share of the op's time (the last one's to the op's own nanosecond)."""
+    cols, codes = base.columns, {KIND_CODE[kind]: kind for kind in GATHERED_KINDS}
+    orders: dict[int, UnitOrder] = {}
+    for i in np.flatnonzero(np.isin(cols.kind, list(codes)) & (cols.role == Role.COMPUTE)).tolist():
+        stage = int(cols.stage[i])
+        mine = units[stage] if stage < len(units) else ()
+        if len(mine) < 2 or weight_bytes[stage] <= 0:
+            continue
+        kind = codes[int(cols.kind[i])]
+        placed = list(enumerate(mine)) if kind is K.F else list(enumerate(mine))[::-1]
+        ns = [unit.pass_ns(kind.value, recompute) for _, unit in placed]
+        ns[-1] = base.duration[i] - sum(ns[:-1])
+        orders[i] = [(place, unit, t) for (place, unit), t in zip(placed, ns)]
+    return orders
+
+
+def _unit_shares(nbytes: int, order: UnitOrder) -> list[tuple[int, int, int]]:
+    """(segment, forward place, bytes) of each unit of an op that has parameters: ``nbytes`` of the stage's, in
+    proportion to the unit's parameters."""
+    total = sum(unit.params for _, unit, _ in order)
+    return [(j, place, nbytes * unit.params // total) for j, (place, unit, _) in enumerate(order) if unit.params]
+
+
+def _param_gathers(base: Program, mesh: DeviceMesh, weight_bytes: list[int], sharding: Sharding,
+                   orders: dict[int, UnitOrder]) -> list[_Sync]:
+    """ZeRO-3's all-gathers before each op that reads a stage's weights (``reshard_after_forward``, the module doc):
+    one a unit where the op runs unit by unit (``orders``), each unit after its own gather; else one of the stage's
+    weights before the op. A device's gathers go in the order it needs them, each launched as the one ``prefetch``
+    before it starts its segment (the first ones with the run), each member joining after its shard's copy up where
+    the shards are on the host."""
+    cols, codes = base.columns, [KIND_CODE[kind] for kind in GATHERED_KINDS]
     found = []
     for d, steps in enumerate(base.device_steps):
-        ops = [i for i in steps if base.role[i] is Role.COMPUTE]
-        group = tuple(mesh.data_group(d))
-        for k, i in enumerate(ops):
-            stage, microbatch = int(cols.stage[i]), int(cols.microbatch[i])
-            if cols.kind[i] not in codes or weight_bytes[stage] <= 0:
-                continue
-            collective = Collective(stage, K.ALL_GATHER, microbatch, group, weight_bytes[stage], 0)
-            found.append(_Sync(ops[k - prefetch] if k >= prefetch else START, fetch_ns[stage], collective, [i], d))
+        needed: list[tuple[int, int, int, int, int]] = []  # (entry, segment, stage, forward place, bytes)
+        for i in (i for i in steps if base.role[i] is Role.COMPUTE and cols.kind[i] in codes):
+            stage = int(cols.stage[i])
+            if i in orders:
+                needed += [(i, j, stage, place, nbytes) for j, place, nbytes in _unit_shares(weight_bytes[stage],
+                                                                                            orders[i])]
+            elif weight_bytes[stage] > 0:
+                needed.append((i, 0, stage, 0, weight_bytes[stage]))
+        group, prefetch = tuple(mesh.data_group(d)), sharding.prefetch
+        for k, (entry, segment, stage, place, nbytes) in enumerate(needed):
+            launch = needed[k - prefetch] if k >= prefetch else None
+            collective = Collective(stage, K.ALL_GATHER, int(cols.microbatch[entry]), group, nbytes, place)
+            found.append(_Sync(launch[0] if launch else START, _fetch_ns(nbytes, sharding), collective, [entry], d,
+                               segment=segment, trigger_segment=launch[1] if launch else 0))
     return found
 
 
@@ -232,11 +282,12 @@ def _fsdp_syncs(base: Program, mesh: DeviceMesh, grad_bytes: list[int], weight_b
     return found
 
 
-def _syncs(base: Program, schedule: Schedule, mesh: DeviceMesh, grad_bytes: list[int], sync: GradSync
-           ) -> list[_Sync]:
+def _syncs(base: Program, schedule: Schedule, mesh: DeviceMesh, grad_bytes: list[int], sync: GradSync,
+           orders: dict[int, UnitOrder] | None = None) -> list[_Sync]:
     """Every bucket all-reduce of every stage and step group (an iteration, or a microbatch under PipeDream:
     ``lowering.step_group``), in a fixed order. ZeRO-2 and 3 reduce-scatter after every microbatch's backward
-    instead, into the shard each replica accumulates (DeepSpeed's and FSDP's micro-step reduction), and the
+    instead, into the shard each replica accumulates (DeepSpeed's and FSDP's micro-step reduction; a backward run
+    unit by unit, ``orders``, one unit's gradients as its part ends, FSDP's post-backward), and the
     iteration's optimizer step waits for them all."""
     if mesh.data < 2:
         return []
@@ -277,6 +328,11 @@ def _syncs(base: Program, schedule: Schedule, mesh: DeviceMesh, grad_bytes: list
             blocks += step.tolist()  # the optimizer step applies the reduced gradients
             last_microbatch = g if per_microbatch else step_microbatch(update, m, g)
             kind = K.REDUCE_SCATTER if sync.sharded else K.ALL_REDUCE
+            if sync.overlap and orders and trigger in orders:  # FSDP: each unit's gradients as its backward ends
+                order = orders[trigger]
+                found += [_Sync(trigger, order[j][2], Collective(stage, kind, last_microbatch, group, size, place),
+                                blocks, trigger_segment=j) for j, place, size in _unit_shares(nbytes, order)]
+                continue
             for j, (size, offset) in enumerate(zip(buckets, offsets)):
                 collective = Collective(stage, kind, last_microbatch, group, size, j)
                 found.append(_Sync(trigger, offset, collective, blocks))
@@ -311,10 +367,12 @@ def _split(nbytes: int, bucket: int) -> list[int]:
     return [bucket] * (count - 1) + [nbytes - bucket * (count - 1)]
 
 
-def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync], held: Sequence[int]) -> Program:
+def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync], held: Sequence[int],
+               segments: dict[int, list[int]]) -> Program:
     """Entries: each held replica's copy of the base entries (``held``, ascending: every replica, or those a folded run
     simulates), then each member entry of the syncs (one per member replica held). Flows: the held replicas'
-    transfers, then one flow per sync shared by its members."""
+    transfers, then one flow per sync shared by its members. An op run unit by unit (``segments``, per base entry)
+    is so in every replica, each segment waiting for the syncs that block it."""
     n, flows, width = base.num_entries, base.num_flows, len(held)
     every = tuple(range(mesh.data))
     position = {r: j for j, r in enumerate(held)}
@@ -336,6 +394,8 @@ def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync], held: Sequen
     blocked_in: list[dict[int, list[int]]] = [{} for _ in range(mesh.data)]
     for c, s in enumerate(syncs):
         for entry in s.blocks:
+            if s.segment:  # a later segment of an op run unit by unit waits: below, per replica
+                continue
             if not s.replicas:
                 blocked.setdefault(entry, []).append(total + first_sync_flow + c)
             for r in s.replicas:
@@ -364,8 +424,13 @@ def _replicate(base: Program, mesh: DeviceMesh, syncs: list[_Sync], held: Sequen
         s, flow = syncs[c], first_sync_flow + c
         if s.trigger == START:
             out.start_joins.append((flow, s.offset))
+        elif s.trigger_segment:
+            out.segment_joins.setdefault((s.trigger + position[r] * n, s.trigger_segment), []).append((flow, s.offset))
         elif s.trigger >= 0:
             out.joins.setdefault(s.trigger + position[r] * n, []).append((flow, s.offset))
+        for entry in s.blocks if s.segment else ():
+            out.segment_waits.setdefault((entry + position[r] * n, s.segment), []).append(total + flow)
+    out.segments = {i + j * n: ns for j in range(width) for i, ns in segments.items()}
     for c, s in enumerate(syncs):
         for earlier in s.after:  # each member of ``s`` joins when one of these ends
             out.flow_joins.setdefault(first_sync_flow + earlier, []).append(first_sync_flow + c)

@@ -317,6 +317,8 @@ def build_result(schedule: Schedule, records: Timeline, stage_costs: list[StageC
     p, pipeline = records.num_devices, schedule.num_devices
     busy, first, last = np.zeros(p, dtype=np.int64), np.full(p, np.iinfo(np.int64).max), np.zeros(p, dtype=np.int64)
     np.add.at(busy, device, end - start)
+    stalls = records.stalls
+    np.add.at(busy, stalls[:, 0], stalls[:, 1] - stalls[:, 2])  # an op's waits between its units are not work
     np.minimum.at(first, device, start)
     np.maximum.at(last, device, end)
     span = np.where(np.bincount(device, minlength=p) > 0, last - first, 0)

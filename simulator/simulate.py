@@ -147,7 +147,8 @@ def _folded(lowered: Lowering, network: RoutedNetwork, folding: _Folding, progre
         fold.classify(spanning_phases(((c.kind, c.group, c.nbytes) for c in spanning), network.collectives.choose,
                                       lowered.schedule.num_devices))
         some = replicas.data_parallel(base, lowered.schedule, lowered.width, lowered.grad_bytes, lowered.sync,
-                                      lowered.weight_bytes, held=fold.simulated)
+                                      lowered.weight_bytes, held=fold.simulated,
+                                      units=[c.units for c in lowered.stage_costs])
         times = Engine(some, network, None, progress).run()
     except (NotFoldable, NetworkError) as why:
         folding.fold, folding.why_not = None, str(why)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -40,6 +40,8 @@ class Timeline:
     stage: np.ndarray
     microbatch: np.ndarray
     pipeline_devices: int = 0  # devices of one pipeline replica (0: all of them), for the chunk of a stage
+    # (device, from, to) of each wait inside an op run unit by unit (``RunTimes.stalls``): in its row's span, not work
+    stalls: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
 
     @classmethod
     def of(cls, actions: list[ProgramAction], device: np.ndarray, start: np.ndarray, end: np.ndarray,
@@ -57,7 +59,7 @@ class Timeline:
         actions = [self.actions[i] for i in keep.tolist()]
         return Timeline(actions, self.device[keep], self.start[keep], self.end[keep], self.peer[keep],
                         self.nbytes[keep], num_devices, self.kind[keep], self.stage[keep], self.microbatch[keep],
-                        self.pipeline_devices)
+                        self.pipeline_devices, self.stalls[self.stalls[:, 0] < num_devices])
 
     def mask(self, role: Role) -> np.ndarray:
         return ROLE_CODE[self.kind] == role
@@ -86,12 +88,14 @@ FIELD_BITS = 20  # a device runs fewer than 2**20 spans of one kind at once: eac
 
 def uncovered_ns(records: Timeline, masks: Sequence[np.ndarray], cover: np.ndarray) -> list[np.ndarray]:
     """Per mask, per device: the ns during which one of the device's rows in the mask runs and none of its ``cover``
-    rows does (e.g. transfers not hidden behind compute). One sweep over the sorted span edges of every device and
-    mask at once: each mask counts its open spans in its own bit field of one int64 level."""
+    rows does (e.g. transfers not hidden behind compute); an op's stalls (``Timeline.stalls``) do not cover. One
+    sweep over the sorted span edges of every device and mask at once: each mask counts its open spans in its own
+    bit field of one int64 level, and a stall closes its op's span in the cover's field while it lasts."""
     parts = []
-    for field, mask in enumerate([*masks, cover]):
-        weight = 1 << (FIELD_BITS * field)
-        device, start, end = records.device[mask], records.start[mask], records.end[mask]
+    spans = [(records.device[m], records.start[m], records.end[m], 1) for m in masks]
+    spans += [(records.device[cover], records.start[cover], records.end[cover], 1), (*records.stalls.T, -1)]
+    for field_index, (device, start, end, sign) in enumerate(spans):
+        weight = sign << (FIELD_BITS * min(field_index, len(masks)))
         parts.append((np.concatenate([device, device]), np.concatenate([start, end]),
                       np.concatenate([np.full(len(start), weight), np.full(len(end), -weight)])))
     device, time, delta = (np.concatenate([p[i] for p in parts]) for i in range(3))
@@ -148,4 +152,8 @@ def replay_timeline(program: Program, times: RunTimes, num_devices: int, pipelin
     actions = program.actions if everything else [program.actions[i] for i in keep.tolist()]
     kept = Columns(cols.stage[keep], cols.kind[keep], cols.microbatch[keep], cols.device[keep], role)
     timeline = Timeline.of(actions, kept.device, start, end, peer, nbytes, num_devices, kept)
+    if times.stalls:
+        stalls = np.array([(program.device[i], a, b) for i, spans in times.stalls.items() for a, b in spans],
+                          dtype=np.int64)
+        timeline = dataclasses.replace(timeline, stalls=stalls)
     return dataclasses.replace(timeline, pipeline_devices=pipeline_devices) if pipeline_devices else timeline

@@ -52,7 +52,8 @@ def _comparable(result: pipescope.SimResult) -> dict:
     records = result.records
     return {**summary, "network": network, "links": result.links, "link_spans": result.link_spans,
             "records": (records.device.tolist(), records.start.tolist(), records.end.tolist(),
-                        records.peer.tolist(), records.nbytes.tolist(), [str(a) for a in records.actions])}
+                        records.peer.tolist(), records.nbytes.tolist(), [str(a) for a in records.actions],
+                        sorted(map(tuple, records.stalls.tolist())))}
 
 
 @pytest.mark.parametrize(("name", "sets"), CASES, ids=[name for name, _ in CASES])

@@ -112,14 +112,17 @@ def test_offloaded_parameters_leave_the_gpu_and_the_step_keeps_its_weights_on_th
 @pytest.mark.parametrize("reshard", [True, False])
 def test_each_gather_waits_for_its_shards_copy_from_the_host(reshard: bool) -> None:
     """The program's weight gathers are the same, each member joining later by its shard's copy at the GPU's PCIe
-    share (16 GB/s on a DGX A100); with the run's first gathers too, which start with it."""
+    share (16 GB/s on a DGX A100); with the run's first gathers too, which start with it (resharding, the first
+    unit's; torch's FSDP actions, the stage's)."""
     sets = [*INFINITY, f"parallel.reshard_after_forward={str(reshard).lower()}"]
     built = {o: prepare(load_config(None, [*sets, f"parallel.offload={o}"])) for o in ("optimizer", "parameters")}
     result = {o: run(load_config(None, [*sets, f"parallel.offload={o}"])) for o in built}
     gathers = {o: r.timeline.query("kind == 'ALL_GATHER' and device == 0").sort_values("start_ns")
                for o, r in result.items()}
     assert len(gathers["optimizer"]) == len(gathers["parameters"]) > 0
-    copy_ns = math.ceil(2 * -(-built["parameters"].stage_costs()[0].params // 4) * 1e9 / 16e9)  # device 0's shard
+    first_stage = built["parameters"].stage_costs()[0]
+    first_params = first_stage.units[0].params if reshard else first_stage.params
+    copy_ns = math.ceil(2 * -(-first_params // 4) * 1e9 / 16e9)  # device 0's shard of what it gathers first
     first = gathers["parameters"].start_ns.iloc[0] - gathers["optimizer"].start_ns.iloc[0]
     assert first == pytest.approx(copy_ns, abs=2)
     assert (gathers["parameters"].start_ns.to_numpy() >= gathers["optimizer"].start_ns.to_numpy()).all()

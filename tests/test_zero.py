@@ -10,6 +10,7 @@ import json
 import pytest
 
 from pipescope import ConfigError, load_config, run
+from pipescope.simulator.costs import FsdpUnit, StageCost
 from pipescope.simulator.engine import Engine
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.lowering import add_fsdp_actions, add_reduce_grad, lower
@@ -177,6 +178,84 @@ def test_stage_3_gathers_are_prefetched_waited_for_and_replayed_alike_by_engine_
         for flow in (s - program.num_entries for s in waits if s >= program.num_entries):
             if flow in gathers:
                 assert engine.entry_start[entry] >= engine.flow_end[flow]
+
+
+class UnitCosts(StepCosts):
+    """StepCosts whose stages are 4 FSDP units: a first without compute (an embedding's lookup), then 3 blocks that
+    share the passes (the last taking what rounding leaves)."""
+
+    def stage_cost(self, stage: int, num_stages: int, chunks: int) -> StageCost:
+        cost = super().stage_cost(stage, num_stages, chunks)
+        passes = (cost.forward_ns, cost.input_grad_ns, cost.weight_grad_ns, cost.recompute_ns)
+        block = [ns // 3 for ns in passes]
+        last = [ns - 2 * b for ns, b in zip(passes, block)]
+        unit = cost.params // 4
+        units = (FsdpUnit(unit, 0, 0, 0), FsdpUnit(unit, *block), FsdpUnit(unit, *block),
+                 FsdpUnit(cost.params - 3 * unit, *last))
+        return dataclasses.replace(cost, units=units)
+
+
+def _segment_starts(program, times, entry: int) -> list[int]:
+    """When each segment of an op run unit by unit began: the one before it ended, or its stall did."""
+    stalls = dict(times.stalls.get(entry, ()))
+    starts = [times.entry_start[entry]]
+    for ns in program.segments[entry][:-1]:
+        ended = starts[-1] + ns
+        starts.append(stalls.get(ended, ended))
+    return starts
+
+
+@pytest.mark.parametrize("prefetch, offload", [(1, False), (2, False), (1, True)])
+def test_stage_3_gathers_unit_by_unit_and_each_unit_waits_for_its_own(prefetch: int, offload: bool) -> None:
+    """With units (docs/parallelism.md, "Units"), each op that reads the weights runs unit by unit, forward order in
+    F and reversed in B: one gather a unit that has parameters, a quarter of the stage's bytes each; a unit starts
+    after its gather ends, and a device's gathers start as the unit ``prefetch`` before in its order of need starts
+    (the first ones with the run). The engine equals the oracle; the waits between units are the result's stalls,
+    not busy time, and count as exposed."""
+    schedule = build("1f1b", 2, 4)
+    program, stage_costs = prepare(schedule, UnitCosts())
+    grads = [c.params * 2 for c in stage_costs]
+    sharding = Sharding(3, 2, prefetch=prefetch, offload=offload, offload_params=offload,
+                        host_rate=16 * GB if offload else 0.0)
+    program = data_parallel(program, schedule, 2, grads, GradSync(512 << 20, sharding=sharding), grads,
+                            units=[c.units for c in stage_costs])
+    network = servers(2, 2, 450 * GB, 2 * GB)
+    times = Engine(program, network).run()
+    assert times == Oracle(program, servers(2, 2, 450 * GB, 2 * GB)).run()
+    assert times.stalls, "the gathers over a 2 GB/s NIC outlast a block"
+    gathers = {f: c for f, c in enumerate(program.flow_collective) if c is not None and c.kind is ActionKind.ALL_GATHER}
+    assert len(gathers) == 16 * 4 and {c.nbytes for c in gathers.values()} == {2 * 10**9 // 4}
+    for entry, ns in program.segments.items():
+        assert len(ns) == 4 and sum(ns) == program.duration[entry]
+        assert ns[0 if program.actions[entry].kind is ActionKind.F else 3] == 0  # the lookup's unit
+        starts = _segment_starts(program, times, entry)
+        for j in range(1, 4):
+            for signal in program.segment_waits[entry, j]:
+                assert starts[j] >= times.flow_end[signal - program.num_entries]
+        for j in range(1, 4):
+            for flow, offset in program.segment_joins.get((entry, j), ()):
+                assert times.flow_start[flow] >= starts[j] + offset
+    assert len(program.start_joins) == 2 * 2 * prefetch  # each device's first gathers, joined by both replicas
+    assert {offset > 0 for _, offset in program.start_joins} == {offload}
+
+
+def test_an_ops_waits_between_its_units_are_exposed_not_busy() -> None:
+    """GPT 1.3B under ZeRO-3 on 2 DGX H100s: each device's busy time is its ops' work (the stalls between units are
+    not), and the data-parallel time exposed covers them; a deeper prefetch starts gathers earlier and exposes less
+    (docs/parallelism.md, "Prefetch and nodes")."""
+    sets = ["model.preset=gpt-1.3b", "schedule.stages=1", "schedule.microbatches=4", "model.microbatch_size=4",
+            "cluster.topology=dgx-h100", "cluster.nodes=2", "cluster.data_parallel=16", "parallel.zero=3"]
+    one, four = (run(load_config(None, [*sets, f"parallel.zero_prefetch={k}"])) for k in (1, 4))
+    for result in (one, four):
+        rows = result.timeline.query("device == 0 and stream == 'compute'")
+        stalls = result.records.stalls
+        stalled = int((stalls[stalls[:, 0] == 0, 2] - stalls[stalls[:, 0] == 0, 1]).sum())
+        assert stalled > 0
+        assert result.devices[0].busy_s * 1e9 == pytest.approx(int((rows.end_ns - rows.start_ns).sum()) - stalled,
+                                                               abs=1)
+        assert result.devices[0].exposed_allreduce_s * 1e9 >= stalled
+    assert four.exposed_allreduce_s < one.exposed_allreduce_s
+    assert four.iteration_time_s < one.iteration_time_s
 
 
 def test_zero_is_refused_where_it_has_no_meaning() -> None:
