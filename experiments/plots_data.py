@@ -41,6 +41,7 @@ class RunData:
         title: what the run was, for a figure's default title.
         timed_measures: the part of ``title`` read off the run's times (iteration, bubble), which a figure in unit
             steps leaves out.
+        stalls: (device, from ns, to ns) of each wait inside an op that runs unit by unit (ZeRO-3's gathers).
     """
 
     ops: pd.DataFrame
@@ -52,6 +53,7 @@ class RunData:
     links: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     title: str = ""
     timed_measures: str = ""
+    stalls: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))  # (device, from, to)
 
     @property
     def counted_bytes(self) -> bool:
@@ -94,7 +96,7 @@ def run_data(result: SimResult | RunData) -> RunData:
     return RunData(ops, s.num_devices, s.chunks, s.num_microbatches if s.iterations > 1 else 0,
                    [(m.times, m.bytes_in_use) for m in result.memory], result.memory_capacity_bytes,
                    dict(result.link_spans), f"{s.name}: p={s.num_devices}{replicas} m={s.num_microbatches} "
-                   f"v={s.chunks}{measures}", measures)
+                   f"v={s.chunks}{measures}", measures, result.records.stalls)
 
 
 def from_ops(ops: pd.DataFrame, memory: list[tuple[np.ndarray, np.ndarray]], title: str,

@@ -16,7 +16,8 @@ from matplotlib.patches import Patch
 
 from pipescope.experiments.plots_data import LANES, RunData, iteration_ends, run_data, unit_steps
 from pipescope.experiments.plots_style import (COLLECTIVE_COLOR, COLORS, COMM_COLORS, COMM_LABELS, LABELS, LINK_COLOR,
-                                               ODD_CHUNK_COLORS, UNKNOWN_COLOR, byte_unit, plain, time_unit)
+                                               ODD_CHUNK_COLORS, STALL_COLOR, UNKNOWN_COLOR, byte_unit, plain,
+                                               time_unit)
 from pipescope.simulator.ir import ActionKind
 from pipescope.simulator.result import SimResult
 from pipescope.simulator.readers.units import format_bytes
@@ -84,6 +85,8 @@ def gantt_figure(result: SimResult | RunData, title: str | None = None, *, mode:
         _draw_busy_shares(ax, ops[ops["lane"] == "compute"], rows, axis, slices, 0.68 if thin else 0.8)
     else:
         _draw_compute(ax, ops, rows, axis, data, thin)
+        if timed:
+            _draw_stalls(ax, data.stalls[data.stalls[:, 0] < shown], rows, axis, 0.68 if thin else 0.8)
     if comm_lanes and timed:
         _draw_comm(ax, ops, rows, axis, slices)
     elif timed:
@@ -95,6 +98,9 @@ def gantt_figure(result: SimResult | RunData, title: str | None = None, *, mode:
             a.axvline(x, **BOUNDARY_STYLE)
     handles = _legend(ops, 1 if summary else data.chunks, comm_lanes and timed, bool(boundaries),
                       data.pipeline_devices)
+    if timed and slices is None and len(data.stalls):
+        handles.append(Patch(facecolor="white", edgecolor=STALL_COLOR, hatch="////",
+                             label="waits for its unit's gather"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     steps = None if timed else int(ops[axis.end].max()) if len(ops) else 0
     ax.set_title(plain(_title(data, title, shown, steps) + (
@@ -149,6 +155,15 @@ def _draw_compute(ax: Axes, ops: pd.DataFrame, rows: dict, axis: Axis, data: Run
         for (x, w), device, mb in zip(_bars(numbered, axis), numbered["device"], numbered["microbatch"]):
             ax.text(x + w / 2, rows[(device, "compute")] - 0.4 + height / 2, str(mb), ha="center", va="center",
                     fontsize=6, color="white")
+
+
+def _draw_stalls(ax: Axes, stalls: np.ndarray, rows: dict, axis: Axis, height: float) -> None:
+    """An op's waits between its units (ZeRO-3's gathers) hatched over its bar: the op holds its stream, idle."""
+    for device in np.unique(stalls[:, 0]).tolist():
+        mine = stalls[stalls[:, 0] == device]
+        bars = list(zip((mine[:, 1] - axis.origin) / axis.scale, (mine[:, 2] - mine[:, 1]) / axis.scale))
+        ax.broken_barh(bars, (rows[(device, "compute")] - 0.4, height), facecolors="white", edgecolor=STALL_COLOR,
+                       hatch="////", linewidth=0)
 
 
 def _slices(ops: pd.DataFrame, axis: Axis, microbatches: int) -> np.ndarray:

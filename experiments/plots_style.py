@@ -24,6 +24,7 @@ COMM_COLORS = {kind: facts.colour for kind, facts in KINDS.items() if facts.role
 COMM_LABELS = {kind: facts.label for kind, facts in KINDS.items() if facts.role in (Role.SEND, Role.RECV)}
 COLLECTIVE_COLOR = "#8172B3"
 LINK_COLOR = "#64666B"
+STALL_COLOR = "#8172B3"  # an op waiting for its next unit's gather: hatched in the collectives' colour
 UNKNOWN_COLOR = "grey"  # a kind this version does not know (a newer file): drawn, not refused
 DPI = 150
 

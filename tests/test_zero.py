@@ -10,6 +10,7 @@ import json
 import pytest
 
 from pipescope import ConfigError, load_config, run
+from pipescope.experiments.plots_gantt import gantt_figure
 from pipescope.simulator.costs import FsdpUnit, StageCost
 from pipescope.simulator.engine import Engine
 from pipescope.simulator.ir import ActionKind
@@ -256,6 +257,10 @@ def test_an_ops_waits_between_its_units_are_exposed_not_busy() -> None:
         assert result.devices[0].exposed_allreduce_s * 1e9 >= stalled
     assert four.exposed_allreduce_s < one.exposed_allreduce_s
     assert four.iteration_time_s < one.iteration_time_s
+    figure = gantt_figure(one)  # the stalls hatched over their ops, and named in the legend
+    labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert "waits for its unit's gather" in labels
+    assert any(bars.get_hatch() == "////" for bars in figure.axes[0].collections)
 
 
 def test_zero_is_refused_where_it_has_no_meaning() -> None:
