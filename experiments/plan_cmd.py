@@ -6,7 +6,7 @@ import argparse
 import json
 import re
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipescope.config import ConfigError
 from pipescope.experiments.cli import (add_training_goal_args, as_flag, choice_flag, integer_flag, training_goal,
@@ -64,8 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "schedule only). Default: not searched, the config's parallel.zero applies")
     p.add_argument("--offload", help="comma-separated parallel.offload settings to try: none, optimizer (the "
                    "optimizer state and step on the host: ZeRO-Offload; flush schedules and analytic costs only), "
-                   "parameters (ZeRO-3's weight shards too: ZeRO-Infinity; tried with --zero 3 only). Default: not "
-                   "searched, the config's applies")
+                   "parameters (ZeRO-3's weight shards too: ZeRO-Infinity; tried with ZeRO-3 only: --zero 3 or the "
+                   "config's parallel.zero 3). Default: not searched, the config's applies")
     p.add_argument("--context", help="comma-separated context-parallel degrees cp to try (parallel.context: each "
                    "pipeline device is tensor x cp GPUs, of one node or of whole nodes; flash attention and analytic "
                    "costs only). Default: not searched, the config's parallel.context applies")
@@ -208,11 +208,11 @@ def summary(report: PlanReport, top: int) -> str:
     lines += [f"warning: {warning}" for warning in report.warnings]
     if report.file_keys_searched:
         lines.append("not used from the config (the search sets them): " + ", ".join(
-            f"{key}={value}" for key, value in report.file_keys_searched.items()))
+            f"{key}={_as_set(value)}" for key, value in report.file_keys_searched.items()))
     if report.config_fixed:
         exempt = report.config_fixed_not_for
         lines.append("every plan runs with, from the config: " + ", ".join(
-            f"{key}={value}" for key, value in report.config_fixed.items())
+            f"{key}={_as_set(value)}" for key, value in report.config_fixed.items())
             + (f" (its ZeRO, HSDP and offload not in {' and '.join(exempt)} plans, which step without a flush)"
                if exempt else ""))
     if report.best is None:
@@ -277,6 +277,11 @@ def _sharding_words(row: dict) -> str:
         row.get("offload"), "")
     group = row.get("shard_group")
     return words + (f"HSDP groups of {group}, " if group is not None else "")
+
+
+def _as_set(value: Any) -> str:
+    """A config value as ``--set`` writes it (``false``, not Python's ``False``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _ranked_table(rows: list[dict]) -> str:

@@ -152,6 +152,11 @@ def planned_cluster(base: dict[str, Any]) -> tuple[int, str, list[str]]:
                   f"GPUs"), warnings
 
 
+def _as_flag(values) -> str:
+    """Values as the flag takes them: ``1,2,4``, not a Python list."""
+    return ",".join(map(str, values))
+
+
 def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
     """Every point of the space that uses all ``gpus``, in a fixed order; ConfigError naming the field that leaves
     none (a plan of nothing would only say that nothing fits), or that leaves only data parallelism where the
@@ -165,22 +170,23 @@ def candidates(request: PlanRequest, gpus: int) -> list[Candidate]:
     contexts = _contexts(request)
     per_device = [t * cp for t in request.tensor for cp in contexts if gpus % (t * cp) == 0]
     if not per_device and not any(gpus % cp == 0 for cp in contexts):  # the searched degrees, or the config's
-        key, got = ("context", list(contexts)) if request.context is not None else ("parallel.context", contexts[0])
+        key, got = ("context", _as_flag(contexts)) if request.context is not None else ("parallel.context", contexts[0])
         raise ConfigError(f"{key}: got {got}, expected a degree that divides the {gpus} GPUs")
     if not per_device:
-        raise ConfigError(f"tensor: got {list(request.tensor)}, expected a width that divides the {gpus} GPUs"
-                          + (f" with context {','.join(map(str, contexts))}" if max(contexts) > 1 else ""))
+        raise ConfigError(f"tensor: got {_as_flag(request.tensor)}, expected a width that divides the {gpus} GPUs"
+                          + (f" with context {_as_flag(contexts)}" if max(contexts) > 1 else ""))
     tensors = [t for t in request.tensor if gpus % t == 0]
     depths = sorted({gpus // g // w for g in per_device for w in _divisors(gpus // g)})
     if request.depths is not None and not set(request.depths) & set(depths):
-        raise ConfigError(f"depths: got {list(request.depths)}, expected some of {depths} (the depths that use all "
-                          f"{gpus} GPUs at tensor width {','.join(map(str, tensors))})")
+        raise ConfigError(f"depths: got {_as_flag(request.depths)}, expected some of {_as_flag(depths)} (the depths "
+                          f"that use all {gpus} GPUs at tensor width {_as_flag(tensors)})")
     for key in ("offload", "zero"):  # sharding and offload run with flush schedules and replicas only
         asked, without = getattr(request, key), _points(replace(request, **{key: None}), gpus)
         if asked is not None and (any(c.depth > 1 for c in without) or (without and not out)):
-            raise ConfigError(f"{key}: got {list(asked)}, expected a setting these schedules and widths run (ZeRO and "
-                              f"offload need a schedule with a flush and replicas; offload parameters needs zero 3)")
-    raise ConfigError(f"vocab: got {list(request.vocab)}, expected a method these schedules and widths run "
+            raise ConfigError(f"{key}: got {_as_flag(asked)}, expected a setting these schedules and widths run "
+                              f"(ZeRO and offload need a schedule with a flush and replicas; offload parameters needs "
+                              f"ZeRO-3, searched or from the config)")
+    raise ConfigError(f"vocab: got {_as_flag(request.vocab)}, expected a method these schedules and widths run "
                       f"({_why_no_vocab(request)})")
 
 
@@ -192,7 +198,7 @@ def _check_shard_groups(request: PlanRequest, points: list[Candidate]) -> None:
     if any(c.shard_group is not None and c.shard_group < c.width for c in points):
         return
     widths = sorted({c.width for c in points if c.zero})
-    raise ConfigError(f"shard_groups: got {list(request.shard_groups)}, expected a group size that divides a "
+    raise ConfigError(f"shard_groups: got {_as_flag(request.shard_groups)}, expected a group size that divides a "
                       f"candidate's replicas into 2 or more groups (the sharded candidates' replicas: "
                       f"{', '.join(map(str, widths)) or 'none'})")
 
@@ -221,6 +227,8 @@ def _contexts(request: PlanRequest) -> tuple[int, ...]:
 
 def _points(request: PlanRequest, gpus: int) -> list[Candidate]:
     out, contexts = [], _contexts(request)
+    # offloaded weights need ZeRO-3: the candidate's, or where the search leaves it the config's
+    config_zero = validated_config(request.base, {}).parallel.zero_stage if request.zero is None else None
     for tensor, cp in ((t, cp) for t in request.tensor for cp in contexts):
         if gpus % (tensor * cp):
             continue
@@ -235,7 +243,8 @@ def _points(request: PlanRequest, gpus: int) -> list[Candidate]:
                             for r in request.recompute for q in (request.sequence if tensor > 1 else (False,))
                             for v in _vocab_methods(name, depth, tensor, request.vocab)
                             for z in _zero_stages(name, width, request.zero)
-                            for o in _offloads(name, request.offload) if o != "parameters" or z == 3
+                            for o in _offloads(name, request.offload)
+                            if o != "parameters" or (config_zero if z is None else z) == 3
                             for g in _shard_groups(width, z, request.shard_groups)]
     return out
 
@@ -341,27 +350,27 @@ def check_request(request: PlanRequest) -> None:
     for key, values in (("microbatch_sizes", request.microbatch_sizes), ("tensor", request.tensor),
                         ("depths", request.depths or (1,))):
         if not values or any(v < 1 for v in values):
-            raise ConfigError(f"{key}: got {list(values)}, expected positive integers")
+            raise ConfigError(f"{key}: got {_as_flag(values)}, expected positive integers")
     if not request.schedules:
         raise ConfigError("schedules: got none, expected at least one schedule name")
     if request.zero is not None and (not request.zero or any(z not in ZERO_STAGES for z in request.zero)):
-        raise ConfigError(f"zero: got {list(request.zero)}, expected some of 0, 1, 2, 3")
+        raise ConfigError(f"zero: got {_as_flag(request.zero)}, expected some of 0, 1, 2, 3")
     if request.offload is not None and (not request.offload or any(o not in OFFLOADS for o in request.offload)):
-        raise ConfigError(f"offload: got {list(request.offload)}, expected some of {', '.join(OFFLOADS)}")
+        raise ConfigError(f"offload: got {_as_flag(request.offload)}, expected some of {', '.join(OFFLOADS)}")
     if request.context is not None and (not request.context or any(cp < 1 for cp in request.context)):
-        raise ConfigError(f"context: got {list(request.context)}, expected positive integers")
+        raise ConfigError(f"context: got {_as_flag(request.context)}, expected positive integers")
     if request.shard_groups is not None:
         if not request.shard_groups or any(g < 1 for g in request.shard_groups):
-            raise ConfigError(f"shard_groups: got {list(request.shard_groups)}, expected positive integers")
+            raise ConfigError(f"shard_groups: got {_as_flag(request.shard_groups)}, expected positive integers")
         if not any(request.zero or ()):  # (HSDP's groups need a stage above 0)
-            raise ConfigError(f"shard_groups: got {list(request.shard_groups)} without a ZeRO stage to search, "
+            raise ConfigError(f"shard_groups: got {_as_flag(request.shard_groups)} without a ZeRO stage to search, "
                               f"expected a ZeRO stage from 1 to 3 searched beside them (HSDP shards within the groups)")
     bad_vocab = [v for v in request.vocab if v not in VOCAB_METHODS]
     if bad_vocab or not request.vocab:
-        raise ConfigError(f"vocab: got {list(request.vocab)}, expected some of {', '.join(VOCAB_METHODS)}")
+        raise ConfigError(f"vocab: got {_as_flag(request.vocab)}, expected some of {', '.join(VOCAB_METHODS)}")
     bad = [r for r in request.recompute if r not in RECOMPUTE]
     if bad or not request.recompute:
-        raise ConfigError(f"recompute: got {list(request.recompute)}, expected some of {', '.join(RECOMPUTE)}")
+        raise ConfigError(f"recompute: got {_as_flag(request.recompute)}, expected some of {', '.join(RECOMPUTE)}")
     for name in request.schedules:  # a typo fails before any work, not once per candidate
         if name.startswith(("csv:", "torch:")):
             raise ConfigError(f"schedules: got {name!r}, expected generator names (a csv: or torch: schedule has "
@@ -406,12 +415,18 @@ def searched_keys(request: PlanRequest) -> tuple[str, ...]:
 
 def config_fixed(request: PlanRequest) -> dict[str, Any]:
     """The parallel settings of the request's base config that the search does not set and that change every plan
-    (ZeRO, HSDP, offload, context parallelism): each candidate runs with them, and its row does not show them."""
+    (ZeRO, HSDP, offload, context parallelism, and ZeRO-3's and context parallelism's own choices where those run,
+    each where it is not its default): each candidate runs with them, and its row does not show them."""
     p = validated_config(request.base, {}).parallel
+    zero_3 = 3 in (request.zero or (p.zero_stage,))  # stage 3's own choices matter where it runs
+    context = any(cp > 1 for cp in (request.context or (p.context,)))
     fixed = {"parallel.zero": p.zero_stage if request.zero is None and p.zero_stage else None,
              "parallel.shard_group": p.shard_group if request.shard_groups is None else None,
              "parallel.offload": p.offload if request.offload is None and p.offload != "none" else None,
-             "parallel.context": p.context if request.context is None and p.context > 1 else None}
+             "parallel.context": p.context if request.context is None and p.context > 1 else None,
+             "parallel.reshard_after_forward": False if zero_3 and not p.reshard_after_forward else None,
+             "parallel.zero_prefetch": p.zero_prefetch if zero_3 and p.zero_prefetch != 1 else None,
+             "parallel.context_comm": p.context_comm if context and p.context_comm != "p2p" else None}
     return {key: value for key, value in fixed.items() if value is not None}
 
 

@@ -216,7 +216,7 @@ def run_prepared(built: Prepared, progress: Progress | None = None) -> SimResult
                           config=config, memory_runtime=config.memory.runtime,
                           memory_overheads=built.overheads,
                           host_cores=config.cluster.host_cores, progress=progress, fold=config.cluster.fold)
-    result.warnings.extend(_idle_settings(config))
+    result.warnings.extend(_idle_settings(config) + _whole_units(config, analytic))
     above = memory_above_gpu(config, cluster.graph)
     if above:
         result.warnings.append(above)
@@ -460,6 +460,19 @@ def _idle_settings(config: Config) -> list[str]:
         notes.append(f"parallel.context_comm {p.context_comm} with parallel.context 1: no context parallelism, so "
                      f"no keys or values are exchanged")
     return notes
+
+
+def _whole_units(config: Config, analytic: bool) -> list[str]:
+    """Under costs without FSDP's units (a profile times a stage's ops, not its blocks), ZeRO-2 and 3 hold a stage's
+    whole gradients (and weights) beside the shard during each op and gather them at once: say so, as the peak can
+    pass ZeRO-1's (docs/parallelism.md, "Units")."""
+    p = config.parallel
+    if analytic or p.zero_stage < 2 or config.cluster.data_parallel < 2 or p.shard_group == 1:
+        return []
+    held = "gradients and weights" if p.zero_stage == 3 else "gradients"
+    return [f"parallel.zero {p.zero_stage} under costs.kind {config.costs.kind.value}: a stage is one unit (the costs "
+            f"time its ops, not its blocks), so each op holds the stage's whole {held} beside its shard and the "
+            f"peak can pass parallel.zero 1's; costs.kind analytic splits a stage into FSDP's units"]
 
 
 def _check_fsdp_actions(config: Config, schedule: Schedule) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipescope.simulator.readers.files import write_atomic
+from pipescope.simulator.readers.files import read_small_text, write_atomic
 
 
 def test_write_atomic_creates_folders_replaces_and_shares(tmp_path: Path) -> None:
@@ -38,3 +38,14 @@ def test_write_atomic_error_names_the_target(tmp_path: Path) -> None:
     with pytest.raises(OSError) as info:
         write_atomic(blocker / "out.csv", "x")  # the parent is a file
     assert info.value.filename == str(blocker / "out.csv")
+
+
+def test_a_fifo_or_a_folder_is_refused_before_it_is_opened(tmp_path: Path) -> None:
+    """Opening a FIFO blocks until a writer comes (``model.from_hf`` pointed at one hung); a folder or a device is no
+    file to read either: one line naming it, before any open."""
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    for path in (fifo, tmp_path):
+        with pytest.raises(ValueError, match=r"^x: not a regular file \(a folder, FIFO or device\), expected a JSON "
+                                             r"file$"):
+            read_small_text(str(path), 100, "x", "small", "JSON")

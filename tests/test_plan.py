@@ -279,7 +279,7 @@ def test_bad_request_is_a_config_error_naming_the_field() -> None:
     """From Python the field, not the flag (the command maps one to the other: test_bad_flags_are_one_line_errors)."""
     with pytest.raises(ConfigError, match="^top: got 0, expected a positive integer$"):
         plan(PlanRequest(SMALL.base, 16, top=0), workers=1, progress=False)
-    with pytest.raises(ConfigError, match=r"^tensor: got \[3\], expected a width that divides the 8 GPUs$"):
+    with pytest.raises(ConfigError, match=r"^tensor: got 3, expected a width that divides the 8 GPUs$"):
         plan(PlanRequest(SMALL.base, 16, tensor=(3,)), workers=1, progress=False)
 
 
@@ -313,28 +313,28 @@ def test_every_key_the_planner_sets_is_refused_with_set() -> None:
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (["--tensor", "3"], "--tensor: got [3], expected a width that divides the 8 GPUs"),
-    (["--tensor", "2", "--depths", "8"], "--depths: got [8], expected some of [1, 2, 4] (the depths that use all 8 "
+    (["--tensor", "3"], "--tensor: got 3, expected a width that divides the 8 GPUs"),
+    (["--tensor", "2", "--depths", "8"], "--depths: got 8, expected some of 1,2,4 (the depths that use all 8 "
                                          "GPUs at tensor width 2)"),
-    (["--depths", "2", "--vocab", "vocab-1", "--schedules", "zb-h1"], "--vocab: got ['vocab-1'], expected a method "
+    (["--depths", "2", "--vocab", "vocab-1", "--schedules", "zb-h1"], "--vocab: got vocab-1, expected a method "
                                                                         "these schedules and widths run"),
     # every depth: the pure data-parallel points alone are not the space that was asked for
-    (["--vocab", "vocab-2", "--schedules", "gpipe"], "--vocab: got ['vocab-2'], expected a method these schedules "
+    (["--vocab", "vocab-2", "--schedules", "gpipe"], "--vocab: got vocab-2, expected a method these schedules "
                                                      "and widths run (schedule.vocab: vocab-2 is defined with "
                                                      "schedule.name 1f1b or v-half, got schedule.name 'gpipe')"),
-    (["--vocab", "interlaced", "--schedules", "v-half"], "--vocab: got ['interlaced'], expected a method these "
+    (["--vocab", "interlaced", "--schedules", "v-half"], "--vocab: got interlaced, expected a method these "
                                                          "schedules and widths run (schedule.vocab: interlaced is "
                                                          "defined with schedule.name 1f1b"),
     (["--vocab", "vocab-2", "--schedules", "gpipe,1f1b", "--tensor", "2"],  # 1f1b runs it: the width is at fault
-     "--vocab: got ['vocab-2'], expected a method these schedules and widths run (the sharded methods run without "
+     "--vocab: got vocab-2, expected a method these schedules and widths run (the sharded methods run without "
      "tensor parallelism only)"),
     # sharding and offload need a flush and replicas: the flag that left no pipeline is named, not --vocab
-    (["--schedules", "pipedream", "--zero", "1"], "--zero: got [1], expected a setting these schedules and widths"),
-    (["--schedules", "1f1b", "--offload", "parameters"], "--offload: got ['parameters'], expected a setting these"),
+    (["--schedules", "pipedream", "--zero", "1"], "--zero: got 1, expected a setting these schedules and widths"),
+    (["--schedules", "1f1b", "--offload", "parameters"], "--offload: got parameters, expected a setting these"),
     # two flags naming the model: neither is dropped silently
     (["--model", "gpt-355m", "--set", "model.from_hf=x.json"], "--model: got 'gpt-355m' beside --set model.from_hf"),
     # a context degree that does not divide the GPUs is the context's fault, not the tensor width's
-    (["--context", "3", "--model", "llama3-8b"], "--context: got [3], expected a degree that divides the 8 GPUs"),
+    (["--context", "3", "--model", "llama3-8b"], "--context: got 3, expected a degree that divides the 8 GPUs"),
     # every candidate refused by the config, none for memory: that reason, not where more memory would help
     (["--schedules", "1f1b", "--context", "2", "--set", "model.attention=eager", "--vocab", "naive"],
      "parallel.context: got 2 with model.attention eager, expected flash"),
@@ -386,6 +386,10 @@ def test_a_parallel_setting_from_the_config_that_every_plan_runs_with_is_said(cl
     assert code == 0 and "every plan runs with, from the config: parallel.zero=3" in out
     code, out, _ = cli([*flags, "--json"])
     assert code == 0 and json.loads(out)["config_fixed"] == {"parallel.zero": 3}
+    # stage 3's own choices are said too, as --set writes them, where they are not their defaults
+    code, out, _ = cli([*flags, "--set", "parallel.reshard_after_forward=false"])
+    assert code == 0 and ("every plan runs with, from the config: parallel.zero=3, parallel.reshard_after_forward="
+                          "false") in out
 
 
 def test_the_ranked_table_keeps_a_space_between_wide_values() -> None:

@@ -263,6 +263,21 @@ def test_an_ops_waits_between_its_units_are_exposed_not_busy() -> None:
     assert any(bars.get_hatch() == "////" for bars in figure.axes[0].collections)
 
 
+def test_zero_2_and_3_under_a_profile_say_a_stage_is_one_unit() -> None:
+    """A profile times a stage's ops, not its blocks: ZeRO-2 and 3 then hold the stage's whole gradients (and weights)
+    beside the shard, and the peak can pass ZeRO-1's (a new user's finding): the result says why."""
+    sets = ["costs.kind=profile", "costs.profile=calibration/profiles/h200/gpt-1.3b", "cluster.topology=hgx-h200",
+            "schedule.stages=1", "schedule.microbatches=2", "cluster.data_parallel=2"]
+    peaks, notes = {}, {}
+    for zero in (1, 3):
+        result = run(load_config(None, [*sets, f"parallel.zero={zero}"]))
+        peaks[zero], notes[zero] = result.peak_memory_bytes, [w for w in result.warnings if "one unit" in w]
+    assert peaks[3] > peaks[1] and notes[1] == []
+    assert notes[3] == ["parallel.zero 3 under costs.kind profile: a stage is one unit (the costs time its ops, not "
+                        "its blocks), so each op holds the stage's whole gradients and weights beside its shard and "
+                        "the peak can pass parallel.zero 1's; costs.kind analytic splits a stage into FSDP's units"]
+
+
 def test_zero_is_refused_where_it_has_no_meaning() -> None:
     with pytest.raises(ConfigError, match=r"parallel.zero: got 4, expected an integer from 0 to 3"):
         small("parallel.zero=4")
@@ -305,6 +320,18 @@ def test_the_planner_searches_zero_stages_and_ranks_them_exactly(cli) -> None:
     assert code == 2 and "--zero" in err
 
 
+def test_the_planner_offloads_weights_under_the_configs_zero_3(cli) -> None:
+    """--offload parameters needs ZeRO-3: with parallel.zero 3 from the config (not searched) it runs where there are
+    replicas to shard over, where it was refused as if ZeRO-3 were missing (a new user's finding)."""
+    code, out, err = cli(["plan", "--global-batch", "8", "--model", "gpt-355m", "--schedules", "1f1b", "--tensor",
+                          "1", "--microbatch-sizes", "1", "--recompute", "none", "--vocab", "naive", "--workers", "1",
+                          "--set", "parallel.zero=3", "--offload", "none,parameters", "--no-progress", "--json"])
+    report = json.loads(out)
+    assert code == 0, err
+    assert {r["width"] for r in report["ranked"] if r["offload"] == "parameters"} == {2, 4, 8}
+    assert report["config_fixed"] == {"parallel.zero": 3}
+
+
 def test_the_planner_searches_offload_and_hsdp_groups_and_ranks_them_exactly(cli) -> None:
     """--offload and --shard-groups are axes where they mean something (offload: flush schedules; a group: a ZeRO
     stage and replicas to split into groups); the top 3 are an exhaustive simulation's; the table and the best line
@@ -337,7 +364,7 @@ def test_the_planner_searches_offload_and_hsdp_groups_and_ranks_them_exactly(cli
     code, _, err = cli([*flags, "--set", "parallel.offload=none"])
     assert code == 2 and "--set: parallel.offload is what the planner searches, expected --offload instead" in err
     code, _, err = cli(["plan", "--global-batch", "8", "--shard-groups", "2", "--no-progress"])
-    assert code == 2 and "--shard-groups: got [2] without a ZeRO stage to search" in err
+    assert code == 2 and "--shard-groups: got 2 without a ZeRO stage to search" in err
 
 
 def test_an_op_holds_two_units_whole_or_its_whole_stage_when_smaller() -> None:
@@ -630,13 +657,13 @@ def test_the_planner_refuses_shard_groups_that_split_no_candidates_replicas(cli)
     request = PlanRequest(base_config("gpt-355m", "dgx-a100", 1, 9 << 30, {"model": {"layers": 8}}), 16,
                           schedules=("1f1b",), microbatch_sizes=(2,), tensor=(1,), recompute=("none",),
                           vocab=("naive",), zero=(2,), shard_groups=(3, 5))
-    with pytest.raises(ConfigError, match=r"^shard_groups: got \[3, 5\], expected a group size that divides a "
+    with pytest.raises(ConfigError, match=r"^shard_groups: got 3,5, expected a group size that divides a "
                                           r"candidate's replicas into 2 or more groups \(the sharded candidates' "
                                           r"replicas: 2, 4, 8\)$"):
         candidates(request, 8)
     assert any(c.shard_group == 2 for c in candidates(dataclasses.replace(request, shard_groups=(3, 2)), 8))
     code, _, err = cli(["plan", "--global-batch", "8", "--zero", "3", "--shard-groups", "3", "--no-progress"])
-    assert code == 2 and err.startswith("pipescope: error: --shard-groups: got [3], expected a group size")
+    assert code == 2 and err.startswith("pipescope: error: --shard-groups: got 3, expected a group size")
 
 
 def test_the_planner_names_zero_where_one_replica_leaves_it_nothing_and_says_which_plans_ran_without_it(cli) -> None:
@@ -644,7 +671,7 @@ def test_the_planner_names_zero_where_one_replica_leaves_it_nothing_and_says_whi
     flush schedules only, and the line that says every plan runs with it now says which did not."""
     code, _, err = cli(["plan", "--model", "llama2-7b", "--global-batch", "8", "--schedules", "1f1b", "--tensor", "8",
                         "--zero", "1", "--no-progress", "--workers", "1"])
-    assert code == 2 and err.startswith("pipescope: error: --zero: got [1], expected a setting these schedules")
+    assert code == 2 and err.startswith("pipescope: error: --zero: got 1, expected a setting these schedules")
     code, out, _ = cli(["plan", "--model", "gpt-355m", "--topology", "dgx-a100", "--global-batch", "16", "--schedules",
                         "1f1b,2bw", "--tensor", "1", "--recompute", "none", "--microbatch-sizes", "2", "--vocab",
                         "naive", "--set", "parallel.zero=1", "--no-progress", "--workers", "1", "--json"])

@@ -9,6 +9,7 @@ are read through ``read_small_text``, which never reads more than its limit.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 
 
@@ -16,10 +17,13 @@ def read_small_text(path: str, limit: int, where: str, too_big: str, kind: str) 
     """The UTF-8 text of ``path``, refused past ``limit`` bytes (never reading more than the limit).
 
     Raises:
-        ValueError: ``{where}: ...``: unreadable, larger than ``limit`` (``expected {too_big}``), or a byte that is
-            not UTF-8 (``expected a UTF-8 {kind} file``).
+        ValueError: ``{where}: ...``: unreadable, not a regular file (a FIFO would block the open forever, a device
+            never end), larger than ``limit`` (``expected {too_big}``), or a byte that is not UTF-8 (``expected a
+            UTF-8 {kind} file``).
     """
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ValueError(f"{where}: not a regular file (a folder, FIFO or device), expected a {kind} file")
         with open(path, "rb") as handle:
             data = handle.read(limit + 1)
     except OSError as err:
