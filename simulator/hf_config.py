@@ -31,8 +31,9 @@ FIELDS: dict[str, tuple[str, dict[str, str]]] = {
 OPTIONAL = {"num_key_value_heads", "n_inner"}
 
 
-def read_hf_config(path: str) -> dict[str, int | str]:
-    """The shape keys and ``family`` of the model ``path`` describes.
+def read_hf_config(path: str, given: frozenset[str] = frozenset()) -> dict[str, int | str]:
+    """The shape keys and ``family`` of the model ``path`` describes; the shape keys in ``given`` (set beside the file,
+    which replace its values) are neither read nor required.
 
     Raises:
         ValueError: ``model.from_hf: ...`` naming the file and the field: unreadable, too big, not a JSON object, a
@@ -44,11 +45,11 @@ def read_hf_config(path: str) -> dict[str, int | str]:
         version = (stat.st_size, stat.st_mtime_ns)
     except OSError:
         version = None  # _read names why it cannot read it
-    return dict(_read(path, version))
+    return dict(_read(path, version, given))
 
 
 @functools.lru_cache(maxsize=16)
-def _read(path: str, version: tuple[int, int] | None) -> tuple[tuple[str, int | str], ...]:
+def _read(path: str, version: tuple[int, int] | None, given: frozenset[str]) -> tuple[tuple[str, int | str], ...]:
     where = f"{KEY}: {short_repr(path)}"
     text = read_small_text(path, MAX_BYTES, where, "a Hugging Face config.json", "JSON")
     try:  # a byte-order mark, which some Windows editors write, is not part of the JSON
@@ -62,14 +63,16 @@ def _read(path: str, version: tuple[int, int] | None) -> tuple[tuple[str, int | 
         raise ValueError(f"{where}: got a JSON {_json_type(tree)}, expected an object (a config.json)")
     model_type = tree.get("model_type")
     if model_type not in FIELDS:
-        raise ValueError(f"{where}: model_type {short_repr(model_type)}, expected one of {', '.join(FIELDS)}")
+        got = "is missing" if "model_type" not in tree else _shown(model_type)
+        raise ValueError(f"{where}: model_type {got}, expected one of {', '.join(FIELDS)}")
     family, fields = FIELDS[model_type]
     shape: dict[str, int | str] = {"family": family}
     for key, field in fields.items():
-        if tree.get(field) is None and field in OPTIONAL:
+        if key in given or (tree.get(field) is None and field in OPTIONAL):
             continue
         if field not in tree:
-            raise ValueError(f"{where}: {field} is missing, expected a positive integer")
+            raise ValueError(f"{where}: {field} is missing, expected a positive integer (or model.{key} set beside "
+                             f"the file)")
         shape[key] = _positive_int(tree, field, where)
     _check_architecture(tree, family, where)
     return tuple(shape.items())
@@ -79,8 +82,13 @@ def _positive_int(tree: dict, field: str, where: str) -> int:
     """``tree[field]``, refused unless a positive integer (JSON's 4096.0 and true are not)."""
     value = tree[field]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}: {field} is {short_repr(value)}, expected a positive integer")
+        raise ValueError(f"{where}: {field} is {_shown(value)}, expected a positive integer")
     return value
+
+
+def _shown(value: object) -> str:
+    """A value as the file wrote it: JSON's true, false and null, not Python's True, False and None."""
+    return json.dumps(value) if value is None or isinstance(value, bool) else short_repr(value)
 
 
 def _json_type(value: object) -> str:
@@ -113,22 +121,22 @@ def _check_architecture(tree: dict, family: str, where: str) -> None:
             raise ValueError(f"{where}: activation_function {short_repr(act)}, expected one of "
                              f"{', '.join(GPT2_ACTIVATIONS)} (the GeLU MLP the gpt family is modelled with)")
         if tree.get("tie_word_embeddings", True) is not True:
-            raise ValueError(f"{where}: tie_word_embeddings {short_repr(tree.get('tie_word_embeddings'))}, expected "
+            raise ValueError(f"{where}: tie_word_embeddings {_shown(tree.get('tie_word_embeddings'))}, expected "
                              f"true (the gpt family's output layer is its embedding)")
         return
-    heads, hidden = tree["num_attention_heads"], tree["hidden_size"]
+    heads, hidden = tree.get("num_attention_heads"), tree.get("hidden_size")  # absent where set beside the file
     head_dim = _positive_int(tree, "head_dim", where) if tree.get("head_dim") is not None else None
-    if head_dim is not None and head_dim * heads != hidden:
+    if head_dim is not None and heads and hidden and head_dim * heads != hidden:
         raise ValueError(f"{where}: head_dim {short_repr(head_dim)}, expected hidden_size / num_attention_heads = "
                          f"{hidden / heads:g} (the llama family's heads split the hidden size)")
     for bias in ("attention_bias", "mlp_bias"):
         if tree.get(bias, False) is not False:
-            raise ValueError(f"{where}: {bias} {short_repr(tree[bias])}, expected false (the llama family's "
+            raise ValueError(f"{where}: {bias} {_shown(tree[bias])}, expected false (the llama family's "
                              f"matmuls have no biases)")
     act = tree.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{where}: hidden_act {short_repr(act)}, expected silu (the SwiGLU MLP the llama family "
                          f"is modelled with)")
     if tree.get("tie_word_embeddings", False) is not False:
-        raise ValueError(f"{where}: tie_word_embeddings {short_repr(tree.get('tie_word_embeddings'))}, expected "
+        raise ValueError(f"{where}: tie_word_embeddings {_shown(tree.get('tie_word_embeddings'))}, expected "
                          f"false (the llama family's output layer is its own)")

@@ -343,7 +343,7 @@ class ModelConfig:
             ValueError: naming the key: an unknown preset, a preset beside ``from_hf``, a bad ``from_hf`` file or a
                 dimension in it out of range, heads that do not divide hidden or kv heads that do not divide heads.
         """
-        spec = replace(self._base(), **{key: getattr(self, key) for key in SPEC_KEYS if getattr(self, key) is not None})
+        spec = replace(self._base(), **self._given())
         if spec.hidden % spec.heads:
             raise ValueError(f"model.heads: got {spec.heads}, expected a divisor of model.hidden (={spec.hidden})")
         if spec.kv_heads is not None and spec.heads % spec.kv_heads:
@@ -363,13 +363,18 @@ class ModelConfig:
                              f"expected one of the two")
         from pipescope.simulator.hf_config import read_hf_config  # a file's reader, loaded only when one is named
 
-        shape = read_hf_config(self.from_hf)
+        given = self._given()  # set beside the file: they replace its values, so those are not read
+        shape = read_hf_config(self.from_hf, frozenset(given))
         for key, value in shape.items():
             low, high = DIMENSION_RANGES.get(key, (value, value))
             if not low <= value <= high:
                 raise ValueError(f"model.{key}: got {value} from model.from_hf {short_repr(self.from_hf)}, expected "
                                  f"{low:,} to {high:,}")
-        return ModelSpec(name=f"{shape['family']} from {_file_label(self.from_hf)}", **shape)
+        return ModelSpec(name=f"{shape['family']} from {_file_label(self.from_hf)}", **{**shape, **given})
+
+    def _given(self) -> dict[str, int | str | bool]:
+        """The shape and architecture keys this section sets."""
+        return {key: getattr(self, key) for key in SPEC_KEYS if getattr(self, key) is not None}
 
     @property
     def label(self) -> str:
@@ -377,7 +382,7 @@ class ModelConfig:
         the preset's (``GPT layers=96, hidden=12288 (heads=16, seq=2048, vocab=50257 from gpt-1.3b)``), so a custom
         shape never reads as a preset. A ``from_hf`` model is named by its file (``llama from
         Meta-Llama-3-8B/config.json``), with what was set beside it."""
-        given = {key: getattr(self, key) for key in SPEC_KEYS if getattr(self, key) is not None}
+        given = self._given()
         shape = ", ".join(f"{key}={value}" for key, value in given.items())
         if self.from_hf is not None:
             try:

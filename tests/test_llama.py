@@ -102,18 +102,18 @@ GPT2_HF = {"model_type": "gpt2", "n_layer": 2, "n_embd": 256, "n_head": 4, "n_po
     ("null", "got a JSON null, expected an object"),
     ('{"model_type": "bert"}', "model_type 'bert', expected one of llama, gpt2"),
     (json.dumps({**LLAMA3_8B_HF, "hidden_size": -4096}), "hidden_size is -4096, expected a positive integer"),
-    (json.dumps({**LLAMA3_8B_HF, "num_hidden_layers": True}), "num_hidden_layers is True, expected a positive"),
-    (json.dumps({**LLAMA3_8B_HF, "num_hidden_layers": 10**9}), "model.layers: got 1000000000"),
+    (json.dumps({**LLAMA3_8B_HF, "num_attention_heads": True}), "num_attention_heads is true, expected a positive"),
+    (json.dumps({**LLAMA3_8B_HF, "vocab_size": 10**12}), "model.vocab: got 1000000000000"),
     (json.dumps({**LLAMA3_8B_HF, "hidden_act": "gelu"}), "hidden_act 'gelu', expected silu"),
-    (json.dumps({**LLAMA3_8B_HF, "tie_word_embeddings": True}), "tie_word_embeddings True, expected false"),
+    (json.dumps({**LLAMA3_8B_HF, "tie_word_embeddings": True}), "tie_word_embeddings true, expected false"),
     (json.dumps({**LLAMA3_8B_HF, "head_dim": 64}), "head_dim 64, expected hidden_size / num_attention_heads = 128"),
     (json.dumps({**LLAMA3_8B_HF, "head_dim": 128.0}), "head_dim is 128.0, expected a positive integer"),
-    (json.dumps({**LLAMA3_8B_HF, "attention_bias": True}), "attention_bias True, expected false"),
-    (json.dumps({**LLAMA3_8B_HF, "mlp_bias": True}), "mlp_bias True, expected false"),
+    (json.dumps({**LLAMA3_8B_HF, "attention_bias": True}), "attention_bias true, expected false"),
+    (json.dumps({**LLAMA3_8B_HF, "mlp_bias": True}), "mlp_bias true, expected false"),
     (json.dumps({k: v for k, v in LLAMA3_8B_HF.items() if k != "num_attention_heads"}),
      "num_attention_heads is missing, expected a positive integer"),
     ('{"model_type": "gpt2", "n_layer": 2, "n_layer": 3}', "the key 'n_layer' twice"),
-    (json.dumps({**GPT2_HF, "tie_word_embeddings": False}), "tie_word_embeddings False, expected true"),
+    (json.dumps({**GPT2_HF, "tie_word_embeddings": False}), "tie_word_embeddings false, expected true"),
     (json.dumps({**GPT2_HF, "activation_function": "relu"}), "activation_function 'relu', expected one of gelu_new"),
     ("[" * 100_000 + "]" * 100_000, "not JSON"),
     (" " * (2 << 20), "larger than 1,048,576 bytes"),
@@ -124,6 +124,26 @@ def test_a_hostile_hf_config_gets_one_line_naming_the_key(tmp_path, text: str, m
     with pytest.raises(ConfigError) as err:
         run(load_config(None, [f"model.from_hf={path}", *SMALL]))
     assert str(err.value).startswith("model.") and message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_key_set_beside_the_file_replaces_a_missing_or_out_of_range_field(tmp_path) -> None:
+    """Keys set beside ``model.from_hf`` override the file's (docs/cli.md): a field they replace is neither required
+    nor checked, so a file without max_position_embeddings, or with a hidden size past the limits, runs with
+    model.seq or model.hidden set (both were refused before the override applied; a new user's finding). Unset, the
+    message names the key that would replace it."""
+    sets = [item for item in SMALL if not item.startswith(("model.seq", "model.hidden"))]
+    no_seq = tmp_path / "no_seq.json"
+    no_seq.write_text(json.dumps({k: v for k, v in LLAMA3_8B_HF.items() if k != "max_position_embeddings"}))
+    with pytest.raises(ConfigError, match=r"max_position_embeddings is missing, expected a positive integer \(or "
+                                          r"model\.seq set beside the file\)$"):
+        run(load_config(None, [f"model.from_hf={no_seq}", *sets]))
+    wide = tmp_path / "wide.json"
+    wide.write_text(json.dumps({**LLAMA3_8B_HF, "hidden_size": 10**12}))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(LLAMA3_8B_HF))
+    fixed = [run(load_config(None, [f"model.from_hf={path}", *sets, *beside])).summary()["model_params"]
+             for path, beside in ((no_seq, ["model.seq=8192"]), (wide, ["model.hidden=4096"]), (plain, []))]
+    assert fixed[0] == fixed[1] == fixed[2] > 0
 
 
 def test_a_config_json_with_a_byte_order_mark_reads_as_without(tmp_path) -> None:
