@@ -600,4 +600,34 @@ def _check_combinations(config: Config) -> Config:
     p = config.parallel
     if p.distributed_optimizer and p.zero > 1:  # a Config built in Python: zero 0 is its default, so only 2 and 3
         raise _beside_zero(p.zero)
+    _check_sharding(config)
     return config
+
+
+def _check_sharding(config: Config) -> None:
+    """``parallel.shard_group`` (HSDP) needs ZeRO and must divide the replicas, ZeRO-3's own choices need ZeRO-3, and
+    offloaded weights need ZeRO-3 over replicas, naming the key otherwise."""
+    p = config.parallel
+    if p.offloads_parameters and (p.zero_stage < 3 or config.cluster.data_parallel < 2):
+        raise ConfigError(f"parallel.offload: got parameters with parallel.zero {p.zero_stage} and "
+                          f"cluster.data_parallel {config.cluster.data_parallel}, expected parallel.zero 3 and "
+                          f"cluster.data_parallel >= 2 (the host holds ZeRO-3's weight shards, which its gathers "
+                          f"fetch)")
+    for key, value, default in (("zero_prefetch", p.zero_prefetch, 1),
+                                ("reshard_after_forward", p.reshard_after_forward, True)):
+        if value != default and p.zero_stage < 3:
+            raise ConfigError(f"parallel.{key}: got {str(value).lower()} with parallel.zero {p.zero_stage}, expected "
+                              f"parallel.zero 3 (only ZeRO-3 gathers the weights it sets)")
+    if p.zero_prefetch != 1 and not p.reshard_after_forward:
+        raise ConfigError(f"parallel.zero_prefetch: got {p.zero_prefetch} with parallel.reshard_after_forward false, "
+                          f"expected 1 (without resharding, torch's UNSHARD actions gather each stage once: there is "
+                          f"no gather per op to issue ahead)")
+    group, width = p.shard_group, config.cluster.data_parallel
+    if group is None:
+        return
+    if not config.parallel.zero_stage:
+        raise ConfigError(f"parallel.shard_group: got {group} with parallel.zero 0, expected parallel.zero 1 to 3 "
+                          f"(the group shards ZeRO's states)")
+    if width % group:
+        raise ConfigError(f"parallel.shard_group: got {group}, expected a divisor of cluster.data_parallel "
+                          f"(={width}): each shard group holds one whole set of shards")

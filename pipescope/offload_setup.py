@@ -15,7 +15,8 @@ from pipescope.topologies.hosts import HOSTS
 
 def check_offload(config: Config, analytic: bool, weight_update: WeightUpdate) -> None:
     """Offload needs the analytic costs (the others time a GPU's step) and a flush schedule (one step an
-    iteration, which the host takes); ConfigError naming the key otherwise."""
+    iteration, which the host takes); ConfigError naming the key otherwise (offloaded weights' need of ZeRO-3 and
+    replicas is the config's own check, ``config._check_sharding``)."""
     if not config.parallel.offloads_optimizer:
         return
     if not analytic:
@@ -24,11 +25,6 @@ def check_offload(config: Config, analytic: bool, weight_update: WeightUpdate) -
     if weight_update is not WeightUpdate.FLUSH:
         raise ConfigError(f"parallel.offload: got {config.parallel.offload} with schedule.name {config.schedule.name}, "
                           f"expected a flush schedule (one step an iteration, which the host takes)")
-    if config.parallel.offloads_parameters and (config.parallel.zero_stage < 3 or config.cluster.data_parallel < 2):
-        raise ConfigError(f"parallel.offload: got parameters with parallel.zero {config.parallel.zero_stage} and "
-                          f"cluster.data_parallel {config.cluster.data_parallel}, expected parallel.zero 3 and "
-                          f"cluster.data_parallel >= 2 (the host holds ZeRO-3's weight shards, which its gathers "
-                          f"fetch)")
 
 
 def host_offload(config: Config, cluster: Cluster) -> HostOffload | None:

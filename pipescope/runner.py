@@ -151,7 +151,6 @@ def prepare_checked(config: Config) -> Prepared:
     if model is not None and _generated(config):
         _check_layers(model.layers, config.schedule.p * _chunks(config))  # before building a schedule that big
     schedule = _schedule(config)
-    _check_shard_group(config)
     check_offload(config, analytic, schedule.weight_update)
     if config.parallel.zero_stage and schedule.weight_update is not WeightUpdate.FLUSH:
         raise ConfigError(f"{_zero_key(config)} with schedule.name {config.schedule.name}, expected a flush schedule "
@@ -411,30 +410,6 @@ def _check_parallel(config: Config, model: ModelSpec | None, cluster: Cluster | 
         check_parallel(p, model, per_node)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-
-
-def _check_shard_group(config: Config) -> None:
-    """``parallel.shard_group`` (HSDP) needs ZeRO and must divide the replicas, and ZeRO-3's own choices need ZeRO-3,
-    naming the key otherwise."""
-    p = config.parallel
-    for key, value, default in (("zero_prefetch", p.zero_prefetch, 1),
-                                ("reshard_after_forward", p.reshard_after_forward, True)):
-        if value != default and p.zero_stage < 3:
-            raise ConfigError(f"parallel.{key}: got {str(value).lower()} with parallel.zero {p.zero_stage}, expected "
-                              f"parallel.zero 3 (only ZeRO-3 gathers the weights it sets)")
-    if p.zero_prefetch != 1 and not p.reshard_after_forward:
-        raise ConfigError(f"parallel.zero_prefetch: got {p.zero_prefetch} with parallel.reshard_after_forward false, "
-                          f"expected 1 (without resharding, torch's UNSHARD actions gather each stage once: there is "
-                          f"no gather per op to issue ahead)")
-    group, width = p.shard_group, config.cluster.data_parallel
-    if group is None:
-        return
-    if not config.parallel.zero_stage:
-        raise ConfigError(f"parallel.shard_group: got {group} with parallel.zero 0, expected parallel.zero 1 to 3 "
-                          f"(the group shards ZeRO's states)")
-    if width % group:
-        raise ConfigError(f"parallel.shard_group: got {group}, expected a divisor of cluster.data_parallel "
-                          f"(={width}): each shard group holds one whole set of shards")
 
 
 def memory_above_gpu(config: Config, graph: nx.DiGraph) -> str | None:

@@ -485,6 +485,22 @@ def test_zero_3s_own_choices_are_refused_without_it() -> None:
     assert any(w.startswith("parallel.shard_group 1 with parallel.zero 3: ") for w in own.warnings)
 
 
+def test_zero_3s_choices_without_it_are_refused_when_loaded_so_a_sweep_stops_before_it_runs(cli, tmp_path) -> None:
+    """They are combinations of config keys alone: load_config refuses them, and a sweep whose grid holds one stops
+    with exit 2 before any run (it ran the others and filed an error row, exit 1: a new user's finding)."""
+    with pytest.raises(ConfigError, match=r"^parallel.reshard_after_forward: got false with parallel.zero 0"):
+        load_config(None, ["parallel.reshard_after_forward=false"])
+    with pytest.raises(ConfigError, match=r"^parallel.shard_group: got 3, expected a divisor of cluster.data_parallel"):
+        load_config(None, ["parallel.zero=3", "cluster.data_parallel=4", "parallel.shard_group=3"])
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("model: {preset: gpt-355m, layers: 4}\nschedule: {stages: 2, microbatches: 4}\n"
+                    "cluster: {data_parallel: 2}\nsweep:\n  parallel.zero: [0, 3]\n"
+                    "  parallel.reshard_after_forward: [true, false]\n")
+    code, _, err = cli(["sweep", str(grid), "--out", str(tmp_path / "out")])
+    assert code == 2 and "parallel.reshard_after_forward: got false with parallel.zero 0" in err
+    assert not (tmp_path / "out" / "runs.jsonl").exists()
+
+
 @pytest.mark.parametrize("sets", [["parallel.zero=1"], ["parallel.zero=2"], ["parallel.zero=3"],
                                   ["parallel.zero=3", "parallel.reshard_after_forward=false"],
                                   ["parallel.zero=3", "parallel.shard_group=2"], ["parallel.offload=optimizer"],
