@@ -360,8 +360,9 @@ def check_request(request: PlanRequest) -> None:
     if request.context is not None and (not request.context or any(cp < 1 for cp in request.context)):
         raise ConfigError(f"context: got {_as_flag(request.context)}, expected positive integers")
     if request.shard_groups is not None:
-        if not request.shard_groups or any(g < 1 for g in request.shard_groups):
-            raise ConfigError(f"shard_groups: got {_as_flag(request.shard_groups)}, expected positive integers")
+        if not request.shard_groups or any(g < 2 for g in request.shard_groups):
+            raise ConfigError(f"shard_groups: got {_as_flag(request.shard_groups)}, expected group sizes of 2 or more "
+                              f"(a group of 1 replica shards nothing)")
         if not any(request.zero or ()):  # (HSDP's groups need a stage above 0)
             raise ConfigError(f"shard_groups: got {_as_flag(request.shard_groups)} without a ZeRO stage to search, "
                               f"expected a ZeRO stage from 1 to 3 searched beside them (HSDP shards within the groups)")

@@ -90,8 +90,12 @@ def run_data(result: SimResult | RunData) -> RunData:
     ops = frame[["device", "kind", "stage", "microbatch", "start_ns", "end_ns"]].assign(lane=lanes(frame["stream"]))
     s = result.schedule
     replicas = f" x{result.data_parallel} replicas" if result.data_parallel > 1 else ""
-    parallel = getattr(result.config, "parallel", None)  # the text headline's t=, which the title lacked
-    replicas = (f" t={parallel.tensor}" if parallel is not None and parallel.tensor > 1 else "") + replicas
+    parallel = getattr(result.config, "parallel", None)  # the text headline's t=, cp= and ZeRO, which it lacked
+    if parallel is not None:
+        shown = [f"t={parallel.tensor}" if parallel.tensor > 1 else "", f"cp={parallel.context}"
+                 if parallel.context > 1 else ""]
+        replicas = "".join(f" {part}" for part in shown if part) + replicas
+        replicas += f" ZeRO-{parallel.zero_stage}" if parallel.zero_stage and result.data_parallel > 1 else ""
     measures = f"  iteration {format_time(result.iteration_time_s)}, bubble {result.bubble_rate:.1%}"
     return RunData(ops, s.num_devices, s.chunks, s.num_microbatches if s.iterations > 1 else 0,
                    [(m.times, m.bytes_in_use) for m in result.memory], result.memory_capacity_bytes,

@@ -344,11 +344,13 @@ class ModelConfig:
                 dimension in it out of range, heads that do not divide hidden or kv heads that do not divide heads.
         """
         spec = replace(self._base(), **self._given())
+        source = f" (from model.from_hf {short_repr(self.from_hf)})" if self.from_hf is not None else ""
         if spec.hidden % spec.heads:
-            raise ValueError(f"model.heads: got {spec.heads}, expected a divisor of model.hidden (={spec.hidden})")
+            raise ValueError(f"model.heads: got {spec.heads}, expected a divisor of model.hidden (={spec.hidden})"
+                             f"{source}")
         if spec.kv_heads is not None and spec.heads % spec.kv_heads:
             raise ValueError(f"model.kv_heads: got {spec.kv_heads}, expected a divisor of model.heads (={spec.heads}): "
-                             f"each key/value head serves a whole group of query heads")
+                             f"each key/value head serves a whole group of query heads{source}")
         return spec
 
     def _base(self) -> ModelSpec:

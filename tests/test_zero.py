@@ -261,6 +261,7 @@ def test_an_ops_waits_between_its_units_are_exposed_not_busy() -> None:
     labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
     assert "waits for its unit's gather" in labels
     assert any(bars.get_hatch() == "////" for bars in figure.axes[0].collections)
+    assert figure.axes[0].get_title().startswith("1f1b: p=1 x16 replicas ZeRO-3 m=4")  # the run's sharding named
 
 
 def test_zero_2_and_3_under_a_profile_say_a_stage_is_one_unit() -> None:
@@ -680,6 +681,10 @@ def test_the_planner_refuses_shard_groups_that_split_no_candidates_replicas(cli)
     assert any(c.shard_group == 2 for c in candidates(dataclasses.replace(request, shard_groups=(3, 2)), 8))
     code, _, err = cli(["plan", "--global-batch", "8", "--zero", "3", "--shard-groups", "3", "--no-progress"])
     assert code == 2 and err.startswith("pipescope: error: --shard-groups: got 3, expected a group size")
+    # a group of one replica shards nothing: it ranked unsharded candidates as HSDP 1 (a new user's finding)
+    code, _, err = cli(["plan", "--global-batch", "8", "--zero", "3", "--shard-groups", "1,2", "--no-progress"])
+    assert code == 2 and err == ("pipescope: error: --shard-groups: got 1,2, expected group sizes of 2 or more (a "
+                                 "group of 1 replica shards nothing)\n")
 
 
 def test_the_planner_names_zero_where_one_replica_leaves_it_nothing_and_says_which_plans_ran_without_it(cli) -> None:
