@@ -7,7 +7,9 @@ the benchmark marker)."""
 from __future__ import annotations
 
 import copy
+import csv
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from pipescope.config import ConfigError
 from pipescope.experiments.published import CORPUS, choices, config_of, load_corpus, measured_value, select
 from pipescope.experiments.published_cmd import TARGETS, run_published, summarize, table
 from pipescope.experiments.sweep import validated_config
+from pipescope.topologies.topology_io import load_topology
 
 RUNS = load_corpus()
 
@@ -147,6 +150,20 @@ def test_a_runs_warnings_are_in_its_row_and_under_the_table(tmp_path: Path) -> N
     assert len(row["warnings"]) == 1 and row["warnings"][0].startswith("model.attention: eager on H100")
     assert table([row], summarize([row])).splitlines()[-1] == f"warning: narayanan2021-1.7b: {row['warnings'][0]}"
     assert run_published(select(RUNS, ["narayanan2021-1.7b"]), workers=1, progress=False)[0]["warnings"] == []
+
+
+def test_jean_zays_nics_run_at_the_share_nccl_reached_there() -> None:
+    """The Omni-Path NICs of BLOOM's machine carry what NCCL carried through them on those nodes: the median bus
+    bandwidth of the BigScience all-reduce benchmark (160 reports, copied to jean-zay-allreduce.csv) over its 2
+    channels, one NIC each, over the 100 Gbit/s line rate. Not fitted to any training run."""
+    folder = Path(CORPUS).parent
+    with (folder / "jean-zay-allreduce.csv").open() as rows:
+        reports = list(csv.DictReader(line for line in rows if not line.startswith("#")))
+    median = statistics.median(float(r["busbw_gbit_s"]) for r in reports)
+    assert len(reports) == 160 and median == pytest.approx(40.543, abs=1e-3)
+    graph = load_topology(str(folder / "jean-zay-a100.yaml"), nodes=2)
+    shares = {d.get("efficiency") for _, _, d in graph.edges(data=True) if d.get("kind") == "nic"}
+    assert shares == {round(median / 2 / 100, 3)} == {0.203}
 
 
 @pytest.fixture(scope="module")
