@@ -4,6 +4,7 @@ naming the file and what was expected."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import math
@@ -16,7 +17,7 @@ import pandas as pd
 
 from pipescope.experiments.plots_data import SWEEP_COLUMNS, RunData, from_ops, lanes
 from pipescope.simulator.readers.table_bounds import TableTooBig, check_csv_header, parquet_shape
-from pipescope.simulator.trace import KIND_NAMES
+from pipescope.simulator.trace import KIND_NAMES, STALL
 
 MAX_FILE_BYTES = 512 * 2**20  # read (after gunzip); a trace of the largest run pipescope simulates is about this
 MAX_UNPACKED_BYTES = 4 * MAX_FILE_BYTES  # a Parquet file's columns once decompressed
@@ -106,10 +107,14 @@ def run_from_trace(doc: dict, path: str, microbatches: int | None) -> RunData:
         raise ValueError(f"INPUT: {_name(path)} has {len(events):,} events, expected at most {MAX_TRACE_EVENTS:,}")
     try:
         threads, network = _trace_names(events)
-        rows, memory, links = [], {}, {}
+        rows, memory, links, stalls = [], {}, {}, []
         for i, e in enumerate(events):
             phase, pid = e.get("ph"), e.get("pid")
-            if phase == "X" and pid == network:
+            if phase == "X" and e.get("cat") == STALL:  # an op's wait between its units, inside the op's event
+                start = _ns(e.get("ts"), f"traceEvents[{i}].ts")
+                stalls.append((_integer(pid, f"traceEvents[{i}].pid", 0, MAX_DEVICE), start,
+                               start + _ns(e.get("dur", 0), f"traceEvents[{i}].dur")))
+            elif phase == "X" and pid == network:
                 start = _ns(e.get("ts"), f"traceEvents[{i}].ts")
                 links.setdefault(threads.get(_thread(e, i), "link"), []).append(
                     (start, start + _ns(e.get("dur", 0), f"traceEvents[{i}].dur")))
@@ -135,7 +140,8 @@ def run_from_trace(doc: dict, path: str, microbatches: int | None) -> RunData:
         raise ValueError(f"INPUT: {_name(path)}: thread name: {err}") from None
     curves = [_curve(memory.get(d, [])) for d in range(max(memory) + 1)] if memory else []
     name = doc.get("otherData", {}).get("schedule", "run") if isinstance(doc.get("otherData"), dict) else "run"
-    return from_ops(ops, curves, f"{str(name)[:60]}: {os.path.basename(path)}", microbatches, links)
+    run = from_ops(ops, curves, f"{str(name)[:60]}: {os.path.basename(path)}", microbatches, links)
+    return dataclasses.replace(run, stalls=np.array(stalls, dtype=np.int64).reshape(-1, 3))
 
 
 def _trace_names(events: list) -> tuple[dict, int | None]:

@@ -101,6 +101,16 @@ def _link_events(result: SimResult) -> list[dict]:
     return events
 
 
+STALL = "stall"  # the category of an op's wait between its units (ZeRO-3's gathers), inside the op's own event
+
+
+def _stall_events(result: SimResult, lanes: dict[tuple[int, str], int]) -> list[dict]:
+    """Each wait of an op run unit by unit, nested in its op on the device's compute thread."""
+    return [{"ph": "X", "pid": int(d), "tid": lanes[(d, "compute")], "name": "waits for its unit's gather",
+             "cat": STALL, "ts": start / 1e3, "dur": (end - start) / 1e3}
+            for d, start, end in result.records.stalls.tolist() if (d, "compute") in lanes]
+
+
 def _memory_events(result: SimResult) -> list[dict]:
     # Replica 0's devices only: the memory ledger is built from replica 0 (the replicas run the same program).
     events = []
@@ -114,8 +124,8 @@ def chrome_trace(result: SimResult) -> dict:
     """The trace as a JSON-ready dict (timestamps in microseconds)."""
     names = _lane_names(result)
     lanes = _lanes(result, names)
-    events = (_metadata(result, lanes) + _op_events(result, names, lanes) + _memory_events(result)
-              + _link_events(result))
+    events = (_metadata(result, lanes) + _op_events(result, names, lanes) + _stall_events(result, lanes)
+              + _memory_events(result) + _link_events(result))
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": result.schedule.name}}
 
 

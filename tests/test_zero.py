@@ -11,6 +11,7 @@ import pytest
 
 from pipescope import ConfigError, load_config, run
 from pipescope.experiments.plots_gantt import gantt_figure
+from pipescope.experiments.plots_inputs import run_from_trace
 from pipescope.simulator.costs import FsdpUnit, StageCost
 from pipescope.simulator.engine import Engine
 from pipescope.simulator.ir import ActionKind
@@ -23,6 +24,7 @@ from pipescope.simulator.passes import PASSES, Lowering
 from pipescope.simulator.readers.csvio import to_csv_text
 from pipescope.simulator.replicas import GradSync, data_parallel
 from pipescope.simulator.schedules import build
+from pipescope.simulator.trace import chrome_trace
 from pipescope.simulator.simulate import prepare
 from tests.test_network import servers
 from tests.test_optimizer_step import GB, StepCosts
@@ -262,6 +264,9 @@ def test_an_ops_waits_between_its_units_are_exposed_not_busy() -> None:
     assert "waits for its unit's gather" in labels
     assert any(bars.get_hatch() == "////" for bars in figure.axes[0].collections)
     assert figure.axes[0].get_title().startswith("1f1b: p=1 x16 replicas ZeRO-3 m=4")  # the run's sharding named
+    # a Chrome trace carries them, nested in their ops, so a Gantt of the file hatches them too
+    read = run_from_trace(chrome_trace(one), "one.json", None)
+    assert sorted(map(tuple, read.stalls.tolist())) == sorted(map(tuple, one.records.stalls.tolist()))
 
 
 def test_zero_2_and_3_under_a_profile_say_a_stage_is_one_unit() -> None:
