@@ -124,13 +124,13 @@ def check_output_names(args: argparse.Namespace) -> None:
         other = named.setdefault(os.path.realpath(path), flag)  # a symlinked folder is still the same file
         if other != flag:
             raise ConfigError(f"--{flag}: got {path!r}, the file --{other} writes; expected another name")
-        _check_writable(flag, path)
+        check_writable(flag, path)
     if args.timeline and args.timeline.lower().endswith(".parquet") and importlib.util.find_spec("pyarrow") is None:
         raise ConfigError(f"--timeline: {args.timeline!r} is Parquet, which needs pyarrow: "
                           f"pip install 'pipescope[sweep]' (or write a .csv)")
 
 
-def _check_writable(flag: str, path: str) -> None:
+def check_writable(flag: str, path: str) -> None:
     """ConfigError unless ``path`` can be written, so that a folder or a read-only place fails now, not after the
     run: opened for appending, as the writer will (a file this creates is removed again); where its folder is still
     to be made (the writers make it), the nearest folder that exists must be writable."""
@@ -360,7 +360,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if not args.scale:
                 raise ValueError(f"--plot: got {args.plot!r} without --scale; expected --scale (the ladder it draws)")
             format_of(args.plot, name="--plot")
-            _check_writable("plot", args.plot)
+            check_writable("plot", args.plot)
     except (ValueError, ConfigError) as err:
         return usage_error(str(err))
     if args.scale:

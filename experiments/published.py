@@ -9,7 +9,6 @@ is a one-line ``ConfigError`` naming the file, the run and the key.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,10 @@ GIB = 1 << 30
 
 MEASURES = ("iteration_time_s", "tflops_per_gpu", "samples_per_gpu_per_s", "peak_memory_gib", "peak_memory_gb")
 MEMORY_UNITS = {"peak_memory_gib": GIB, "peak_memory_gb": 10**9}  # bytes per unit: as the source counts them
+# Inclusive bounds of what a measurement can be, in its own unit: a microsecond to a year an iteration, a GFLOP/s to an
+# exaFLOP/s a GPU, a MB to a PB of memory (a typo's 1e-300 s made an error of 10^300 percent)
+MEASURE_RANGES = {"iteration_time_s": (1e-6, 3.2e7), "tflops_per_gpu": (1e-3, 1e6),
+                  "samples_per_gpu_per_s": (1e-6, 1e9), "peak_memory_gib": (1e-3, 1e6), "peak_memory_gb": (1e-3, 1e6)}
 FLOPS_CONVENTIONS = ("megatron-eq3",)
 MEMORY_MEASURES = ("allocated", "nvidia-smi")
 GRAD_SYNC = ("overlapped", "after-backward")
@@ -208,7 +211,7 @@ def _run(entry: Any, where: str, sources: dict[str, Source], folder: Path) -> Pu
         _choice(entry, "recompute", ("none", "selective", "full"), where), measure, value,
         {**SOFTWARE_DEFAULTS, **source.software, **own},
         interleave=ints["interleave"] if ints["interleave"] is not None or "interleave" in unstated else 1,
-        schedule=entry.get("schedule"), sequence_parallel=_bool(entry, "sequence_parallel", where),
+        schedule=_schedule(entry.get("schedule"), where), sequence_parallel=_bool(entry, "sequence_parallel", where),
         layers_per_stage=_layers(entry.get("layers_per_stage"), where), unstated=unstated, device=device)
     if run.gpus % (run.tensor * run.pipeline):
         raise _fail(where, "gpus", run.gpus, f"a multiple of tensor x pipeline = {run.tensor * run.pipeline}")
@@ -238,10 +241,9 @@ def _measured(raw: Any, where: str) -> tuple[str, float, int | None]:
             len(set(raw) & set(MEASURES)) != 1:
         raise _fail(where, "measured", raw, f"a mapping with one of {', '.join(MEASURES)} (and 'device')")
     measure = next(key for key in raw if key in MEASURES)
-    value = raw[measure]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9 or \
-            not math.isfinite(value):
-        raise _fail(where, f"measured.{measure}", value, "a positive number")
+    value, (low, high) = raw[measure], MEASURE_RANGES[measure]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise _fail(where, f"measured.{measure}", value, f"a number from {low:g} to {high:g}")
     device = raw.get("device")
     if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
         raise _fail(where, "measured.device", device, "a device index")
@@ -264,6 +266,17 @@ def _model(raw: Any, where: str) -> dict[str, int | bool]:
             raise _fail(where, "model.embedding_norm", raw["embedding_norm"], "true or false")
         model["embedding_norm"] = raw["embedding_norm"]
     return model
+
+
+def _schedule(value: Any, where: str) -> str | None:
+    """A built-in schedule's name, or None (1F1B, interleaved where the run interleaves). A corpus is a file a user
+    hands us: it names no csv: or torch: file, which would be read from anywhere on the machine."""
+    from pipescope.simulator.schedules import ALIASES, GENERATORS
+
+    if value is not None and value not in GENERATORS and value not in ALIASES:
+        raise _fail(where, "schedule", value, f"a built-in schedule's name ({', '.join(GENERATORS)}; a corpus names "
+                                              f"no csv: or torch: file)")
+    return value
 
 
 def _choice(entry: dict, key: str, choices: tuple[str, ...], where: str) -> str:

@@ -151,9 +151,11 @@ def _published(args: argparse.Namespace) -> int:
         args.max_error = _number("--max-error", args.max_error) if args.max_error is not None else None
         workers = integer_flag("--workers", args.workers, 1, MAX_WORKERS) if args.workers is not None else None
         check_pool_flags(workers, args.dask)
-        if args.plot is not None:
+        if args.plot is not None:  # checked before the runs: a picture that cannot be written fails now, in a line
+            from pipescope.experiments.cli import check_writable
             from pipescope.experiments.figure_formats import format_of
             format_of(args.plot, name="--plot")
+            check_writable("plot", args.plot)
         with sigterm_as_ctrl_c():
             return cmd_published(args, args.published, workers)
     except (ConfigError, ValueError) as err:

@@ -92,7 +92,11 @@ def by_entry(raw: dict, name: str) -> dict:
     (lambda raw: first(raw).update(measured={"tflops_per_gpu": 1, "iteration_time_s": 2}), r"measured: got .*"
      r"expected a mapping with one of"),
     (lambda raw: first(raw).update(measured={"iteration_time_s": float("nan")}), r"measured\.iteration_time_s: got "
-     r"nan, expected a positive number"),
+     r"nan, expected a number from 1e-06 to 3\.2e\+07"),
+    (lambda raw: first(raw).update(measured={"iteration_time_s": 1e-300}), r"measured\.iteration_time_s: got "
+     r"1e-300, expected a number from 1e-06"),  # it printed an error of 10^300 percent
+    (lambda raw: first(raw).update(schedule="csv:/etc/passwd"), r"schedule: got 'csv:/etc/passwd', expected a "
+     r"built-in schedule's name \(.*a corpus names no csv: or torch: file\)"),  # it echoed the file in an error row
     (lambda raw: first(raw).update(machine="../etc/x.yaml"), r"machine: got '\.\./etc/x\.yaml', expected a built-in"),
     (lambda raw: first(raw).update(unstated={"microbatch_size": [1, 2]}), r"microbatch_size: got 16, expected a "
      r"value, or choices under 'unstated', not both"),
