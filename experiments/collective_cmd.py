@@ -118,6 +118,9 @@ def _row(rows, nbytes: int):
 def parse_ranks(text: str | None, gpus: int) -> list[int]:
     """``0-7``, ``0,8,16`` or ``0-3,8-11`` -> ranks in that order (None: all); ValueError naming --ranks."""
     if text is None:
+        if gpus < 2:  # one GPU has no one to exchange with: its times would be 0 and its bandwidths infinite
+            raise ValueError(f"--topology: got a cluster of {gpus} GPU, expected at least 2 (more --nodes, or a "
+                             f"machine with more GPUs)")
         return list(range(gpus))
     ranks: list[int] = []
     for part in text.split(","):

@@ -70,7 +70,10 @@ def cmd_topology(args: argparse.Namespace) -> int:
         if args.png:
             draw(graph, args.png)
         if args.save:
-            save_topology(graph, args.save)
+            try:
+                save_topology(graph, args.save)
+            except ValueError as err:  # what the file cannot hold: the flag that asked for it
+                raise ValueError(f"--save: {err}") from None
     except ValueError as err:
         return _error(as_flag(str(err), {**CLUSTER_FLAGS, "cluster.topology": "NAME|FILE"}))
     except OSError as err:

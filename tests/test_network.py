@@ -560,7 +560,7 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_collective_command_reports_nccl_tests_numbers(capsys):
+def test_collective_command_reports_nccl_tests_numbers(capsys, tmp_path):
     code, out, _ = _cli(capsys, "collective", "--topology", "dgx-h100", "--op", "all_reduce", "--bytes", "1GiB",
                         "--ranks", "0-7", "--json")
     report = json.loads(out)
@@ -582,6 +582,11 @@ def test_collective_command_reports_nccl_tests_numbers(capsys):
                          (["--bytes", "lots"], "--bytes:"), (["--algorithm", "magic"], "--algorithm: got 'magic'")):
         code, _, err = _cli(capsys, "collective", *bad)
         assert code == 2 and message in err and err.count("\n") == 1
+    one = tmp_path / "one.yaml"  # one GPU has no one to exchange with: it printed an infinite bandwidth and NaN
+    one.write_text("device: a100\ngpus: 1\nedges: []\n")
+    code, _, err = _cli(capsys, "collective", "--topology", str(one), "--json")
+    assert code == 2 and err == ("pipescope: error: --topology: got a cluster of 1 GPU, expected at least 2 (more "
+                                 "--nodes, or a machine with more GPUs)\n")
 
 
 def test_collective_command_uses_a_comms_profile(tmp_path, capsys):

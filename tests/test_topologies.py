@@ -171,6 +171,18 @@ def test_round_trips_are_equal(tmp_path: Path, suffix: str, name: str, nodes: in
         load_topology(str(path), nodes=nodes + 1)
 
 
+def test_a_link_whose_directions_differ_in_efficiency_is_not_saved_as_yaml(tmp_path: Path) -> None:
+    """The YAML format holds one efficiency a link: saving one that differs by direction is refused, naming the
+    link (it was dropped, and the file read back ran the other direction at the first's rate); GraphML keeps both."""
+    graph = load_topology("dgx-a100")
+    graph.edges["n0.nvswitch0", "n0.gpu0"]["efficiency"] = 0.3
+    with pytest.raises(ValueError, match=r"^the link 'n0\.gpu0'-'n0\.nvswitch0' has efficiency 0\.783 one way and "
+                                         r"0\.3 the other, expected one"):
+        save_topology(graph, tmp_path / "g.yaml")
+    save_topology(graph, tmp_path / "g.graphml")
+    assert load_topology(str(tmp_path / "g.graphml")).edges["n0.nvswitch0", "n0.gpu0"]["efficiency"] == 0.3
+
+
 def test_old_machine_files_load_as_an_nvswitch_star_on_a_non_blocking_fabric(tmp_path: Path) -> None:
     path = tmp_path / "old.yaml"
     path.write_text(OLD_MACHINE)

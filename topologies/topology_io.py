@@ -574,6 +574,10 @@ def _to_yaml(graph: nx.DiGraph) -> str:
         if "efficiency" in data:
             entry["efficiency"] = data["efficiency"]
         back = graph.adj[b][a]
+        if back.get("efficiency", 1.0) != data.get("efficiency", 1.0):  # the format holds one a link: refuse, not drop
+            raise ValueError(f"the link {short_repr(a)}-{short_repr(b)} has efficiency {data.get('efficiency', 1.0)} "
+                             f"one way and {back.get('efficiency', 1.0)} the other, expected one (the YAML format "
+                             f"holds one a link; save as .graphml to keep both)")
         if (back["bandwidth"], back["latency_ns"]) != (data["bandwidth"], data["latency_ns"]):
             entry["reverse"] = {"bandwidth": back["bandwidth"], "latency_ns": back["latency_ns"]}
         edges.append(entry)
