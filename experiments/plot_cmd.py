@@ -195,7 +195,10 @@ def _overlay(args: argparse.Namespace) -> Figure:
         raise ValueError(f"INPUT: got {path[:200]!r}, expected a 'validate --json' report (.json) or two timelines")
     doc = inputs.read_json(path)
     if inputs.json_kind(doc) != "validate":
-        raise ValueError(f"INPUT: {path[:200]!r} is not a 'pipescope validate --json' report")
+        published = isinstance(doc, dict) and {"runs", "summary", "targets"} <= set(doc)
+        hint = (": it is a 'validate --published' report, drawn with 'pipescope validate --published --plot FILE'"
+                if published else "")
+        raise ValueError(f"INPUT: {path[:200]!r} is not a 'pipescope validate --json' report{hint}")
     return validate_figure(inputs.read_validate(doc, path), args.title)
 
 

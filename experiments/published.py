@@ -30,9 +30,10 @@ MEASURE_RANGES = {"iteration_time_s": (1e-6, 3.2e7), "tflops_per_gpu": (1e-3, 1e
 FLOPS_CONVENTIONS = ("megatron-eq3",)
 MEMORY_MEASURES = ("allocated", "nvidia-smi")
 GRAD_SYNC = ("overlapped", "after-backward")
-SOFTWARE_KEYS = {"precision": str, "attention": str, "grad_sync": str, "bucket_size": str,
-                 "distributed_optimizer": bool, "tp_comm_overlap": bool, "runtime": str, "cuda_context": str}
+SOFTWARE_KEYS = {"precision": str, "attention": str, "grad_sync": str, "bucket_size": (str, int),
+                 "distributed_optimizer": bool, "tp_comm_overlap": bool, "runtime": str, "cuda_context": (str, int)}
 MEMORY_KEYS = ("runtime", "cuda_context")  # software keys that are the config's memory section
+SIZES = {"bucket_size", "cuda_context"}  # software keys written as sizes with a unit (25MiB), as the config takes them
 SOFTWARE_DEFAULTS = {"precision": "bf16", "attention": "flash", "grad_sync": "overlapped",
                      "distributed_optimizer": False, "tp_comm_overlap": False}
 SOURCE_KEYS = {"cite", "settings", "hardware", "flops", "memory_measure", "software", "note"}
@@ -103,7 +104,8 @@ def load_corpus(path: str | Path | None = None) -> list[PublishedRun]:
     except YamlError as err:
         raise ConfigError(f"--corpus: {err}", key="--corpus") from None
     if not isinstance(raw, dict) or set(raw) != {"sources", "runs"}:
-        raise ConfigError(f"{where}: expected a mapping of 'sources' and 'runs'", key="--corpus")
+        got = f"got the keys {', '.join(map(short_repr, raw))}" if isinstance(raw, dict) else f"got {short_repr(raw)}"
+        raise ConfigError(f"{where}: {got}, expected a mapping of 'sources' and 'runs'", key="--corpus")
     sources = _sources(raw["sources"], where)
     runs = raw["runs"]
     if not isinstance(runs, list) or not 0 < len(runs) <= MAX_RUNS:
@@ -163,17 +165,23 @@ def _software(raw: Any, where: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise _fail(where, "software", raw, "a mapping")
     for key, value in raw.items():
-        if key not in SOFTWARE_KEYS or not isinstance(value, SOFTWARE_KEYS[key]):
-            raise _fail(where, str(key), value, f"one of {', '.join(SOFTWARE_KEYS)} with its type")
+        if key not in SOFTWARE_KEYS:
+            raise _fail(where, str(key), value, f"a key of {', '.join(SOFTWARE_KEYS)}")
+        if not isinstance(value, SOFTWARE_KEYS[key]) or (SOFTWARE_KEYS[key] is not bool and isinstance(value, bool)):
+            kind = "true or false" if SOFTWARE_KEYS[key] is bool else "a size such as 25MiB" if key in SIZES else \
+                "a name"
+            raise _fail(where, str(key), value, kind)
     if raw.get("grad_sync", "overlapped") not in GRAD_SYNC:
         raise _fail(where, "grad_sync", raw["grad_sync"], f"one of {', '.join(GRAD_SYNC)}")
     if raw.get("runtime", RUNTIMES[0]) not in RUNTIMES:
         raise _fail(where, "runtime", raw["runtime"], f"one of {', '.join(RUNTIMES)}")
-    if "cuda_context" in raw:
+    for key in SIZES & set(raw):  # a number without a unit is bytes, as in the config
         try:
-            parse_size(raw["cuda_context"])
+            size = parse_size(str(raw[key]))
         except ValueError:
-            raise _fail(where, "cuda_context", raw["cuda_context"], "a size such as 1573MiB") from None
+            size = 0
+        if size <= 0:
+            raise _fail(where, key, raw[key], "a size such as 1573MiB") from None
     return dict(raw)
 
 

@@ -108,6 +108,10 @@ def by_entry(raw: dict, name: str) -> dict:
      r"runtime: got 'jax', expected one of megatron, deepspeed, torch"),
     (lambda raw: raw["sources"]["bloom2022"]["software"].update(cuda_context="lots"), r"software: cuda_context: got "
      r"'lots', expected a size"),
+    (lambda raw: raw["sources"]["nemo2024"]["software"].update(bucket_size=0), r"software: bucket_size: got 0, "
+     r"expected a size such as"),  # it listed the keys instead of what the value should be
+    (lambda raw: raw["sources"]["nemo2024"]["software"].update(distributed_optimizer="yes-please"),
+     r"software: distributed_optimizer: got 'yes-please', expected true or false"),
     (lambda raw: raw["sources"]["qi2024"].pop("memory_measure"), r"\(qi2024-1\.5b-1f1b-memory\): measured: got "
      r"'peak_memory_gb', expected a source with 'memory_measure'"),
     (lambda raw: by_entry(raw, "qi2024-1.5b-1f1b-memory")["measured"].update(device=8), r"measured\.device: got 8, "
@@ -212,6 +216,15 @@ def test_validate_published_prints_the_table_json_and_picture(cli, tmp_path: Pat
     assert err == f"pipescope: the worst error, {worst[0]:.1%} ({worst[1]}), is above --max-error 0.001\n"  # no bar
     assert report["summary"]["time"]["runs"] == 1 and report["targets"] == TARGETS
     assert all(row["measured"] > 0 and row["predicted"] > 0 for row in report["runs"])
+    saved = tmp_path / "published.json"  # plot overlay is for validate's own reports: it says how this one is drawn
+    saved.write_text(out)
+    code, _, err = cli(["plot", "overlay", str(saved), "-o", str(tmp_path / "o.png")])
+    assert code == 2 and err.endswith("it is a 'validate --published' report, drawn with 'pipescope validate "
+                                      "--published --plot FILE'\n")
+    unwritable = tmp_path / "a-folder.png"  # checked before the runs: it ended in a traceback after them
+    unwritable.mkdir()
+    code, _, err = cli(["validate", "--published", names[0], "--workers", "1", "--plot", str(unwritable)])
+    assert code == 2 and err.startswith("pipescope: error: --plot: cannot write") and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("args, expected", [
