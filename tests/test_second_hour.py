@@ -40,7 +40,7 @@ def test_plan_plans_the_files_model_and_cluster_and_says_which_keys_it_set(cli, 
     assert report["file_keys_searched"] == {"parallel.tensor": 4, "parallel.sequence": True}
     code, out, _ = cli(["plan", "--config", str(planned_file), *ONE_CANDIDATE, "--nodes", "1"])
     assert code == 0 and out.startswith("plan: gpt-355m on 1 x dgx-a100, 8 a100 GPUs: 1 candidate,")
-    assert "not used from the config (the search sets them): parallel.tensor=4, parallel.sequence=True" in out
+    assert "not used from the config (the search sets them): parallel.tensor=4, parallel.sequence=true" in out
 
 
 def test_a_custom_shape_is_named_by_its_dimensions_not_as_the_preset() -> None:
