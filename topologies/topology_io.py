@@ -113,8 +113,9 @@ def save_topology(graph: nx.DiGraph, path: str | os.PathLike) -> None:
     else:
         raise ValueError(f"{where}: expected a file name ending in .yaml, .yml or .graphml")
     if len(text.encode()) > limit:
+        other = f" (or GraphML, whose limit is {MAX_GRAPHML_BYTES:,})" if limit < MAX_GRAPHML_BYTES else ""
         raise ValueError(f"{where}: {len(text.encode()):,} bytes, more than the {limit:,} a topology file may hold; "
-                         f"save fewer nodes (or GraphML, whose limit is {MAX_GRAPHML_BYTES:,})")
+                         f"save fewer nodes{other}")
     write_atomic(name, text)
 
 
