@@ -17,7 +17,7 @@ import networkx as nx
 import numpy as np
 
 from pipescope.simulator.ir import Role
-from pipescope.simulator.program import Program
+from pipescope.simulator.program import Program, rescaled_parts
 from pipescope.simulator.readers.units import short_repr
 
 MAX_FACTOR = 1000.0  # a straggler 1000x slower, or a link at 1/1000: beyond, a run is not worth simulating
@@ -55,15 +55,8 @@ class ComputeFaults:
         scaled = np.where(duration > 0, np.maximum(1, np.rint(duration * factor)), 0).astype(np.int64)
         for i, ns in zip(compute.tolist(), scaled.tolist()):
             if i in program.segments:  # an op run unit by unit: each unit by the same factor, the sum kept
-                program.segments[i] = _rescaled(program.segments[i], ns)
+                program.segments[i] = rescaled_parts(program.segments[i], ns)
             program.duration[i] = ns
-
-
-def _rescaled(parts: list[int], total: int) -> list[int]:
-    """``parts`` scaled to add up to ``total``, each in proportion (the last takes what rounding leaves)."""
-    whole = sum(parts) or 1
-    head = [part * total // whole for part in parts[:-1]]
-    return head + [total - sum(head)]
 
 
 def _items(key: str, text: str) -> list[str]:

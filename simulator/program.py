@@ -134,6 +134,16 @@ def op_durations(stage_costs: Sequence[StageCost], recompute: bool) -> dict[tupl
     return table
 
 
+def rescaled_parts(parts: list[int], total: int) -> list[int]:
+    """``parts`` (ns, >= 0) scaled to add up to ``total``, each in proportion (the last takes what rounding leaves;
+    all zero: the last takes all): an op run unit by unit whose whole time is set apart from its units'."""
+    whole = sum(parts)
+    if not whole:
+        return [0] * (len(parts) - 1) + [total]
+    head = [part * total // whole for part in parts[:-1]]
+    return head + [total - sum(head)]
+
+
 def unit_durations(num_stages: int) -> dict[tuple[int, ActionKind], int]:
     """Every compute op one time unit: the lockstep step count of ``simulator.check``."""
     return {(stage, kind): 1 for stage in range(num_stages) for kind in COMPUTE_KINDS}

@@ -36,7 +36,7 @@ from pipescope.simulator.ir import ActionKind, Collective, Role, Schedule, Weigh
 from pipescope.simulator.lowering import LAG_WITHOUT_FLUSH, has_fsdp_actions, step_group, step_microbatch
 from pipescope.simulator.mesh import NO_SHARDING, DeviceMesh, Sharding
 from pipescope.simulator.offload import copy_ns
-from pipescope.simulator.program import KIND_CODE, Columns, Program
+from pipescope.simulator.program import KIND_CODE, Columns, Program, rescaled_parts
 
 K = ActionKind
 DDP_BUCKET_BYTES = 25 << 20  # torch DDP's bucket_cap_mb default
@@ -204,7 +204,7 @@ def _unit_orders(base: Program, weight_bytes: list[int], units: Sequence[tuple[F
                  ) -> dict[int, UnitOrder]:
     """Per op that reads a stage's weights (F, I, B) where the stage has FSDP's units (docs/parallelism.md,
     "Units"): its units in the order it runs them, forward order in F and reversed in a backward, each with its
-    share of the op's time (the last one's to the op's own nanosecond)."""
+    share of the op's time (scaled to the op's own, to the nanosecond)."""
     cols, codes = base.columns, {KIND_CODE[kind]: kind for kind in GATHERED_KINDS}
     orders: dict[int, UnitOrder] = {}
     for i in np.flatnonzero(np.isin(cols.kind, list(codes)) & (cols.role == Role.COMPUTE)).tolist():
@@ -214,8 +214,9 @@ def _unit_orders(base: Program, weight_bytes: list[int], units: Sequence[tuple[F
             continue
         kind = codes[int(cols.kind[i])]
         placed = list(enumerate(mine)) if kind is K.F else list(enumerate(mine))[::-1]
-        ns = [unit.pass_ns(kind.value, recompute) for _, unit in placed]
-        ns[-1] = base.duration[i] - sum(ns[:-1])
+        # in proportion to the units' shares: the op's own time may be apart from their sum (a profile's measured
+        # fused backward, a run's measured op times)
+        ns = rescaled_parts([unit.pass_ns(kind.value, recompute) for _, unit in placed], base.duration[i])
         orders[i] = [(place, unit, t) for (place, unit), t in zip(placed, ns)]
     return orders
 
