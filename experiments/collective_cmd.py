@@ -145,8 +145,8 @@ def parse_ranks(text: str | None, gpus: int) -> list[int]:
 def _size(text: str) -> int:
     try:
         nbytes = parse_size(text)
-    except ValueError as err:
-        raise ValueError(f"--bytes: {err}") from None
+    except ValueError:
+        nbytes = -1  # the range below says what is expected: 0 is no size either
     if not 1 <= nbytes <= 1 << 50:
-        raise ValueError(f"--bytes: got {short_repr(text)}, expected 1 B to 1 PiB")
+        raise ValueError(f"--bytes: got {short_repr(text)}, expected a size from 1 B to 1 PiB, such as 64MB or 1GiB")
     return nbytes

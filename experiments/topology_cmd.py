@@ -68,22 +68,28 @@ def cmd_topology(args: argparse.Namespace) -> int:
         graph = load_topology(args.machine, 1 if nodes is None else nodes, args.fabric, ratio)
         summary = summarize(graph)
         if args.png:
-            draw(graph, args.png)
+            _written("--png", lambda path: draw(graph, path), args.png)
         if args.save:
-            try:
-                save_topology(graph, args.save)
-            except ValueError as err:  # what the file cannot hold: the flag that asked for it
-                raise ValueError(f"--save: {err}") from None
+            _written("--save", lambda path: save_topology(graph, path), args.save)
     except ValueError as err:
         return _error(as_flag(str(err), {**CLUSTER_FLAGS, "cluster.topology": "NAME|FILE"}))
-    except OSError as err:
-        return _error(f"cannot write {err.filename!r}: {err.strerror}")
     print(json.dumps(summary) if args.json else table(summary))
     if not args.json:
         for label, path in (("drawing", args.png), ("graph", args.save)):
             if path:
                 print(f"wrote {label}: {path}")
     return 0
+
+
+def _written(flag: str, write, path: str) -> None:
+    """``write(path)``; what the file cannot hold or where it cannot go, as one line naming ``flag``."""
+    try:
+        write(path)
+    except ValueError as err:
+        raise ValueError(f"{flag}: {err}") from None
+    except OSError as err:
+        raise ValueError(f"{flag}: cannot write {path[:200]!r} ({err.strerror}), expected a writable file name") \
+            from None
 
 
 def _gb(value: float | None) -> str:

@@ -582,6 +582,10 @@ def test_collective_command_reports_nccl_tests_numbers(capsys, tmp_path):
                          (["--bytes", "lots"], "--bytes:"), (["--algorithm", "magic"], "--algorithm: got 'magic'")):
         code, _, err = _cli(capsys, "collective", *bad)
         assert code == 2 and message in err and err.count("\n") == 1
+    for size in ("-5", "0"):  # neither is a size to move: said alike (-5 read "expected a non-negative size")
+        code, _, err = _cli(capsys, "collective", "--bytes", size)
+        assert code == 2 and err == (f"pipescope: error: --bytes: got '{size}', expected a size from 1 B to 1 PiB, "
+                                     f"such as 64MB or 1GiB\n")
     one = tmp_path / "one.yaml"  # one GPU has no one to exchange with: it printed an infinite bandwidth and NaN
     one.write_text("device: a100\ngpus: 1\nedges: []\n")
     code, _, err = _cli(capsys, "collective", "--topology", str(one), "--json")

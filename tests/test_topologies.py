@@ -171,6 +171,18 @@ def test_round_trips_are_equal(tmp_path: Path, suffix: str, name: str, nodes: in
         load_topology(str(path), nodes=nodes + 1)
 
 
+def test_a_picture_or_graph_that_cannot_be_written_names_its_flag(tmp_path: Path, capsys) -> None:
+    """--png and --save into a folder: one line naming the flag (--png's named only the file)."""
+    from pipescope.experiments.cli import main
+
+    for flag in ("--png", "--save"):
+        folder = tmp_path / f"x{flag[2:]}.{'png' if flag == '--png' else 'yaml'}"
+        folder.mkdir()
+        assert main(["topology", "dgx-a100", flag, str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"pipescope: error: {flag}: ") and err.count("\n") == 1, err
+
+
 def test_a_link_whose_directions_differ_in_efficiency_is_not_saved_as_yaml(tmp_path: Path) -> None:
     """The YAML format holds one efficiency a link: saving one that differs by direction is refused, naming the
     link (it was dropped, and the file read back ran the other direction at the first's rate); GraphML keeps both."""
