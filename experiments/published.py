@@ -343,14 +343,15 @@ def config_of(run: PublishedRun, chosen: dict[str, int]) -> dict[str, Any]:
     """The config mapping (docs/cli.md's sections) of ``run`` with ``chosen`` unstated settings.
 
     Raises:
-        ConfigError: the layout does not divide (the global batch by data x microbatch size), naming the run.
+        ConfigError: the layout does not divide (the global batch by data x microbatch size; the GPUs by a node's),
+            which the caller names with the run.
     """
     mb = chosen.get("microbatch_size", run.microbatch_size)
     chunks = chosen.get("interleave", run.interleave)
     step = run.data_parallel * mb
     if run.global_batch % step:
-        raise ConfigError(f"--published: {run.name}: global_batch {run.global_batch} is not a multiple of data "
-                          f"parallel x microbatch size = {step}", key="--published")
+        raise ConfigError(f"global_batch {run.global_batch} is not a multiple of data parallel x microbatch size = "
+                          f"{step}", key="--published")
     sw = run.software
     schedule = {"name": run.schedule or ("interleaved" if chunks > 1 else "1f1b"), "stages": run.pipeline,
                 "microbatches": run.global_batch // step, "recompute": run.recompute}
@@ -375,8 +376,8 @@ def _nodes(run: PublishedRun) -> int:
 
     per_node = load_topology(run.machine).graph["gpus_per_node"]
     if run.gpus % per_node:
-        raise ConfigError(f"--published: {run.name}: gpus {run.gpus} is not a multiple of the {per_node} GPUs of "
-                          f"a {Path(run.machine).stem} node", key="--published")
+        raise ConfigError(f"gpus {run.gpus} is not a multiple of the {per_node} GPUs of a {Path(run.machine).stem} "
+                          f"node", key="--published")
     return run.gpus // per_node
 
 

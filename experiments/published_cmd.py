@@ -48,9 +48,8 @@ def run_published(runs: list[PublishedRun], executor: Executor | None = None, wo
         for chosen in choices(run):
             try:
                 config = validated_config(config_of(run, chosen), {})
-            except (ConfigError, ValueError) as err:  # the run's machine file too: named with the run
-                text = str(err).removeprefix(f"--published: {run.name}: ")
-                raise ConfigError(f"--published: {run.name}: {text}", key="--published") from None
+            except (ConfigError, ValueError) as err:  # the run's layout and machine file: named with the run
+                raise ConfigError(f"--published: {run.name}: {err}", key="--published") from None
             items.append((run, chosen, Run(run_id(config), config, {})))
     # A time and a memory measurement of one run are one simulation; the largest first, so the last are short.
     unique = list({item[2].run_id: item[2] for item in sorted(items, key=lambda item: -item[0].gpus)}.values())

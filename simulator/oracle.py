@@ -43,8 +43,7 @@ class Oracle:
         fired, joined = [False] * (n + p.num_flows), [0] * p.num_flows
         cursor, busy, waiting = [0] * len(steps), [False] * len(steps), {}
         # ops run unit by unit: per device between two segments of its op, the segment it waits to run and since when
-        paused: dict[int, int] = {}
-        segment: dict[int, int] = {}
+        paused: dict[int, tuple[int, int]] = {}
         collective, launches, flow_of, start_transfer = Role.COLLECTIVE, p.launches, p.flow_of, network.start_transfer
         entry_start, push = times.entry_start, heapq.heappush
         first_callback = n + p.num_flows
@@ -63,36 +62,34 @@ class Oracle:
             if joined[f] == p.joiners.get(f, len(c.group)):
                 times.flow_start[f] = network.start_collective(self, now, f, c.kind, c.group)
 
-        def run_segment(d: int, i: int, j: int, now: int) -> None:
-            """Segment j of op i: after its signals (the wait is a stall), then its joins and its time."""
-            waited = segment.get(d, now)
+        def run_segment(d: int, i: int, j: int, now: int, since: int) -> None:
+            """Segment j of op i, ready since ``since``: after its signals (the wait is a stall), then its joins and
+            its time."""
             for signal in p.segment_waits.get((i, j), ()) if j else ():
                 if not fired[signal]:
-                    segment[d] = waited  # the stall began then
                     waiting.setdefault(signal, []).append(d)
-                    paused[d] = j
+                    paused[d] = (j, since)
                     return
-            if now > waited:
-                times.stalls.setdefault(i, []).append((waited, now))
-            segment.pop(d, None)
             paused.pop(d, None)
+            if now > since:
+                times.stalls.setdefault(i, []).append((since, now))
             for f, offset in p.segment_joins.get((i, j), ()) if j else ():
                 self.call_at(now + offset, lambda f=f, t=now + offset: join(f, t))
             busy[d] = True
+            end = now + p.segments[i][j]
             if j == len(p.segments[i]) - 1:
-                push(heap, (now + p.segments[i][j], i))
+                push(heap, (end, i))
             else:
-                self.call_at(now + p.segments[i][j], lambda t=now + p.segments[i][j]: next_segment(d, i, j + 1, t))
+                self.call_at(end, lambda: next_segment(d, i, j + 1, end))
 
         def next_segment(d: int, i: int, j: int, now: int) -> None:
             busy[d] = False
-            segment[d] = now
-            run_segment(d, i, j, now)
+            run_segment(d, i, j, now, now)
 
         def advance(d: int, now: int) -> None:
             if d in paused:  # an op between two of its segments, waiting for the next one's signals
-                i = steps[d][cursor[d]]
-                run_segment(d, i, paused[d], now)
+                j, since = paused[d]
+                run_segment(d, steps[d][cursor[d]], j, now, since)
                 return
             if busy[d] or cursor[d] >= len(steps[d]):
                 return
@@ -115,7 +112,7 @@ class Oracle:
             for f, offset in p.joins.get(i, ()):
                 self.call_at(now + offset, lambda f=f, t=now + offset: join(f, t))
             if i in p.segments:
-                run_segment(d, i, 0, now)
+                run_segment(d, i, 0, now, now)
                 return
             busy[d] = True
             push(heap, (now + duration[i], i))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -172,6 +173,15 @@ def test_jean_zays_nics_run_at_the_share_nccl_reached_there() -> None:
     graph = load_topology(str(folder / "jean-zay-a100.yaml"), nodes=2)
     shares = {d.get("efficiency") for _, _, d in graph.edges(data=True) if d.get("kind") == "nic"}
     assert shares == {round(median / 2 / 100, 3)} == {0.203}
+
+
+def test_a_layout_that_does_not_divide_names_its_run_once() -> None:
+    """The run's name comes first, once (it was repeated: '--published: r: --published: r: global_batch ...')."""
+    run = dataclasses.replace(next(r for r in RUNS if r.name == "qi2024-1.5b-1f1b-m24"), global_batch=145)
+    with pytest.raises(ConfigError) as caught:
+        run_published([run], workers=1, progress=False)
+    assert str(caught.value) == ("--published: qi2024-1.5b-1f1b-m24: global_batch 145 is not a multiple of data "
+                                 "parallel x microbatch size = 6")
 
 
 @pytest.fixture(scope="module")
